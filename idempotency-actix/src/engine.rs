@@ -1,0 +1,450 @@
+//! The engine: what happens to one protected request, whichever layer protects it.
+//!
+//! Extract the key, read the body (bounded), fingerprint, `begin` in the store, then either
+//! answer from the record (replay, 409, 422) or run the handler under a renewed lease and
+//! commit (or release) before the response leaves.
+
+use std::future::poll_fn;
+use std::panic::AssertUnwindSafe;
+use std::rc::Rc;
+use std::time::Duration;
+
+use actix_web::body::{BodySize, BoxBody, MessageBody};
+use actix_web::dev::{Payload, Service, ServiceRequest, ServiceResponse};
+use actix_web::http::header::{self, HeaderName};
+use actix_web::web::{Bytes, BytesMut};
+use actix_web::{HttpMessage, HttpRequest, ResponseError};
+use futures_util::StreamExt;
+use futures_util::future::{Either, FutureExt, select};
+
+use crate::body::IdempotentBody;
+use crate::error::IdempotencyError;
+use crate::fingerprint::FingerprintParts;
+use crate::key::IdempotencyKey;
+use crate::policy::{Policy, RoutePolicy};
+use crate::record::StoredResponse;
+use crate::replay::{ReplayedHeaders, replay_response};
+use crate::scope::{KeyScope, StorageKey};
+use crate::store::{BeginOutcome, DynStore, LeaseToken, StoreError};
+
+/// What to do when the store fails or times out.
+///
+/// # Examples
+///
+/// ```
+/// use idempotency_actix::{FailMode, Idempotency};
+///
+/// // Availability over safety: run the handler unprotected (and log a warning).
+/// let idempotency = Idempotency::memory().on_store_error(FailMode::Open);
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum FailMode {
+    /// Refuse with 503 and `Retry-After`; the handler does not run (the default: a payment
+    /// that cannot be protected is not taken).
+    #[default]
+    Closed,
+    /// Run the handler without protection and log a warning.
+    Open,
+}
+
+/// Everything a protected request needs besides the route's policy.
+#[derive(Clone)]
+pub(crate) struct Settings {
+    pub(crate) header: HeaderName,
+    pub(crate) prefix: String,
+    pub(crate) scope: KeyScope,
+    pub(crate) fingerprint: FingerprintParts,
+    pub(crate) replayed_headers: ReplayedHeaders,
+    pub(crate) fail_mode: FailMode,
+    pub(crate) store_timeout: Duration,
+    pub(crate) retry_after: Duration,
+    pub(crate) defaults: Policy,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            header: HeaderName::from_static("idempotency-key"),
+            prefix: "idempotency:".to_owned(),
+            scope: KeyScope::default(),
+            fingerprint: FingerprintParts::default(),
+            replayed_headers: ReplayedHeaders::default(),
+            fail_mode: FailMode::Closed,
+            store_timeout: Duration::from_secs(2),
+            retry_after: Duration::from_secs(1),
+            defaults: Policy::default(),
+        }
+    }
+}
+
+/// A store and its settings, shared by every layer of one app instance (one worker).
+pub(crate) struct Engine {
+    pub(crate) store: Rc<dyn DynStore>,
+    pub(crate) settings: Settings,
+}
+
+/// Request extension: the engine of the nearest `Idempotency` above, for route layers.
+#[derive(Clone)]
+pub(crate) struct EngineHandle(pub(crate) Rc<Engine>);
+
+/// Request extension: a layer has taken charge of this request, so layers further in leave
+/// it alone (a request is processed once even when the app and the route both protect it).
+#[derive(Clone, Copy)]
+pub(crate) struct Claimed {
+    pub(crate) key_present: bool,
+}
+
+/// Request extension: the route's overrides, left for an app layer that claimed the request
+/// before routing; it applies the ones that still matter after the handler (ttl, what is
+/// stored).
+#[derive(Clone)]
+pub(crate) struct RouteOverride(pub(crate) RoutePolicy);
+
+/// The response type every layer produces.
+pub(crate) type Response<B> = ServiceResponse<IdempotentBody<B>>;
+
+pub(crate) fn with_handler_body<B>(response: ServiceResponse<B>) -> Response<B> {
+    response.map_body(|_, body| IdempotentBody::handler(body))
+}
+
+pub(crate) fn refuse<B>(request: HttpRequest, error: &IdempotencyError) -> Response<B> {
+    let response = error.error_response();
+    ServiceResponse::new(
+        request,
+        response.map_body(|_, body| IdempotentBody::produced(body)),
+    )
+}
+
+impl Engine {
+    /// Processes a protected request under `policy`, calling `service` at most once.
+    pub(crate) async fn process<S, B>(
+        self: Rc<Self>,
+        policy: Policy,
+        mut req: ServiceRequest,
+        service: Rc<S>,
+    ) -> Result<Response<B>, actix_web::Error>
+    where
+        S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = actix_web::Error>
+            + 'static,
+        B: MessageBody + 'static,
+    {
+        let key = match IdempotencyKey::from_headers(req.headers(), &self.settings.header) {
+            Ok(Some(key)) => key,
+            Ok(None) if policy.required => {
+                return Ok(self.refuse(req, IdempotencyError::MissingKey));
+            }
+            Ok(None) => {
+                req.extensions_mut().insert(Claimed { key_present: false });
+                return service.call(req).await.map(with_handler_body);
+            }
+            Err(error) => return Ok(self.refuse(req, error.into())),
+        };
+        req.extensions_mut().insert(Claimed { key_present: true });
+
+        let body = match read_body(&mut req, policy.max_request_body).await {
+            Ok(body) => body,
+            Err(error) => return Ok(self.refuse(req, error)),
+        };
+        let fingerprint = self.settings.fingerprint.of(&req, &body);
+        let storage_key =
+            StorageKey::new(&self.settings.prefix, &self.settings.scope.of(&req), &key);
+        req.set_payload(Payload::from(body));
+
+        let begun = self
+            .bounded(self.store.begin(&storage_key, &fingerprint, policy.lease))
+            .await;
+        match begun {
+            Ok(BeginOutcome::Acquired(token)) => {
+                tracing::debug!(key = storage_key.as_str(), "idempotency: executing");
+                self.run_and_commit(policy, storage_key, token, req, service)
+                    .await
+            }
+            Ok(BeginOutcome::Completed(stored)) => {
+                tracing::debug!(key = storage_key.as_str(), "idempotency: replayed");
+                let response = replay_response(stored);
+                Ok(req.into_response(response.map_body(|_, body| IdempotentBody::produced(body))))
+            }
+            Ok(BeginOutcome::InFlight) => {
+                tracing::debug!(
+                    key = storage_key.as_str(),
+                    "idempotency: conflict, in flight"
+                );
+                let retry_after = self.settings.retry_after;
+                Ok(self.refuse(req, IdempotencyError::InFlight { retry_after }))
+            }
+            Ok(BeginOutcome::FingerprintMismatch) => {
+                tracing::debug!(
+                    key = storage_key.as_str(),
+                    "idempotency: fingerprint mismatch"
+                );
+                Ok(self.refuse(req, IdempotencyError::FingerprintMismatch))
+            }
+            Err(error) => match self.settings.fail_mode {
+                FailMode::Open => {
+                    tracing::warn!(%error, "idempotency store failed; running the handler unprotected (fail-open)");
+                    service.call(req).await.map(with_handler_body)
+                }
+                FailMode::Closed => {
+                    tracing::error!(%error, "idempotency store failed; answering 503 (fail-closed)");
+                    let retry_after = self.settings.retry_after;
+                    Ok(self.refuse(
+                        req,
+                        IdempotencyError::StoreUnavailable {
+                            source: error,
+                            retry_after,
+                        },
+                    ))
+                }
+            },
+        }
+    }
+
+    fn refuse<B>(&self, req: ServiceRequest, error: IdempotencyError) -> Response<B> {
+        refuse(req.into_parts().0, &error)
+    }
+
+    /// Bounds a store operation by the store timeout.
+    async fn bounded<T>(
+        &self,
+        operation: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let limit = self.settings.store_timeout;
+        actix_rt::time::timeout(limit, operation)
+            .await
+            .unwrap_or(Err(StoreError::Timeout(limit)))
+    }
+
+    async fn run_and_commit<S, B>(
+        &self,
+        policy: Policy,
+        storage_key: StorageKey,
+        token: LeaseToken,
+        req: ServiceRequest,
+        service: Rc<S>,
+    ) -> Result<Response<B>, actix_web::Error>
+    where
+        S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = actix_web::Error>
+            + 'static,
+        B: MessageBody + 'static,
+    {
+        let request = req.request().clone();
+        let handler = AssertUnwindSafe(async move { service.call(req).await }).catch_unwind();
+        let outcome = self
+            .while_renewing_lease(handler, &storage_key, &token, policy.lease)
+            .await;
+
+        let response = match outcome {
+            Err(_panic) => {
+                tracing::error!(
+                    key = storage_key.as_str(),
+                    "idempotency: handler panicked; key released"
+                );
+                self.release(&storage_key, &token).await;
+                return Ok(refuse(request, &IdempotencyError::HandlerPanicked));
+            }
+            Ok(Err(error)) => {
+                self.release(&storage_key, &token).await;
+                return Err(error);
+            }
+            Ok(Ok(response)) => response,
+        };
+
+        // An app layer that claimed the request before routing learns the route's policy
+        // only now, from what the route layer left in the request.
+        let route_override = response
+            .request()
+            .extensions()
+            .get::<RouteOverride>()
+            .cloned();
+        let policy = match route_override {
+            Some(RouteOverride(route)) => route.apply_to(&policy),
+            None => policy,
+        };
+
+        if !policy.stores_status(response.status()) {
+            tracing::debug!(
+                key = storage_key.as_str(),
+                status = response.status().as_u16(),
+                "idempotency: error response; key released"
+            );
+            self.release(&storage_key, &token).await;
+            return Ok(with_handler_body(response));
+        }
+
+        let (request, response) = response.into_parts();
+        let status = response.status();
+        let headers = self.settings.replayed_headers.select(response.headers());
+        let (response, body) = response.into_parts();
+        let (body, captured) = capture_body(body, policy.max_stored_body).await;
+        let response = ServiceResponse::new(request, response.set_body(body));
+
+        let stored_body = match captured {
+            Captured::Body(bytes) => Some(bytes),
+            Captured::TooLarge => None,
+            Captured::Failed => {
+                self.release(&storage_key, &token).await;
+                return Ok(response);
+            }
+        };
+        let stored = StoredResponse {
+            status,
+            headers,
+            body: stored_body,
+        };
+        match self
+            .bounded(self.store.commit(&storage_key, &token, &stored, policy.ttl))
+            .await
+        {
+            Ok(true) => tracing::debug!(key = storage_key.as_str(), "idempotency: committed"),
+            Ok(false) => tracing::warn!(
+                key = storage_key.as_str(),
+                "idempotency: lease lost before commit; response sent but not stored"
+            ),
+            Err(error) => tracing::error!(
+                key = storage_key.as_str(),
+                %error,
+                "idempotency: commit failed; response sent but not stored (the in-flight record expires with its lease)"
+            ),
+        }
+        Ok(response)
+    }
+
+    /// Runs `handler` to completion while renewing the lease every third of it.
+    async fn while_renewing_lease<T>(
+        &self,
+        handler: impl Future<Output = T>,
+        storage_key: &StorageKey,
+        token: &LeaseToken,
+        lease: Duration,
+    ) -> T {
+        let renewals = async {
+            loop {
+                actix_rt::time::sleep(lease / 3).await;
+                match self
+                    .bounded(self.store.renew(storage_key, token, lease))
+                    .await
+                {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        tracing::warn!(
+                            key = storage_key.as_str(),
+                            "idempotency: lease lost while the handler ran"
+                        );
+                        return;
+                    }
+                    Err(error) => {
+                        tracing::warn!(key = storage_key.as_str(), %error, "idempotency: lease renewal failed; will retry");
+                    }
+                }
+            }
+        };
+        let handler = std::pin::pin!(handler);
+        let renewals = std::pin::pin!(renewals);
+        match select(handler, renewals).await {
+            Either::Left((output, _)) => output,
+            Either::Right(((), handler)) => handler.await,
+        }
+    }
+
+    async fn release(&self, storage_key: &StorageKey, token: &LeaseToken) {
+        if let Err(error) = self.bounded(self.store.release(storage_key, token)).await {
+            tracing::error!(key = storage_key.as_str(), %error, "idempotency: release failed; the key frees itself when its lease expires");
+        }
+    }
+}
+
+/// Reads the request body, refusing more than `limit` bytes.
+async fn read_body(req: &mut ServiceRequest, limit: usize) -> Result<Bytes, IdempotencyError> {
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.parse::<u64>().ok());
+    if declared.is_some_and(|length| length > limit as u64) {
+        return Err(IdempotencyError::RequestBodyTooLarge { limit });
+    }
+    let mut payload = req.take_payload();
+    let mut body = BytesMut::new();
+    while let Some(chunk) = payload.next().await {
+        let chunk =
+            chunk.map_err(|error| IdempotencyError::RequestBodyUnreadable(error.to_string()))?;
+        if body.len() + chunk.len() > limit {
+            return Err(IdempotencyError::RequestBodyTooLarge { limit });
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body.freeze())
+}
+
+/// What [`capture_body`] could keep of a response body.
+enum Captured {
+    Body(Bytes),
+    TooLarge,
+    Failed,
+}
+
+/// Reads up to `limit` bytes of `body` to store them, and gives back a body that sends the
+/// client everything (what was read, then the rest).
+async fn capture_body<B>(body: B, limit: usize) -> (IdempotentBody<B>, Captured)
+where
+    B: MessageBody + 'static,
+{
+    if let BodySize::Sized(size) = body.size() {
+        if size > limit as u64 {
+            return (IdempotentBody::handler(body), Captured::TooLarge);
+        }
+    }
+    let body = match body.try_into_bytes() {
+        Ok(bytes) => {
+            let captured = if bytes.len() > limit {
+                Captured::TooLarge
+            } else {
+                Captured::Body(bytes.clone())
+            };
+            return (IdempotentBody::produced(BoxBody::new(bytes)), captured);
+        }
+        Err(body) => body,
+    };
+    let mut body = Box::pin(body);
+    let mut collected = BytesMut::new();
+    loop {
+        match poll_fn(|cx| body.as_mut().poll_next(cx)).await {
+            None => {
+                let bytes = collected.freeze();
+                return (
+                    IdempotentBody::produced(BoxBody::new(bytes.clone())),
+                    Captured::Body(bytes),
+                );
+            }
+            Some(Ok(chunk)) => {
+                collected.extend_from_slice(&chunk);
+                if collected.len() > limit {
+                    let prefix = Some(collected.freeze());
+                    return (
+                        IdempotentBody::Resumed { prefix, rest: body },
+                        Captured::TooLarge,
+                    );
+                }
+            }
+            Some(Err(error)) => {
+                let prefix = (!collected.is_empty()).then(|| collected.freeze());
+                return (
+                    IdempotentBody::Failed {
+                        prefix,
+                        error: Some(error.into()),
+                    },
+                    Captured::Failed,
+                );
+            }
+        }
+    }
+}
+
+/// Methods that are idempotent by definition and never touched.
+pub(crate) fn is_safe_method(method: &actix_web::http::Method) -> bool {
+    use actix_web::http::Method;
+    matches!(
+        *method,
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE
+    )
+}

@@ -1,0 +1,157 @@
+//! [`IdempotencyError`]: every way a protected request is refused, and its problem response.
+
+use std::time::Duration;
+
+use actix_web::http::StatusCode;
+use actix_web::http::header::{self, HeaderValue};
+use actix_web::{HttpResponse, ResponseError};
+use serde::Serialize;
+
+use crate::key::KeyError;
+use crate::store::StoreError;
+
+/// Why the middleware answered instead of the handler (or alongside it).
+///
+/// Each variant maps to an RFC 9457 `application/problem+json` response with `type`,
+/// `title`, `status` and `detail`. The `type` is a tag URI that names the variant, e.g.
+/// `tag:idempotency-actix,2026:in-flight`, stable across versions.
+///
+/// # Examples
+///
+/// ```
+/// use actix_web::ResponseError;
+/// use idempotency_actix::IdempotencyError;
+///
+/// let response = IdempotencyError::FingerprintMismatch.error_response();
+/// assert_eq!(response.status(), 422);
+/// assert_eq!(response.headers()["content-type"], "application/problem+json");
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum IdempotencyError {
+    /// The route requires an `Idempotency-Key` and the request had none. 400.
+    #[error("this endpoint requires an Idempotency-Key header")]
+    MissingKey,
+    /// The key header is malformed or repeated. 400.
+    #[error(transparent)]
+    InvalidKey(#[from] KeyError),
+    /// The request body of a keyed request is over the limit. 413; the handler did not run.
+    #[error("the request body is larger than {limit} bytes, the most a keyed request may send")]
+    RequestBodyTooLarge {
+        /// The limit in bytes.
+        limit: usize,
+    },
+    /// The request body could not be read. 400.
+    #[error("the request body could not be read: {0}")]
+    RequestBodyUnreadable(String),
+    /// A request with this key is still being processed. 409 with `Retry-After`.
+    #[error("a request with this idempotency key is still being processed")]
+    InFlight {
+        /// What `Retry-After` advises.
+        retry_after: Duration,
+    },
+    /// The key was used before with another request (method, path, query or body). 422.
+    #[error("this idempotency key was already used with a different request")]
+    FingerprintMismatch,
+    /// The store failed or timed out, and the middleware fails closed. 503 with
+    /// `Retry-After`; the client sees no detail of the store error.
+    #[error("the idempotency store is unavailable: {source}")]
+    StoreUnavailable {
+        /// What the store reported.
+        #[source]
+        source: StoreError,
+        /// What `Retry-After` advises.
+        retry_after: Duration,
+    },
+    /// The handler panicked. 500; the key was released, so a retry runs the handler again.
+    #[error("the handler panicked")]
+    HandlerPanicked,
+    /// A route-level layer found no `Idempotency` above it. 500.
+    #[error(
+        "idempotency is not configured: wrap the App in Idempotency::redis(..), Idempotency::memory() or Idempotency::new(..)"
+    )]
+    NotConfigured,
+}
+
+/// The RFC 9457 problem document.
+#[derive(Serialize)]
+struct Problem<'a> {
+    r#type: &'a str,
+    title: &'a str,
+    status: u16,
+    detail: String,
+}
+
+impl IdempotencyError {
+    fn problem_type_and_title(&self) -> (&'static str, &'static str) {
+        match self {
+            Self::MissingKey => ("missing-key", "Idempotency-Key required"),
+            Self::InvalidKey(_) => ("invalid-key", "Invalid Idempotency-Key"),
+            Self::RequestBodyTooLarge { .. } => ("body-too-large", "Request body too large"),
+            Self::RequestBodyUnreadable(_) => ("body-unreadable", "Request body unreadable"),
+            Self::InFlight { .. } => ("in-flight", "Request in progress"),
+            Self::FingerprintMismatch => ("key-reused", "Idempotency-Key reused"),
+            Self::StoreUnavailable { .. } => ("store-unavailable", "Idempotency store unavailable"),
+            Self::HandlerPanicked => ("handler-panicked", "Internal server error"),
+            Self::NotConfigured => ("not-configured", "Internal server error"),
+        }
+    }
+
+    /// What the client is told; store errors stay in the log.
+    fn client_detail(&self) -> String {
+        match self {
+            Self::StoreUnavailable { .. } => {
+                "the request was not processed because the idempotency store is unavailable; retry later with the same key".to_owned()
+            }
+            Self::NotConfigured => "the server is misconfigured".to_owned(),
+            other => other.to_string(),
+        }
+    }
+
+    fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Self::InFlight { retry_after } | Self::StoreUnavailable { retry_after, .. } => {
+                Some(*retry_after)
+            }
+            _ => None,
+        }
+    }
+}
+
+impl ResponseError for IdempotencyError {
+    fn status_code(&self) -> StatusCode {
+        match self {
+            Self::MissingKey | Self::InvalidKey(_) | Self::RequestBodyUnreadable(_) => {
+                StatusCode::BAD_REQUEST
+            }
+            Self::RequestBodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::InFlight { .. } => StatusCode::CONFLICT,
+            Self::FingerprintMismatch => StatusCode::UNPROCESSABLE_ENTITY,
+            Self::StoreUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::HandlerPanicked | Self::NotConfigured => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    fn error_response(&self) -> HttpResponse {
+        let status = self.status_code();
+        let (slug, title) = self.problem_type_and_title();
+        let problem_type = format!("tag:idempotency-actix,2026:{slug}");
+        let problem = Problem {
+            r#type: &problem_type,
+            title,
+            status: status.as_u16(),
+            detail: self.client_detail(),
+        };
+        let mut response = HttpResponse::build(status);
+        response.insert_header((
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        ));
+        if let Some(retry_after) = self.retry_after() {
+            // Retry-After is whole seconds; never advise 0, which invites a hot loop.
+            response.insert_header((header::RETRY_AFTER, retry_after.as_secs().max(1)));
+        }
+        // Serializing a struct of strings and an integer cannot fail.
+        response.body(serde_json::to_vec(&problem).unwrap_or_default())
+    }
+}

@@ -1,0 +1,191 @@
+//! [`Fingerprint`]: what makes two requests with one key "the same request".
+
+use actix_web::http::header::HeaderName;
+use actix_web::{dev::ServiceRequest, http::Method};
+
+/// A blake3 digest of the parts of a request that a retry must repeat exactly.
+///
+/// By default it covers the method, the path, the query string and a blake3 digest of the
+/// body; [`FingerprintParts::header`] adds request headers. A retry with the same key but a
+/// different fingerprint is answered 422 (the draft's "key reused with another payload").
+///
+/// # Examples
+///
+/// ```
+/// use actix_web::http::Method;
+/// use idempotency_actix::Fingerprint;
+///
+/// let first = Fingerprint::compute(&Method::POST, "/orders", "", b"{\"qty\":1}", []);
+/// let retry = Fingerprint::compute(&Method::POST, "/orders", "", b"{\"qty\":1}", []);
+/// let other = Fingerprint::compute(&Method::POST, "/orders", "", b"{\"qty\":2}", []);
+/// assert_eq!(first, retry);
+/// assert_ne!(first, other);
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint([u8; 32]);
+
+impl Fingerprint {
+    /// Computes the fingerprint of a request from its parts; `headers` are (name, value)
+    /// pairs that were chosen to be part of it (an absent header is an empty value).
+    pub fn compute<'a>(
+        method: &Method,
+        path: &str,
+        query: &str,
+        body: &[u8],
+        headers: impl IntoIterator<Item = (&'a str, &'a [u8])>,
+    ) -> Self {
+        let mut hasher = blake3::Hasher::new_derive_key("idempotency-actix fingerprint v1");
+        // Length prefixes make the encoding unambiguous: ("/a", "b") never equals ("/ab", "").
+        for part in [
+            method.as_str().as_bytes(),
+            path.as_bytes(),
+            query.as_bytes(),
+        ] {
+            hash_field(&mut hasher, part);
+        }
+        hash_field(&mut hasher, blake3::hash(body).as_bytes());
+        for (name, value) in headers {
+            hash_field(&mut hasher, name.as_bytes());
+            hash_field(&mut hasher, value);
+        }
+        Self(*hasher.finalize().as_bytes())
+    }
+
+    /// Rebuilds a fingerprint from the 32 bytes [`Fingerprint::as_bytes`] returned.
+    pub const fn from_bytes(bytes: [u8; 32]) -> Self {
+        Self(bytes)
+    }
+
+    /// The 32 digest bytes, as stores keep them.
+    pub const fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Fingerprint(")?;
+        for byte in &self.0[..8] {
+            write!(f, "{byte:02x}")?;
+        }
+        write!(f, "…)")
+    }
+}
+
+fn hash_field(hasher: &mut blake3::Hasher, bytes: &[u8]) {
+    hasher.update(&(bytes.len() as u64).to_le_bytes());
+    hasher.update(bytes);
+}
+
+/// Which parts of a request go into its [`Fingerprint`].
+///
+/// The default is method, path, query and body. Add headers whose value changes what the
+/// handler does (say, `Accept-Language` or an API version header).
+///
+/// # Examples
+///
+/// ```
+/// use idempotency_actix::{FingerprintParts, Idempotency};
+///
+/// let idempotency = Idempotency::memory()
+///     .fingerprint(FingerprintParts::default().header("api-version"));
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct FingerprintParts {
+    headers: Vec<HeaderName>,
+}
+
+impl FingerprintParts {
+    /// Also fingerprints the value of the header `name` (all its values, in order).
+    ///
+    /// # Panics
+    ///
+    /// Panics if `name` is not a valid header name; this is a configuration mistake found
+    /// when the app is built, never while serving.
+    #[must_use]
+    pub fn header(mut self, name: &str) -> Self {
+        let name = HeaderName::try_from(name)
+            .unwrap_or_else(|_| panic!("FingerprintParts::header: {name:?} is not a header name"));
+        self.headers.push(name);
+        self
+    }
+
+    /// The fingerprint of `req` whose body was `body`.
+    pub(crate) fn of(&self, req: &ServiceRequest, body: &[u8]) -> Fingerprint {
+        let values: Vec<(&str, Vec<u8>)> = self
+            .headers
+            .iter()
+            .map(|name| {
+                let joined = req
+                    .headers()
+                    .get_all(name)
+                    .flat_map(|value| value.as_bytes().iter().copied().chain([b'\n']))
+                    .collect();
+                (name.as_str(), joined)
+            })
+            .collect();
+        Fingerprint::compute(
+            req.method(),
+            req.path(),
+            req.query_string(),
+            body,
+            values.iter().map(|(name, value)| (*name, value.as_slice())),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use actix_web::test::TestRequest;
+
+    #[test]
+    fn every_default_part_changes_the_fingerprint() {
+        let base = Fingerprint::compute(&Method::POST, "/a", "x=1", b"body", []);
+        assert_ne!(
+            base,
+            Fingerprint::compute(&Method::PUT, "/a", "x=1", b"body", [])
+        );
+        assert_ne!(
+            base,
+            Fingerprint::compute(&Method::POST, "/b", "x=1", b"body", [])
+        );
+        assert_ne!(
+            base,
+            Fingerprint::compute(&Method::POST, "/a", "x=2", b"body", [])
+        );
+        assert_ne!(
+            base,
+            Fingerprint::compute(&Method::POST, "/a", "x=1", b"bodY", [])
+        );
+    }
+
+    #[test]
+    fn field_boundaries_are_unambiguous() {
+        assert_ne!(
+            Fingerprint::compute(&Method::POST, "/ab", "", b"", []),
+            Fingerprint::compute(&Method::POST, "/a", "b", b"", [])
+        );
+    }
+
+    #[test]
+    fn chosen_headers_are_part_of_the_fingerprint() {
+        let parts = FingerprintParts::default().header("api-version");
+        let v1 = TestRequest::post()
+            .uri("/a")
+            .insert_header(("api-version", "1"))
+            .to_srv_request();
+        let v2 = TestRequest::post()
+            .uri("/a")
+            .insert_header(("api-version", "2"))
+            .to_srv_request();
+        let none = TestRequest::post().uri("/a").to_srv_request();
+        assert_ne!(parts.of(&v1, b""), parts.of(&v2, b""));
+        assert_ne!(parts.of(&v1, b""), parts.of(&none, b""));
+        // Headers not chosen do not matter.
+        assert_eq!(
+            FingerprintParts::default().of(&v1, b""),
+            FingerprintParts::default().of(&v2, b"")
+        );
+    }
+}

@@ -1,0 +1,66 @@
+//! The two layers: [`Idempotency`] (store and defaults; App, scope or resource) and
+//! [`IdempotentRoute`] (one route's policy; what `#[idempotent]` attaches).
+
+use std::rc::Rc;
+
+use actix_web::body::MessageBody;
+use actix_web::dev::{Service, ServiceRequest, ServiceResponse};
+use futures_util::future::{Either, LocalBoxFuture, MapOk, TryFutureExt};
+
+use crate::engine::{Engine, Response, with_handler_body};
+use crate::policy::Policy;
+
+mod app;
+mod route;
+
+pub use self::app::{Idempotency, IdempotencyMiddleware};
+pub use self::route::{IdempotentRoute, IdempotentRouteMiddleware};
+
+/// The future of both middleware services: the inner service's own future when the request
+/// is passed through, a boxed one when the middleware works on it.
+pub type IdempotencyFuture<S, B> = Either<
+    MapOk<<S as Service<ServiceRequest>>::Future, fn(ServiceResponse<B>) -> Response<B>>,
+    LocalBoxFuture<'static, Result<Response<B>, actix_web::Error>>,
+>;
+
+/// Passes `req` to `service` untouched.
+fn pass_through<S, B>(service: &S, req: ServiceRequest) -> IdempotencyFuture<S, B>
+where
+    S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = actix_web::Error>,
+{
+    Either::Left(
+        service
+            .call(req)
+            .map_ok(with_handler_body as fn(ServiceResponse<B>) -> Response<B>),
+    )
+}
+
+/// Answers `response` without calling the inner service.
+fn answer<S, B>(response: Response<B>) -> IdempotencyFuture<S, B>
+where
+    S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = actix_web::Error>,
+    B: 'static,
+{
+    Either::Right(Box::pin(async move { Ok(response) }))
+}
+
+/// Processes `req` on its own task, so the handler runs to completion and commits even when
+/// the client disconnects and Actix drops the response future.
+fn process<S, B>(
+    engine: Rc<Engine>,
+    policy: Policy,
+    req: ServiceRequest,
+    service: Rc<S>,
+) -> IdempotencyFuture<S, B>
+where
+    S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = actix_web::Error> + 'static,
+    B: MessageBody + 'static,
+{
+    let task = actix_rt::spawn(engine.process(policy, req, service));
+    Either::Right(Box::pin(async move {
+        task.await.map_err(|error| {
+            tracing::error!(%error, "idempotency: request task failed");
+            actix_web::error::ErrorInternalServerError("request processing failed")
+        })?
+    }))
+}

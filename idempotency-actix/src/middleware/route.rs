@@ -1,0 +1,174 @@
+//! [`IdempotentRoute`]: one route's idempotency policy, applied after routing.
+
+use std::future::{Ready, ready};
+use std::rc::Rc;
+use std::time::Duration;
+
+use actix_service::{Service, Transform, forward_ready};
+use actix_web::HttpMessage;
+use actix_web::body::MessageBody;
+use actix_web::dev::{ServiceRequest, ServiceResponse};
+
+use super::{IdempotencyFuture, answer, pass_through, process};
+use crate::engine::{Claimed, EngineHandle, Response, RouteOverride, is_safe_method, refuse};
+use crate::error::IdempotencyError;
+use crate::policy::RoutePolicy;
+
+/// Route-level idempotency: protects the route it wraps with its own policy, on the store of
+/// the [`Idempotency`](crate::Idempotency) above it.
+///
+/// [`#[idempotent(...)]`](crate::idempotent) attaches this to a route for you. Use it directly
+/// for routes registered by hand. Without an `Idempotency` on the app (or an enclosing scope)
+/// it answers 500 and logs what is missing. Safe methods (`GET`, `HEAD`, `OPTIONS`, `TRACE`)
+/// pass through untouched.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use actix_web::{App, HttpResponse, web};
+/// use idempotency_actix::{Idempotency, IdempotentRoute};
+///
+/// async fn charge() -> HttpResponse {
+///     HttpResponse::Ok().finish()
+/// }
+///
+/// let app = App::new().wrap(Idempotency::memory()).service(
+///     web::resource("/charges")
+///         .wrap(IdempotentRoute::new().ttl(Duration::from_secs(3600)).required())
+///         .route(web::post().to(charge)),
+/// );
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct IdempotentRoute {
+    policy: RoutePolicy,
+}
+
+impl IdempotentRoute {
+    /// Protection with the app's defaults.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Protection with `policy`'s overrides of the app's defaults.
+    pub fn with_policy(policy: RoutePolicy) -> Self {
+        Self { policy }
+    }
+
+    /// Completed responses are replayed for `ttl` (the TTL the store holds after commit).
+    #[must_use]
+    pub fn ttl(self, ttl: Duration) -> Self {
+        Self::with_policy(self.policy.ttl(ttl))
+    }
+
+    /// In-flight records hold the key for `lease` without renewal.
+    #[must_use]
+    pub fn lease(self, lease: Duration) -> Self {
+        Self::with_policy(self.policy.lease(lease))
+    }
+
+    /// Requests without a key are refused with 400.
+    #[must_use]
+    pub fn required(self) -> Self {
+        Self::with_policy(self.policy.required())
+    }
+
+    /// Keyed requests may send at most `bytes` of body (413 above).
+    #[must_use]
+    pub fn max_request_body(self, bytes: usize) -> Self {
+        Self::with_policy(self.policy.max_request_body(bytes))
+    }
+
+    /// Responses larger than `bytes` are sent but not stored.
+    #[must_use]
+    pub fn max_stored_body(self, bytes: usize) -> Self {
+        Self::with_policy(self.policy.max_stored_body(bytes))
+    }
+
+    /// Responses with status >= 400 are stored and replayed too.
+    #[must_use]
+    pub fn store_errors(self) -> Self {
+        Self::with_policy(self.policy.store_errors())
+    }
+
+    /// The overrides this route applies.
+    pub fn policy(&self) -> &RoutePolicy {
+        &self.policy
+    }
+}
+
+impl<S, B> Transform<S, ServiceRequest> for IdempotentRoute
+where
+    S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = actix_web::Error> + 'static,
+    B: MessageBody + 'static,
+{
+    type Response = Response<B>;
+    type Error = actix_web::Error;
+    type Transform = IdempotentRouteMiddleware<S>;
+    type InitError = ();
+    type Future = Ready<Result<Self::Transform, Self::InitError>>;
+
+    fn new_transform(&self, service: S) -> Self::Future {
+        ready(Ok(IdempotentRouteMiddleware {
+            service: Rc::new(service),
+            policy: Rc::new(self.policy.clone()),
+        }))
+    }
+}
+
+/// The service [`IdempotentRoute`] wraps around a route.
+pub struct IdempotentRouteMiddleware<S> {
+    service: Rc<S>,
+    policy: Rc<RoutePolicy>,
+}
+
+impl<S, B> Service<ServiceRequest> for IdempotentRouteMiddleware<S>
+where
+    S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = actix_web::Error> + 'static,
+    B: MessageBody + 'static,
+{
+    type Response = Response<B>;
+    type Error = actix_web::Error;
+    type Future = IdempotencyFuture<S, B>;
+
+    forward_ready!(service);
+
+    fn call(&self, req: ServiceRequest) -> Self::Future {
+        if is_safe_method(req.method()) {
+            return pass_through(&*self.service, req);
+        }
+        let (engine, claimed) = {
+            let extensions = req.extensions();
+            (
+                extensions
+                    .get::<EngineHandle>()
+                    .map(|handle| Rc::clone(&handle.0)),
+                extensions.get::<Claimed>().copied(),
+            )
+        };
+        let Some(engine) = engine else {
+            tracing::error!(
+                path = req.path(),
+                "#[idempotent] route without idempotency state: add .wrap(Idempotency::redis(pool)) \
+                 (or Idempotency::memory() / Idempotency::new(store)) to the App or an enclosing scope"
+            );
+            return answer::<S, B>(refuse(req.into_parts().0, &IdempotencyError::NotConfigured));
+        };
+        match claimed {
+            // An outer layer already processes this request; it applies our ttl and storage
+            // options at commit, and we still enforce a required key.
+            Some(Claimed { key_present: false }) if self.policy.requires_key() => {
+                answer::<S, B>(refuse(req.into_parts().0, &IdempotencyError::MissingKey))
+            }
+            Some(_) => {
+                req.extensions_mut()
+                    .insert(RouteOverride(RoutePolicy::clone(&self.policy)));
+                pass_through(&*self.service, req)
+            }
+            None => {
+                let policy = self.policy.apply_to(&engine.settings.defaults);
+                process(engine, policy, req, Rc::clone(&self.service))
+            }
+        }
+    }
+}

@@ -1,0 +1,143 @@
+//! [`Policy`] and [`RoutePolicy`]: how a protected request is treated, app-wide and per route.
+
+use std::time::Duration;
+
+/// The default time a completed response is replayed for: 24 hours.
+pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
+/// The default lease of an in-flight record: 30 seconds, renewed while the handler runs.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+/// The default largest request body a keyed request may send: 1 MiB.
+pub const DEFAULT_MAX_REQUEST_BODY: usize = 1024 * 1024;
+/// The default largest response body that is stored: 1 MiB.
+pub const DEFAULT_MAX_STORED_BODY: usize = 1024 * 1024;
+
+/// The effective policy of one protected request: the app's defaults with the route's
+/// overrides applied.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotency_actix::{Policy, RoutePolicy};
+///
+/// let defaults = Policy::default();
+/// assert_eq!(defaults.ttl, Duration::from_secs(86_400));
+/// let route = RoutePolicy::default().ttl(Duration::from_secs(60)).required();
+/// let effective = route.apply_to(&defaults);
+/// assert_eq!(effective.ttl, Duration::from_secs(60));
+/// assert!(effective.required);
+/// assert_eq!(effective.lease, defaults.lease);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Policy {
+    /// How long a completed response is replayed.
+    pub ttl: Duration,
+    /// How long an in-flight record holds the key without renewal.
+    pub lease: Duration,
+    /// Whether a request without a key is refused (400) instead of run unprotected.
+    pub required: bool,
+    /// The largest request body a keyed request may send (413 above).
+    pub max_request_body: usize,
+    /// The largest response body that is stored; a larger one is sent to the client and
+    /// its record completes without a body.
+    pub max_stored_body: usize,
+    /// Whether responses with status >= 400 are stored too (by default they release the
+    /// key, so a retry runs the handler again).
+    pub store_errors: bool,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Self {
+            ttl: DEFAULT_TTL,
+            lease: DEFAULT_LEASE,
+            required: false,
+            max_request_body: DEFAULT_MAX_REQUEST_BODY,
+            max_stored_body: DEFAULT_MAX_STORED_BODY,
+            store_errors: false,
+        }
+    }
+}
+
+impl Policy {
+    /// Whether a response with `status` completes the record (otherwise the key is
+    /// released).
+    pub(crate) fn stores_status(&self, status: actix_web::http::StatusCode) -> bool {
+        self.store_errors || status.as_u16() < 400
+    }
+}
+
+/// A route's overrides of the app's [`Policy`]; what `#[idempotent(...)]` and
+/// [`IdempotentRoute`](crate::IdempotentRoute) carry. Unset fields keep the app's value.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RoutePolicy {
+    ttl: Option<Duration>,
+    lease: Option<Duration>,
+    required: Option<bool>,
+    max_request_body: Option<usize>,
+    max_stored_body: Option<usize>,
+    store_errors: Option<bool>,
+}
+
+impl RoutePolicy {
+    /// Completed responses of this route are replayed for `ttl`.
+    #[must_use]
+    pub const fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = Some(ttl);
+        self
+    }
+
+    /// In-flight records of this route hold the key for `lease` without renewal.
+    #[must_use]
+    pub const fn lease(mut self, lease: Duration) -> Self {
+        self.lease = Some(lease);
+        self
+    }
+
+    /// Requests to this route without a key are refused with 400.
+    #[must_use]
+    pub const fn required(mut self) -> Self {
+        self.required = Some(true);
+        self
+    }
+
+    /// Keyed requests to this route may send at most `bytes` of body (413 above).
+    #[must_use]
+    pub const fn max_request_body(mut self, bytes: usize) -> Self {
+        self.max_request_body = Some(bytes);
+        self
+    }
+
+    /// Responses of this route larger than `bytes` are not stored (the record completes
+    /// without a body).
+    #[must_use]
+    pub const fn max_stored_body(mut self, bytes: usize) -> Self {
+        self.max_stored_body = Some(bytes);
+        self
+    }
+
+    /// Responses of this route with status >= 400 are stored and replayed too.
+    #[must_use]
+    pub const fn store_errors(mut self) -> Self {
+        self.store_errors = Some(true);
+        self
+    }
+
+    /// The effective policy: `defaults` with these overrides.
+    pub fn apply_to(&self, defaults: &Policy) -> Policy {
+        Policy {
+            ttl: self.ttl.unwrap_or(defaults.ttl),
+            lease: self.lease.unwrap_or(defaults.lease),
+            required: self.required.unwrap_or(defaults.required),
+            max_request_body: self.max_request_body.unwrap_or(defaults.max_request_body),
+            max_stored_body: self.max_stored_body.unwrap_or(defaults.max_stored_body),
+            store_errors: self.store_errors.unwrap_or(defaults.store_errors),
+        }
+    }
+
+    /// Whether this route refuses requests without a key, whatever the app says.
+    pub(crate) fn requires_key(&self) -> bool {
+        self.required == Some(true)
+    }
+}

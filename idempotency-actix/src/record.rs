@@ -1,0 +1,257 @@
+//! [`StoredResponse`] and its compact, versioned binary encoding.
+//!
+//! Layout of version 1 (all integers big-endian):
+//!
+//! ```text
+//! u8  version (= 1)
+//! u16 status
+//! u8  flags            bit 0: the body was stored
+//! u16 header count
+//!     per header: u16 name length, name, u32 value length, value
+//! ... body bytes, raw, to the end
+//! ```
+//!
+//! The body is stored as raw bytes (no base64), so a record is its body plus a few dozen
+//! bytes of header.
+
+use actix_web::http::StatusCode;
+use actix_web::http::header::{HeaderName, HeaderValue};
+use actix_web::web::Bytes;
+
+/// The version byte written first in every encoded record.
+pub const RECORD_VERSION: u8 = 1;
+
+const FLAG_BODY_STORED: u8 = 1;
+
+/// A completed response as stores keep it: what a replay sends back.
+///
+/// # Examples
+///
+/// ```
+/// use actix_web::http::{StatusCode, header::{HeaderName, HeaderValue}};
+/// use actix_web::web::Bytes;
+/// use idempotency_actix::StoredResponse;
+///
+/// let response = StoredResponse {
+///     status: StatusCode::CREATED,
+///     headers: vec![(HeaderName::from_static("location"), HeaderValue::from_static("/orders/7"))],
+///     body: Some(Bytes::from_static(b"{\"id\":7}")),
+/// };
+/// let bytes = response.encode();
+/// assert_eq!(StoredResponse::decode(&bytes).unwrap(), response);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredResponse {
+    /// The handler's status code.
+    pub status: StatusCode,
+    /// The headers that are replayed, in the order the handler set them.
+    pub headers: Vec<(HeaderName, HeaderValue)>,
+    /// The body; `None` when it was larger than the maximum stored body, in which case a
+    /// replay answers the stored status and headers with an empty body and
+    /// `Idempotent-Body-Omitted: true`.
+    pub body: Option<Bytes>,
+}
+
+/// Why bytes in a store could not be decoded as a [`StoredResponse`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RecordError {
+    /// The record was written by a version of this crate that this one does not read.
+    #[error("record version {0} is not supported (this version reads {RECORD_VERSION})")]
+    UnsupportedVersion(u8),
+    /// The record ends before its fields do.
+    #[error("record is truncated")]
+    Truncated,
+    /// A field holds a value that is not valid (status code, header name or value).
+    #[error("record holds an invalid {0}")]
+    Invalid(&'static str),
+}
+
+impl StoredResponse {
+    /// Encodes the response in the current record version.
+    pub fn encode(&self) -> Vec<u8> {
+        let headers_len: usize = self
+            .headers
+            .iter()
+            .map(|(name, value)| 6 + name.as_str().len() + value.len())
+            .sum();
+        let body = self.body.as_deref().unwrap_or_default();
+        let mut out = Vec::with_capacity(6 + headers_len + body.len());
+        out.push(RECORD_VERSION);
+        out.extend_from_slice(&self.status.as_u16().to_be_bytes());
+        out.push(if self.body.is_some() {
+            FLAG_BODY_STORED
+        } else {
+            0
+        });
+        // Header counts and sizes are far below these bounds (actix limits header sizes);
+        // headers that would not fit are dropped rather than corrupting the record.
+        let headers: Vec<_> = self
+            .headers
+            .iter()
+            .filter(|(name, value)| {
+                u16::try_from(name.as_str().len()).is_ok() && u32::try_from(value.len()).is_ok()
+            })
+            .take(usize::from(u16::MAX))
+            .collect();
+        out.extend_from_slice(&(headers.len() as u16).to_be_bytes());
+        for (name, value) in headers {
+            out.extend_from_slice(&(name.as_str().len() as u16).to_be_bytes());
+            out.extend_from_slice(name.as_str().as_bytes());
+            out.extend_from_slice(&(value.len() as u32).to_be_bytes());
+            out.extend_from_slice(value.as_bytes());
+        }
+        out.extend_from_slice(body);
+        out
+    }
+
+    /// Decodes a record; never panics, whatever the input.
+    ///
+    /// # Errors
+    ///
+    /// A [`RecordError`] when the bytes are not a record this version can read.
+    pub fn decode(bytes: &[u8]) -> Result<Self, RecordError> {
+        let mut reader = Reader(bytes);
+        let version = reader.u8()?;
+        if version != RECORD_VERSION {
+            return Err(RecordError::UnsupportedVersion(version));
+        }
+        let status =
+            StatusCode::from_u16(reader.u16()?).map_err(|_| RecordError::Invalid("status code"))?;
+        let flags = reader.u8()?;
+        let count = reader.u16()?;
+        let mut headers = Vec::with_capacity(usize::from(count).min(64));
+        for _ in 0..count {
+            let name_len = usize::from(reader.u16()?);
+            let name = HeaderName::from_bytes(reader.take(name_len)?)
+                .map_err(|_| RecordError::Invalid("header name"))?;
+            let value_len = usize::try_from(reader.u32()?)
+                .map_err(|_| RecordError::Invalid("header length"))?;
+            let value = HeaderValue::from_bytes(reader.take(value_len)?)
+                .map_err(|_| RecordError::Invalid("header value"))?;
+            headers.push((name, value));
+        }
+        let body = (flags & FLAG_BODY_STORED != 0).then(|| Bytes::copy_from_slice(reader.0));
+        Ok(Self {
+            status,
+            headers,
+            body,
+        })
+    }
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, len: usize) -> Result<&'a [u8], RecordError> {
+        if self.0.len() < len {
+            return Err(RecordError::Truncated);
+        }
+        let (head, rest) = self.0.split_at(len);
+        self.0 = rest;
+        Ok(head)
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], RecordError> {
+        let mut array = [0; N];
+        array.copy_from_slice(self.take(N)?);
+        Ok(array)
+    }
+
+    fn u8(&mut self) -> Result<u8, RecordError> {
+        Ok(self.array::<1>()?[0])
+    }
+
+    fn u16(&mut self) -> Result<u16, RecordError> {
+        self.array().map(u16::from_be_bytes)
+    }
+
+    fn u32(&mut self) -> Result<u32, RecordError> {
+        self.array().map(u32::from_be_bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> StoredResponse {
+        StoredResponse {
+            status: StatusCode::CREATED,
+            headers: vec![
+                (
+                    HeaderName::from_static("location"),
+                    HeaderValue::from_static("/orders/1"),
+                ),
+                (
+                    HeaderName::from_static("x-multi"),
+                    HeaderValue::from_static("a"),
+                ),
+                (
+                    HeaderName::from_static("x-multi"),
+                    HeaderValue::from_static("b"),
+                ),
+            ],
+            body: Some(Bytes::from_static(b"\x00\xffbinary body")),
+        }
+    }
+
+    #[test]
+    fn round_trips_headers_in_order_and_raw_body() {
+        let response = sample();
+        assert_eq!(StoredResponse::decode(&response.encode()), Ok(response));
+    }
+
+    #[test]
+    fn body_is_stored_raw_without_inflation() {
+        let mut response = sample();
+        response.body = Some(Bytes::from(vec![7u8; 10_000]));
+        let encoded = response.encode();
+        assert!(encoded.len() < 10_000 + 100, "{} bytes", encoded.len());
+    }
+
+    #[test]
+    fn an_omitted_body_differs_from_an_empty_body() {
+        let mut omitted = sample();
+        omitted.body = None;
+        let mut empty = sample();
+        empty.body = Some(Bytes::new());
+        assert_eq!(StoredResponse::decode(&omitted.encode()), Ok(omitted));
+        assert_eq!(StoredResponse::decode(&empty.encode()), Ok(empty));
+    }
+
+    #[test]
+    fn unknown_versions_are_reported_not_misread() {
+        let mut bytes = sample().encode();
+        bytes[0] = 2;
+        assert_eq!(
+            StoredResponse::decode(&bytes),
+            Err(RecordError::UnsupportedVersion(2))
+        );
+    }
+
+    #[test]
+    fn every_truncation_is_an_error_or_a_shorter_body() {
+        let bytes = sample().encode();
+        for len in 0..bytes.len() {
+            // Must never panic; a cut inside the body still decodes (shorter body).
+            let _ = StoredResponse::decode(&bytes[..len]);
+        }
+        assert_eq!(
+            StoredResponse::decode(&bytes[..3]),
+            Err(RecordError::Truncated)
+        );
+    }
+
+    #[test]
+    fn invalid_fields_are_errors() {
+        assert_eq!(
+            StoredResponse::decode(&[1, 0, 5, 0, 0, 0]),
+            Err(RecordError::Invalid("status code"))
+        );
+        assert_eq!(
+            StoredResponse::decode(&[1, 0, 200, 0, 0, 1, 0, 1, b' ', 0, 0, 0, 0]),
+            Err(RecordError::Invalid("header name"))
+        );
+    }
+}

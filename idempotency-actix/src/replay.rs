@@ -1,0 +1,165 @@
+//! [`ReplayedHeaders`]: which response headers are stored and replayed, and how a replay is
+//! answered.
+
+use actix_web::HttpResponse;
+use actix_web::http::header::{self, HeaderMap, HeaderName, HeaderValue};
+
+use crate::record::StoredResponse;
+
+/// The header every replayed response carries: `Idempotent-Replayed: true`.
+pub const REPLAYED_HEADER: &str = "idempotent-replayed";
+
+/// The header a replay carries when the original body was too large to store:
+/// `Idempotent-Body-Omitted: true` (the status and headers are the original's, the body is
+/// empty).
+pub const BODY_OMITTED_HEADER: &str = "idempotent-body-omitted";
+
+/// Headers that are never stored or replayed: cookies (a session minted for the first
+/// request must not be handed out again), `Date` (the replay gets its own), hop-by-hop
+/// headers, and the framing headers the server recomputes.
+const NEVER_REPLAYED: [HeaderName; 11] = [
+    header::SET_COOKIE,
+    header::DATE,
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHENTICATE,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    header::CONTENT_LENGTH,
+];
+
+/// Which response headers a replay repeats.
+///
+/// By default every header except `Set-Cookie`, `Date`, the hop-by-hop headers
+/// (`Connection`, `Keep-Alive`, `Proxy-Connection`, `Proxy-Authenticate`, `TE`, `Trailer`,
+/// `Transfer-Encoding`, `Upgrade`) and `Content-Length` (recomputed from the stored body).
+/// `Content-Encoding` is kept: it describes the stored bytes. [`ReplayedHeaders::only`]
+/// narrows this to an allow-list; the headers above are never replayed even when listed.
+///
+/// # Examples
+///
+/// ```
+/// use idempotency_actix::{Idempotency, ReplayedHeaders};
+///
+/// let idempotency = Idempotency::memory()
+///     .replayed_headers(ReplayedHeaders::only(["location", "content-type"]));
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct ReplayedHeaders {
+    allow_list: Option<Vec<HeaderName>>,
+}
+
+impl ReplayedHeaders {
+    /// Every header but the ones never replayed (the default).
+    pub fn all() -> Self {
+        Self::default()
+    }
+
+    /// Only the listed headers (and never the ones never replayed).
+    ///
+    /// # Panics
+    ///
+    /// Panics if a name is not a valid header name (a configuration mistake).
+    pub fn only<'a>(names: impl IntoIterator<Item = &'a str>) -> Self {
+        let names = names
+            .into_iter()
+            .map(|name| {
+                HeaderName::try_from(name).unwrap_or_else(|_| {
+                    panic!("ReplayedHeaders::only: {name:?} is not a header name")
+                })
+            })
+            .collect();
+        Self {
+            allow_list: Some(names),
+        }
+    }
+
+    fn is_replayed(&self, name: &HeaderName) -> bool {
+        !NEVER_REPLAYED.contains(name)
+            && self
+                .allow_list
+                .as_ref()
+                .is_none_or(|allowed| allowed.contains(name))
+    }
+
+    /// The headers of `headers` that are stored, in order.
+    pub(crate) fn select(&self, headers: &HeaderMap) -> Vec<(HeaderName, HeaderValue)> {
+        headers
+            .iter()
+            .filter(|(name, _)| self.is_replayed(name))
+            .map(|(name, value)| (name.clone(), value.clone()))
+            .collect()
+    }
+}
+
+/// The response a replay sends: the stored status, headers and body, plus
+/// `Idempotent-Replayed: true`.
+pub(crate) fn replay_response(stored: StoredResponse) -> HttpResponse {
+    let mut response = HttpResponse::with_body(stored.status, ());
+    let headers = response.headers_mut();
+    for (name, value) in stored.headers {
+        headers.append(name, value);
+    }
+    headers.insert(
+        HeaderName::from_static(REPLAYED_HEADER),
+        HeaderValue::from_static("true"),
+    );
+    let body = match stored.body {
+        Some(body) => body,
+        None => {
+            headers.insert(
+                HeaderName::from_static(BODY_OMITTED_HEADER),
+                HeaderValue::from_static("true"),
+            );
+            Default::default()
+        }
+    };
+    response.set_body(body).map_into_boxed_body()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers() -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        for (name, value) in [
+            ("location", "/orders/1"),
+            ("set-cookie", "session=new"),
+            ("date", "Sun, 29 Nov 2026 00:00:00 GMT"),
+            ("content-type", "application/json"),
+            ("connection", "close"),
+            ("transfer-encoding", "chunked"),
+            ("content-length", "3"),
+        ] {
+            headers.append(
+                HeaderName::from_static(name),
+                HeaderValue::from_static(value),
+            );
+        }
+        headers
+    }
+
+    fn names(selected: Vec<(HeaderName, HeaderValue)>) -> Vec<String> {
+        let mut names: Vec<_> = selected.into_iter().map(|(n, _)| n.to_string()).collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn by_default_all_but_cookies_dates_and_framing_are_replayed() {
+        assert_eq!(
+            names(ReplayedHeaders::all().select(&headers())),
+            ["content-type", "location"]
+        );
+    }
+
+    #[test]
+    fn an_allow_list_narrows_but_never_reopens() {
+        let only = ReplayedHeaders::only(["location", "set-cookie"]);
+        assert_eq!(names(only.select(&headers())), ["location"]);
+    }
+}

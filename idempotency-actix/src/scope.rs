@@ -1,0 +1,130 @@
+//! [`KeyScope`] and [`StorageKey`]: whose key it is, and the name a record is stored under.
+
+use std::rc::Rc;
+
+use actix_web::dev::ServiceRequest;
+use actix_web::http::header::HeaderName;
+
+use crate::key::IdempotencyKey;
+
+/// Decides whose key a request's key is: the tenant, user or API client it belongs to.
+///
+/// Records are stored under a digest of (scope, key), so two principals that send the same
+/// key (and even the same body) never see each other's responses. The default scope is
+/// empty: one key space for the whole app.
+///
+/// A scope function returns `None` when the request has no scope value (say, an
+/// unauthenticated request); such requests share the empty scope.
+///
+/// # Examples
+///
+/// ```
+/// use actix_web::HttpMessage;
+/// use idempotency_actix::{Idempotency, KeyScope};
+///
+/// // By a header the gateway sets after authentication:
+/// let by_header = Idempotency::memory().scope(KeyScope::header("x-tenant-id"));
+///
+/// // By anything the request carries, e.g. a user id an auth middleware stored:
+/// #[derive(Clone)]
+/// struct UserId(u64);
+/// let by_user = Idempotency::memory().scope(KeyScope::from_fn(|req| {
+///     req.extensions().get::<UserId>().map(|user| user.0.to_string())
+/// }));
+/// ```
+#[derive(Clone, Default)]
+pub struct KeyScope(ScopeSource);
+
+#[derive(Clone, Default)]
+enum ScopeSource {
+    #[default]
+    Global,
+    Header(HeaderName),
+    Function(Rc<dyn Fn(&ServiceRequest) -> Option<String>>),
+}
+
+impl KeyScope {
+    /// One key space for the whole app (the default).
+    pub fn global() -> Self {
+        Self(ScopeSource::Global)
+    }
+
+    /// Scopes keys by the value of a request header.
+    ///
+    /// # Panics
+    ///
+    /// Panics if `name` is not a valid header name (a configuration mistake).
+    pub fn header(name: &str) -> Self {
+        let name = HeaderName::try_from(name)
+            .unwrap_or_else(|_| panic!("KeyScope::header: {name:?} is not a header name"));
+        Self(ScopeSource::Header(name))
+    }
+
+    /// Scopes keys by what `scope_of` returns for the request.
+    pub fn from_fn(scope_of: impl Fn(&ServiceRequest) -> Option<String> + 'static) -> Self {
+        Self(ScopeSource::Function(Rc::new(scope_of)))
+    }
+
+    /// The scope value of `req`; empty when there is none.
+    pub(crate) fn of(&self, req: &ServiceRequest) -> Vec<u8> {
+        match &self.0 {
+            ScopeSource::Global => Vec::new(),
+            ScopeSource::Header(name) => req
+                .headers()
+                .get(name)
+                .map(|value| value.as_bytes().to_vec())
+                .unwrap_or_default(),
+            ScopeSource::Function(scope_of) => {
+                scope_of(req).map(String::into_bytes).unwrap_or_default()
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for KeyScope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.0 {
+            ScopeSource::Global => f.write_str("KeyScope::Global"),
+            ScopeSource::Header(name) => write!(f, "KeyScope::Header({name})"),
+            ScopeSource::Function(_) => f.write_str("KeyScope::Function"),
+        }
+    }
+}
+
+/// The name a record is stored under: a configurable prefix and the hex blake3 digest of
+/// (scope, key). The raw key never reaches the store.
+///
+/// # Examples
+///
+/// ```
+/// use idempotency_actix::{IdempotencyKey, StorageKey};
+///
+/// let key = IdempotencyKey::parse(b"order-1").unwrap();
+/// let tenant_a = StorageKey::new("idem:", b"tenant-a", &key);
+/// let tenant_b = StorageKey::new("idem:", b"tenant-b", &key);
+/// assert_ne!(tenant_a, tenant_b);
+/// assert!(tenant_a.as_str().starts_with("idem:"));
+/// assert!(!tenant_a.as_str().contains("order-1"));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct StorageKey(String);
+
+impl StorageKey {
+    /// The storage key of `key` in `scope`, under `prefix`.
+    pub fn new(prefix: &str, scope: &[u8], key: &IdempotencyKey) -> Self {
+        let mut hasher = blake3::Hasher::new_derive_key("idempotency-actix storage key v1");
+        hasher.update(&(scope.len() as u64).to_le_bytes());
+        hasher.update(scope);
+        hasher.update(key.as_str().as_bytes());
+        let digest = hasher.finalize();
+        let mut name = String::with_capacity(prefix.len() + 64);
+        name.push_str(prefix);
+        name.push_str(digest.to_hex().as_str());
+        Self(name)
+    }
+
+    /// The full name, prefix included.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}

@@ -1,0 +1,219 @@
+//! [`IdempotencyStore`]: the storage trait, its outcomes, and the backends.
+//!
+//! A store offers the few atomic steps of the protocol, not get/set primitives:
+//!
+//! 1. [`begin`](IdempotencyStore::begin): atomically, either create an in-flight record
+//!    holding a fresh [`LeaseToken`] that expires after the lease, or report the record that
+//!    is there (completed → replay, or a fingerprint mismatch; in flight → conflict).
+//! 2. [`renew`](IdempotencyStore::renew): extend the lease while the handler still runs, only
+//!    if the token still holds it.
+//! 3. [`commit`](IdempotencyStore::commit): write the completed record with its TTL, only if
+//!    the token still holds the lease (fencing: a holder that lost its lease never overwrites
+//!    another request's record).
+//! 4. [`release`](IdempotencyStore::release): delete the in-flight record, only if the token
+//!    still holds it (after an error response, a panic, or a cancelled request).
+//!
+//! Every record lives under one key, so every step touches one key (Redis Cluster safe).
+
+use std::future::Future;
+use std::time::Duration;
+
+use futures_util::future::LocalBoxFuture;
+
+use crate::fingerprint::Fingerprint;
+use crate::record::{RecordError, StoredResponse};
+use crate::scope::StorageKey;
+
+mod memory;
+#[cfg(feature = "redis")]
+mod redis;
+
+pub use self::memory::MemoryStore;
+#[cfg(feature = "redis")]
+pub use self::redis::{RedisPool, RedisStore};
+
+/// The random token that identifies one holder of an in-flight record.
+///
+/// # Examples
+///
+/// ```
+/// use idempotency_actix::LeaseToken;
+///
+/// assert_ne!(LeaseToken::generate(), LeaseToken::generate());
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct LeaseToken(String);
+
+impl LeaseToken {
+    /// A fresh random token (a v4 UUID).
+    pub fn generate() -> Self {
+        Self(uuid::Uuid::new_v4().simple().to_string())
+    }
+
+    /// The token as stores keep it.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// What [`IdempotencyStore::begin`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BeginOutcome {
+    /// There was no record; an in-flight record holding this token now exists. Run the
+    /// handler, then commit or release.
+    Acquired(LeaseToken),
+    /// A completed record with the same fingerprint: replay it.
+    Completed(StoredResponse),
+    /// A record with the same fingerprint is in flight (another request holds the lease).
+    InFlight,
+    /// A record (in flight or completed) exists for another fingerprint.
+    FingerprintMismatch,
+}
+
+/// A store could not do what was asked. The client sees an opaque 503 (or, fail-open, an
+/// unprotected run); the full error goes to the log.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// No connection could be had, or the connection failed.
+    #[error("store unavailable: {0}")]
+    Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The store did not answer within the store timeout.
+    #[error("store did not answer within {0:?}")]
+    Timeout(Duration),
+    /// The store answered something this version cannot read.
+    #[error("store returned an unreadable record: {0}")]
+    Corrupt(#[from] RecordError),
+    /// The store answered something the protocol does not allow.
+    #[error("store protocol error: {0}")]
+    Protocol(String),
+}
+
+/// The storage trait: the atomic steps of the idempotency protocol.
+///
+/// Methods return `impl Future` without a `Send` bound: Actix runs each worker on one
+/// thread. Implement it with plain `async fn`. The acceptance suite in the `tests` package
+/// checks any implementation against the contract.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotency_actix::{BeginOutcome, Fingerprint, IdempotencyKey, IdempotencyStore,
+///     MemoryStore, StorageKey};
+/// use actix_web::http::Method;
+///
+/// # actix_web::rt::System::new().block_on(async {
+/// let store = MemoryStore::new();
+/// let key = StorageKey::new("doc:", b"", &IdempotencyKey::parse(b"k").unwrap());
+/// let print = Fingerprint::compute(&Method::POST, "/", "", b"", []);
+/// let lease = Duration::from_secs(30);
+/// let BeginOutcome::Acquired(_token) = store.begin(&key, &print, lease).await.unwrap() else {
+///     panic!("a new key is acquired");
+/// };
+/// assert_eq!(store.begin(&key, &print, lease).await.unwrap(), BeginOutcome::InFlight);
+/// # });
+/// ```
+pub trait IdempotencyStore: 'static {
+    /// Creates the in-flight record, or reports the record that exists.
+    fn begin(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> impl Future<Output = Result<BeginOutcome, StoreError>>;
+
+    /// Extends the lease to `lease` from now; `false` if `token` no longer holds it.
+    fn renew(
+        &self,
+        key: &StorageKey,
+        token: &LeaseToken,
+        lease: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>>;
+
+    /// Stores the completed response for `ttl`; `false` if `token` no longer holds the lease
+    /// (nothing was written).
+    fn commit(
+        &self,
+        key: &StorageKey,
+        token: &LeaseToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>>;
+
+    /// Deletes the in-flight record; `false` if `token` no longer holds it.
+    fn release(
+        &self,
+        key: &StorageKey,
+        token: &LeaseToken,
+    ) -> impl Future<Output = Result<bool, StoreError>>;
+}
+
+/// The object-safe form of [`IdempotencyStore`] the middleware keeps behind an `Rc`.
+pub(crate) trait DynStore {
+    fn begin<'a>(
+        &'a self,
+        key: &'a StorageKey,
+        fingerprint: &'a Fingerprint,
+        lease: Duration,
+    ) -> LocalBoxFuture<'a, Result<BeginOutcome, StoreError>>;
+
+    fn renew<'a>(
+        &'a self,
+        key: &'a StorageKey,
+        token: &'a LeaseToken,
+        lease: Duration,
+    ) -> LocalBoxFuture<'a, Result<bool, StoreError>>;
+
+    fn commit<'a>(
+        &'a self,
+        key: &'a StorageKey,
+        token: &'a LeaseToken,
+        response: &'a StoredResponse,
+        ttl: Duration,
+    ) -> LocalBoxFuture<'a, Result<bool, StoreError>>;
+
+    fn release<'a>(
+        &'a self,
+        key: &'a StorageKey,
+        token: &'a LeaseToken,
+    ) -> LocalBoxFuture<'a, Result<bool, StoreError>>;
+}
+
+impl<T: IdempotencyStore> DynStore for T {
+    fn begin<'a>(
+        &'a self,
+        key: &'a StorageKey,
+        fingerprint: &'a Fingerprint,
+        lease: Duration,
+    ) -> LocalBoxFuture<'a, Result<BeginOutcome, StoreError>> {
+        Box::pin(IdempotencyStore::begin(self, key, fingerprint, lease))
+    }
+
+    fn renew<'a>(
+        &'a self,
+        key: &'a StorageKey,
+        token: &'a LeaseToken,
+        lease: Duration,
+    ) -> LocalBoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(IdempotencyStore::renew(self, key, token, lease))
+    }
+
+    fn commit<'a>(
+        &'a self,
+        key: &'a StorageKey,
+        token: &'a LeaseToken,
+        response: &'a StoredResponse,
+        ttl: Duration,
+    ) -> LocalBoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(IdempotencyStore::commit(self, key, token, response, ttl))
+    }
+
+    fn release<'a>(
+        &'a self,
+        key: &'a StorageKey,
+        token: &'a LeaseToken,
+    ) -> LocalBoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(IdempotencyStore::release(self, key, token))
+    }
+}

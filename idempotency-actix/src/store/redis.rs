@@ -1,0 +1,222 @@
+//! [`RedisStore`]: records in Redis through a bb8 pool of bb8-redis connections.
+
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use bb8_redis::RedisConnectionManager;
+use redis::{Script, Value};
+
+use super::{BeginOutcome, IdempotencyStore, LeaseToken, StoreError};
+use crate::fingerprint::Fingerprint;
+use crate::record::{RECORD_VERSION, StoredResponse};
+use crate::scope::StorageKey;
+
+/// The pool type [`Idempotency::redis`](crate::Idempotency::redis) takes.
+pub type RedisPool = bb8::Pool<RedisConnectionManager>;
+
+/// Records in Redis, one hash per key, so every operation touches one key and the same
+/// scripts run on Redis Cluster.
+///
+/// Fields of a record: `v` (format version), `f` (fingerprint, 32 raw bytes), `s` (`i` in
+/// flight, `c` completed), `t` (lease token, while in flight), `r` (the encoded
+/// [`StoredResponse`], once completed). The key's expiry is the lease while in flight and
+/// the TTL once completed. A record of another format version is treated as absent.
+///
+/// Round trips: a new key costs two (`begin`, `commit`), a replay one; each is one
+/// `EVALSHA` (plus a one-time `SCRIPT LOAD` per script and server). bb8 sends a `PING` on
+/// every checkout unless the pool is built with `test_on_check_out(false)`;
+/// [`RedisStore::pool`] builds it that way, and a broken connection is still detected by
+/// the failing command and replaced.
+///
+/// # Examples
+///
+/// ```no_run
+/// use actix_web::{App, HttpServer};
+/// use idempotency_actix::{Idempotency, RedisStore};
+///
+/// # async fn run() -> std::io::Result<()> {
+/// let pool = RedisStore::pool("redis://127.0.0.1:6379").expect("a valid Redis URL");
+/// HttpServer::new(move || App::new().wrap(Idempotency::redis(pool.clone())))
+///     .bind("127.0.0.1:8080")?
+///     .run()
+///     .await
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+pub struct RedisStore {
+    pool: RedisPool,
+}
+
+static BEGIN: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+local record = redis.call('HMGET', KEYS[1], 'v', 'f', 's', 'r')
+if record[1] == ARGV[1] then
+  if record[2] ~= ARGV[2] then return {'mismatch'} end
+  if record[3] == 'c' then return {'completed', record[4]} end
+  return {'in_flight'}
+end
+if record[1] then redis.call('DEL', KEYS[1]) end
+redis.call('HSET', KEYS[1], 'v', ARGV[1], 'f', ARGV[2], 's', 'i', 't', ARGV[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return {'acquired'}
+",
+    )
+});
+
+static RENEW: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+if redis.call('HGET', KEYS[1], 't') ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+",
+    )
+});
+
+static COMMIT: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+if redis.call('HGET', KEYS[1], 't') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 's', 'c', 'r', ARGV[2])
+redis.call('HDEL', KEYS[1], 't')
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+",
+    )
+});
+
+static RELEASE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+if redis.call('HGET', KEYS[1], 't') ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+return 1
+",
+    )
+});
+
+impl RedisStore {
+    /// A store on `pool`.
+    pub fn new(pool: RedisPool) -> Self {
+        Self { pool }
+    }
+
+    /// A pool for `url` with the settings this store wants: no `PING` on checkout (a dead
+    /// connection fails its command and is replaced), 16 connections, and no connection made
+    /// until the first request, so an app starts while Redis is still down and recovers by
+    /// itself once it is up.
+    ///
+    /// # Errors
+    ///
+    /// When `url` is not a Redis URL.
+    pub fn pool(url: &str) -> Result<RedisPool, redis::RedisError> {
+        Ok(bb8::Pool::builder()
+            .max_size(16)
+            .test_on_check_out(false)
+            .connection_timeout(Duration::from_secs(2))
+            .build_unchecked(RedisConnectionManager::new(url)?))
+    }
+
+    /// The pool this store uses.
+    pub fn connection_pool(&self) -> &RedisPool {
+        &self.pool
+    }
+
+    async fn run(&self, invocation: &redis::ScriptInvocation<'_>) -> Result<Value, StoreError> {
+        let mut connection = self
+            .pool
+            .get()
+            .await
+            .map_err(|error| StoreError::Unavailable(Box::new(error)))?;
+        invocation
+            .invoke_async(&mut *connection)
+            .await
+            .map_err(|error| StoreError::Unavailable(Box::new(error)))
+    }
+
+    async fn run_flag(&self, invocation: &redis::ScriptInvocation<'_>) -> Result<bool, StoreError> {
+        match self.run(invocation).await? {
+            Value::Int(flag) => Ok(flag == 1),
+            other => Err(unexpected(&other)),
+        }
+    }
+}
+
+fn millis(duration: Duration) -> u64 {
+    // PEXPIRE needs at least 1 ms; u64 milliseconds cover any sane duration.
+    u64::try_from(duration.as_millis())
+        .unwrap_or(u64::MAX)
+        .max(1)
+}
+
+fn unexpected(value: &Value) -> StoreError {
+    StoreError::Protocol(format!("unexpected script reply: {value:?}"))
+}
+
+impl IdempotencyStore for RedisStore {
+    async fn begin(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<BeginOutcome, StoreError> {
+        let token = LeaseToken::generate();
+        let mut invocation = BEGIN.prepare_invoke();
+        invocation
+            .key(key.as_str())
+            .arg(RECORD_VERSION.to_string())
+            .arg(fingerprint.as_bytes().as_slice())
+            .arg(token.as_str())
+            .arg(millis(lease));
+        let reply = self.run(&invocation).await?;
+        let Value::Array(items) = &reply else {
+            return Err(unexpected(&reply));
+        };
+        match items.as_slice() {
+            [Value::BulkString(tag)] if tag == b"acquired" => Ok(BeginOutcome::Acquired(token)),
+            [Value::BulkString(tag)] if tag == b"in_flight" => Ok(BeginOutcome::InFlight),
+            [Value::BulkString(tag)] if tag == b"mismatch" => Ok(BeginOutcome::FingerprintMismatch),
+            [Value::BulkString(tag), Value::BulkString(record)] if tag == b"completed" => {
+                Ok(BeginOutcome::Completed(StoredResponse::decode(record)?))
+            }
+            _ => Err(unexpected(&reply)),
+        }
+    }
+
+    async fn renew(
+        &self,
+        key: &StorageKey,
+        token: &LeaseToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        let mut invocation = RENEW.prepare_invoke();
+        invocation
+            .key(key.as_str())
+            .arg(token.as_str())
+            .arg(millis(lease));
+        self.run_flag(&invocation).await
+    }
+
+    async fn commit(
+        &self,
+        key: &StorageKey,
+        token: &LeaseToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let mut invocation = COMMIT.prepare_invoke();
+        invocation
+            .key(key.as_str())
+            .arg(token.as_str())
+            .arg(response.encode())
+            .arg(millis(ttl));
+        self.run_flag(&invocation).await
+    }
+
+    async fn release(&self, key: &StorageKey, token: &LeaseToken) -> Result<bool, StoreError> {
+        let mut invocation = RELEASE.prepare_invoke();
+        invocation.key(key.as_str()).arg(token.as_str());
+        self.run_flag(&invocation).await
+    }
+}
