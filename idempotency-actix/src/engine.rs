@@ -419,20 +419,14 @@ where
             Some(Ok(chunk)) => {
                 collected.extend_from_slice(&chunk);
                 if collected.len() > limit {
-                    let prefix = Some(collected.freeze());
-                    return (
-                        IdempotentBody::Resumed { prefix, rest: body },
-                        Captured::TooLarge,
-                    );
+                    let prefix = collected.freeze();
+                    return (IdempotentBody::resumed(prefix, body), Captured::TooLarge);
                 }
             }
             Some(Err(error)) => {
                 let prefix = (!collected.is_empty()).then(|| collected.freeze());
                 return (
-                    IdempotentBody::Failed {
-                        prefix,
-                        error: Some(error.into()),
-                    },
+                    IdempotentBody::failed(prefix, error.into()),
                     Captured::Failed,
                 );
             }
