@@ -31,3 +31,11 @@ pub use scope::{KeyScope, StorageKey};
 pub use store::{BeginOutcome, IdempotencyStore, LeaseToken, MemoryStore, StoreError};
 #[cfg(feature = "redis")]
 pub use store::{RedisPool, RedisStore};
+
+/// What `#[idempotent]`'s generated code calls. Not public API: may change in any release.
+#[doc(hidden)]
+pub mod __private {
+    pub use crate::middleware::IdempotentRoute;
+    pub use crate::policy::RoutePolicy;
+    pub use ::core::time::Duration;
+}
