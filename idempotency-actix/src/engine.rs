@@ -227,7 +227,6 @@ impl Engine {
             + 'static,
         B: MessageBody + 'static,
     {
-        let request = req.request().clone();
         let handler = AssertUnwindSafe(async move { service.call(req).await }).catch_unwind();
         let outcome = self
             .while_renewing_lease(handler, &storage_key, &token, policy.lease)
@@ -240,7 +239,10 @@ impl Engine {
                     "idempotency: handler panicked; key released"
                 );
                 self.release(&storage_key, &token).await;
-                return Ok(refuse(request, &IdempotencyError::HandlerPanicked));
+                // No clone of the request may be held while an app-level layer's inner
+                // service routes it (routing needs it unshared), so the 500 travels as an
+                // error that Actix renders with `IdempotencyError::error_response`.
+                return Err(IdempotencyError::HandlerPanicked.into());
             }
             Ok(Err(error)) => {
                 self.release(&storage_key, &token).await;

@@ -30,7 +30,9 @@ pub async fn redis_connection() -> redis::aio::MultiplexedConnection {
     let pong: String = redis::cmd("PING")
         .query_async(&mut connection)
         .await
-        .unwrap_or_else(|error| panic!("Redis at {url} does not answer PING ({error}); {START_REDIS}"));
+        .unwrap_or_else(|error| {
+            panic!("Redis at {url} does not answer PING ({error}); {START_REDIS}")
+        });
     assert_eq!(pong, "PONG");
     connection
 }
@@ -51,7 +53,10 @@ pub fn unique_prefix(test: &str) -> String {
 }
 
 /// The keys under `prefix` (with SCAN, never KEYS).
-pub async fn keys_under(connection: &mut redis::aio::MultiplexedConnection, prefix: &str) -> Vec<String> {
+pub async fn keys_under(
+    connection: &mut redis::aio::MultiplexedConnection,
+    prefix: &str,
+) -> Vec<String> {
     let mut keys = Vec::new();
     let mut cursor: u64 = 0;
     loop {

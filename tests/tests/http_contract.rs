@@ -1,0 +1,607 @@
+//! The HTTP contract of DESIGN §5, row by row, against real Actix servers on real sockets.
+//!
+//! Every test runs twice: on the in-memory store (`memory::…`) and on Redis (`redis::…`,
+//! the server at `REDIS_URL`, default 127.0.0.1:6379), each under its own key prefix.
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use actix_web::http::{Method, StatusCode, header::HeaderValue};
+use actix_web::web::{self, Bytes};
+use actix_web::{App, HttpRequest, HttpResponse};
+use futures_util::stream;
+use idempotency_actix::{Idempotency, IdempotentRoute, KeyScope, MemoryStore, RedisPool};
+use idempotency_actix_tests::{RunCounter, redis_pool, unique_prefix};
+use serde_json::Value;
+
+/// Which store a test server uses; cheap to clone into each worker's app factory.
+#[derive(Clone)]
+enum Backend {
+    Memory(MemoryStore),
+    Redis(RedisPool),
+}
+
+impl Backend {
+    async fn memory() -> Self {
+        Self::Memory(MemoryStore::new())
+    }
+
+    async fn redis() -> Self {
+        Self::Redis(redis_pool().await)
+    }
+
+    fn idempotency(&self, prefix: &str) -> Idempotency {
+        let idempotency = match self {
+            Self::Memory(store) => Idempotency::new(store.clone()),
+            Self::Redis(pool) => Idempotency::redis(pool.clone()),
+        };
+        idempotency.key_prefix(prefix)
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct Knobs {
+    delay_ms: Option<u64>,
+    status: Option<u16>,
+    bytes: Option<usize>,
+}
+
+/// A handler that counts its runs and answers 201 with a body unique to the run.
+async fn create(
+    runs: web::Data<RunCounter>,
+    knobs: web::Query<Knobs>,
+    body: Bytes,
+) -> HttpResponse {
+    let seq = runs.record();
+    if let Some(delay) = knobs.delay_ms {
+        actix_rt::time::sleep(Duration::from_millis(delay)).await;
+    }
+    let status = StatusCode::from_u16(knobs.status.unwrap_or(201)).unwrap();
+    HttpResponse::build(status)
+        .insert_header(("location", format!("/orders/{seq}")))
+        .insert_header(("set-cookie", "session=new; Path=/"))
+        .insert_header(("x-run-id", uuid::Uuid::new_v4().to_string()))
+        .json(serde_json::json!({
+            "seq": seq,
+            "id": uuid::Uuid::new_v4().to_string(),
+            "echo": String::from_utf8_lossy(&body),
+        }))
+}
+
+async fn panics(runs: web::Data<RunCounter>) -> HttpResponse {
+    runs.record();
+    panic!("handler panicked on purpose");
+}
+
+/// Answers `bytes` bytes as a stream of 1 KiB chunks (no Content-Length).
+async fn large(runs: web::Data<RunCounter>, knobs: web::Query<Knobs>) -> HttpResponse {
+    runs.record();
+    let size = knobs.bytes.unwrap_or(0);
+    let chunks = (0..size).step_by(1024).map(move |start| {
+        let len = (size - start).min(1024);
+        Ok::<_, actix_web::Error>(Bytes::from(vec![b'x'; len]))
+    });
+    HttpResponse::Ok()
+        .content_type("application/octet-stream")
+        .streaming(stream::iter(chunks))
+}
+
+/// Answers `bytes` bytes as one sized body.
+async fn large_sized(runs: web::Data<RunCounter>, knobs: web::Query<Knobs>) -> HttpResponse {
+    runs.record();
+    HttpResponse::Ok().body(vec![b'y'; knobs.bytes.unwrap_or(0)])
+}
+
+async fn plain(runs: web::Data<RunCounter>, req: HttpRequest) -> HttpResponse {
+    let seq = runs.record();
+    HttpResponse::Ok().json(serde_json::json!({ "seq": seq, "method": req.method().as_str() }))
+}
+
+struct Harness {
+    server: actix_test::TestServer,
+    runs: RunCounter,
+    prefix: String,
+}
+
+/// Starts a server with the test routes under `idempotency` (configured by `configure`).
+fn start(backend: Backend, test: &str, configure: fn(Idempotency) -> Idempotency) -> Harness {
+    let runs = RunCounter::default();
+    let prefix = unique_prefix(test);
+    let server = {
+        let runs = runs.clone();
+        let prefix = prefix.clone();
+        actix_test::start(move || {
+            App::new()
+                .app_data(web::Data::new(runs.clone()))
+                .wrap(configure(backend.idempotency(&prefix)))
+                .service(
+                    web::resource("/orders")
+                        .wrap(IdempotentRoute::new())
+                        .route(web::post().to(create))
+                        .route(web::get().to(plain)),
+                )
+                .service(
+                    web::resource("/required")
+                        .wrap(IdempotentRoute::new().required())
+                        .route(web::post().to(create)),
+                )
+                .service(
+                    web::resource("/limited")
+                        .wrap(
+                            IdempotentRoute::new()
+                                .max_request_body(1024)
+                                .max_stored_body(4096),
+                        )
+                        .route(web::post().to(create)),
+                )
+                .service(
+                    web::resource("/stored-errors")
+                        .wrap(IdempotentRoute::new().store_errors())
+                        .route(web::post().to(create)),
+                )
+                .service(
+                    web::resource("/panic")
+                        .wrap(IdempotentRoute::new())
+                        .route(web::post().to(panics)),
+                )
+                .service(
+                    web::resource("/large")
+                        .wrap(IdempotentRoute::new().max_stored_body(4096))
+                        .route(web::post().to(large)),
+                )
+                .service(
+                    web::resource("/large-sized")
+                        .wrap(IdempotentRoute::new().max_stored_body(4096))
+                        .route(web::post().to(large_sized)),
+                )
+                .service(web::resource("/untagged").route(web::post().to(plain)))
+        })
+    };
+    Harness {
+        server,
+        runs,
+        prefix,
+    }
+}
+
+struct Reply {
+    status: StatusCode,
+    headers: actix_web::http::header::HeaderMap,
+    body: Bytes,
+}
+
+impl Reply {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(|value| value.to_str().unwrap())
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap()
+    }
+
+    fn is_replay(&self) -> bool {
+        self.header("idempotent-replayed") == Some("true")
+    }
+
+    /// Asserts an RFC 9457 problem with `status`, and returns its `type`.
+    fn assert_problem(&self, status: u16) -> String {
+        assert_eq!(self.status.as_u16(), status, "body: {:?}", self.body);
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json")
+        );
+        let problem = self.json();
+        assert_eq!(problem["status"], status);
+        assert!(problem["title"].is_string(), "{problem}");
+        assert!(problem["detail"].is_string(), "{problem}");
+        problem["type"].as_str().unwrap().to_owned()
+    }
+}
+
+impl Harness {
+    async fn send(
+        &self,
+        method: Method,
+        path: &str,
+        key: Option<&str>,
+        body: &'static str,
+    ) -> Reply {
+        let mut request = self.server.request(method, self.server.url(path));
+        if let Some(key) = key {
+            request = request.insert_header(("idempotency-key", key));
+        }
+        self.finish(request.send_body(body)).await
+    }
+
+    async fn post(&self, path: &str, key: Option<&str>, body: &'static str) -> Reply {
+        self.send(Method::POST, path, key, body).await
+    }
+
+    async fn post_with_key_bytes(&self, path: &str, key: HeaderValue) -> Reply {
+        let request = self
+            .server
+            .post(path)
+            .insert_header(("idempotency-key", key));
+        self.finish(request.send_body("{}")).await
+    }
+
+    async fn finish(&self, sent: awc::SendClientRequest) -> Reply {
+        let mut response = sent.await.unwrap();
+        let body = response.body().limit(16 * 1024 * 1024).await.unwrap();
+        Reply {
+            status: response.status(),
+            headers: response.headers().clone(),
+            body,
+        }
+    }
+
+    fn key(&self, name: &str) -> String {
+        // Keys unique per test run, so the memory and Redis runs never share records.
+        format!("{}{name}", self.prefix.replace(':', "-"))
+    }
+}
+
+async fn no_key_runs_the_handler_unprotected(backend: Backend) {
+    let h = start(backend, "no_key", |i| i);
+    let first = h.post("/orders", None, "{}").await;
+    let second = h.post("/orders", None, "{}").await;
+    assert_eq!(
+        (first.status, second.status),
+        (StatusCode::CREATED, StatusCode::CREATED)
+    );
+    assert!(!second.is_replay());
+    assert_eq!(h.runs.get(), 2);
+}
+
+async fn no_key_on_a_required_route_is_400(backend: Backend) {
+    let h = start(backend, "required", |i| i);
+    let reply = h.post("/required", None, "{}").await;
+    assert_eq!(
+        reply.assert_problem(400),
+        "tag:idempotency-actix,2026:missing-key"
+    );
+    assert_eq!(h.runs.get(), 0);
+}
+
+async fn an_app_wide_required_key_is_400(backend: Backend) {
+    let h = start(backend, "app_required", |i| i.require_key());
+    h.post("/orders", None, "{}").await.assert_problem(400);
+    assert_eq!(h.runs.get(), 0);
+}
+
+async fn malformed_keys_are_400(backend: Backend) {
+    let h = start(backend, "malformed", |i| i);
+    let too_long = "k".repeat(256);
+    let bad_values: Vec<HeaderValue> = vec![
+        HeaderValue::from_static(""),
+        HeaderValue::from_str(&too_long).unwrap(),
+        HeaderValue::from_bytes(b"tab\there").unwrap(),
+        HeaderValue::from_bytes(b"caf\xc3\xa9").unwrap(),
+        HeaderValue::from_static("\"unbalanced"),
+        HeaderValue::from_static("stray\"quote"),
+        HeaderValue::from_static("\"bad\\escape\""),
+        HeaderValue::from_static("\"trailing\"x"),
+    ];
+    for value in bad_values {
+        let reply = h.post_with_key_bytes("/orders", value.clone()).await;
+        assert_eq!(
+            reply.assert_problem(400),
+            "tag:idempotency-actix,2026:invalid-key",
+            "{value:?}"
+        );
+    }
+    // A repeated header.
+    let request = h
+        .server
+        .post("/orders")
+        .append_header(("idempotency-key", "a"))
+        .append_header(("idempotency-key", "a"));
+    h.finish(request.send_body("{}")).await.assert_problem(400);
+    assert_eq!(h.runs.get(), 0);
+}
+
+async fn a_retry_replays_byte_identical_without_running(backend: Backend) {
+    let h = start(backend, "replay", |i| i);
+    let key = h.key("order");
+    let first = h.post("/orders", Some(&key), r#"{"item":"book"}"#).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(!first.is_replay());
+    assert_eq!(first.header("set-cookie"), Some("session=new; Path=/"));
+    assert_eq!(first.json()["echo"], r#"{"item":"book"}"#);
+
+    for _ in 0..3 {
+        let retry = h.post("/orders", Some(&key), r#"{"item":"book"}"#).await;
+        assert_eq!(retry.status, StatusCode::CREATED);
+        assert!(retry.is_replay());
+        assert_eq!(retry.body, first.body, "byte-identical body");
+        for name in ["location", "content-type", "x-run-id"] {
+            assert_eq!(retry.header(name), first.header(name), "{name}");
+        }
+        assert_eq!(
+            retry.header("set-cookie"),
+            None,
+            "cookies are never replayed"
+        );
+    }
+    assert_eq!(h.runs.get(), 1);
+}
+
+async fn quoted_and_bare_keys_are_the_same_key(backend: Backend) {
+    let h = start(backend, "quoted", |i| i);
+    let key = h.key("q");
+    let first = h.post("/orders", Some(&key), "{}").await;
+    let quoted = format!("\"{key}\"");
+    let retry = h.post("/orders", Some(&quoted), "{}").await;
+    assert!(retry.is_replay());
+    assert_eq!(retry.body, first.body);
+    assert_eq!(h.runs.get(), 1);
+}
+
+async fn another_request_with_the_same_key_is_422(backend: Backend) {
+    let h = start(backend, "mismatch", |i| i);
+    let key = h.key("k");
+    h.post("/orders", Some(&key), r#"{"qty":1}"#).await;
+    let other_body = h.post("/orders", Some(&key), r#"{"qty":2}"#).await;
+    assert_eq!(
+        other_body.assert_problem(422),
+        "tag:idempotency-actix,2026:key-reused"
+    );
+    let other_query = h.post("/orders?x=1", Some(&key), r#"{"qty":1}"#).await;
+    other_query.assert_problem(422);
+    let other_method = h
+        .send(Method::PUT, "/orders", Some(&key), r#"{"qty":1}"#)
+        .await;
+    // The route layer wraps the whole resource, so it sees the PUT (which the resource
+    // would answer 405) and refuses the reused key first.
+    other_method.assert_problem(422);
+    assert_eq!(h.runs.get(), 1);
+}
+
+async fn a_retry_while_in_flight_is_409_then_replays(backend: Backend) {
+    let h = start(backend, "in_flight", |i| i);
+    let key = h.key("slow");
+    let (first, second) =
+        futures_util::future::join(h.post("/orders?delay_ms=600", Some(&key), "{}"), async {
+            actix_rt::time::sleep(Duration::from_millis(150)).await;
+            h.post("/orders?delay_ms=600", Some(&key), "{}").await
+        })
+        .await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(
+        second.assert_problem(409),
+        "tag:idempotency-actix,2026:in-flight"
+    );
+    assert_eq!(second.header("retry-after"), Some("1"));
+    let after = h.post("/orders?delay_ms=600", Some(&key), "{}").await;
+    assert!(after.is_replay());
+    assert_eq!(after.body, first.body);
+    assert_eq!(h.runs.get(), 1);
+}
+
+async fn fifty_concurrent_duplicates_run_the_handler_once(backend: Backend) {
+    let h = start(backend, "fifty", |i| i);
+    let key = h.key("dup");
+    let replies = futures_util::future::join_all(
+        (0..50).map(|_| h.post("/orders?delay_ms=400", Some(&key), r#"{"item":"x"}"#)),
+    )
+    .await;
+    assert_eq!(h.runs.get(), 1, "the handler ran exactly once");
+    let created: Vec<&Reply> = replies
+        .iter()
+        .filter(|r| r.status == StatusCode::CREATED)
+        .collect();
+    assert!(!created.is_empty());
+    for reply in &replies {
+        assert!(
+            reply.status == StatusCode::CREATED || reply.status == StatusCode::CONFLICT,
+            "unexpected {}",
+            reply.status
+        );
+    }
+    for reply in &created {
+        assert_eq!(reply.body, created[0].body, "every 201 body is identical");
+    }
+    let retry = h
+        .post("/orders?delay_ms=400", Some(&key), r#"{"item":"x"}"#)
+        .await;
+    assert!(retry.is_replay());
+    assert_eq!(retry.body, created[0].body);
+    assert_eq!(h.runs.get(), 1);
+}
+
+async fn error_responses_release_the_key(backend: Backend) {
+    let h = start(backend, "errors", |i| i);
+    let key = h.key("e");
+    for expected_runs in 1..=2 {
+        let reply = h.post("/orders?status=500", Some(&key), "{}").await;
+        assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert!(!reply.is_replay());
+        assert_eq!(h.runs.get(), expected_runs);
+    }
+    let client_error = h.post("/orders?status=400", Some(&h.key("e4")), "{}").await;
+    assert_eq!(client_error.status, StatusCode::BAD_REQUEST);
+    let again = h.post("/orders?status=400", Some(&h.key("e4")), "{}").await;
+    assert!(!again.is_replay());
+    assert_eq!(h.runs.get(), 4);
+}
+
+async fn a_route_can_store_error_responses(backend: Backend) {
+    let h = start(backend, "store_errors", |i| i);
+    let key = h.key("e");
+    let first = h.post("/stored-errors?status=409", Some(&key), "{}").await;
+    let retry = h.post("/stored-errors?status=409", Some(&key), "{}").await;
+    assert_eq!(retry.status, StatusCode::CONFLICT);
+    assert!(retry.is_replay());
+    assert_eq!(retry.body, first.body);
+    assert_eq!(h.runs.get(), 1);
+}
+
+async fn a_panicking_handler_is_500_and_releases_the_key(backend: Backend) {
+    let h = start(backend, "panic", |i| i);
+    let key = h.key("p");
+    let first = h.post("/panic", Some(&key), "{}").await;
+    assert_eq!(
+        first.assert_problem(500),
+        "tag:idempotency-actix,2026:handler-panicked"
+    );
+    let second = h.post("/panic", Some(&key), "{}").await;
+    second.assert_problem(500);
+    assert_eq!(h.runs.get(), 2, "released: the retry ran the handler again");
+    // The worker survived: other requests are still served.
+    assert_eq!(
+        h.post("/orders", None, "{}").await.status,
+        StatusCode::CREATED
+    );
+}
+
+async fn an_oversized_request_body_is_413_without_running(backend: Backend) {
+    let h = start(backend, "too_large", |i| i);
+    let big: &'static str = Box::leak("a".repeat(2048).into_boxed_str());
+    let reply = h.post("/limited", Some(&h.key("big")), big).await;
+    assert_eq!(
+        reply.assert_problem(413),
+        "tag:idempotency-actix,2026:body-too-large"
+    );
+    // Streamed without Content-Length: the limit holds while reading.
+    let chunks =
+        stream::iter((0..4).map(|_| Ok::<_, actix_web::Error>(Bytes::from(vec![b'a'; 600]))));
+    let request = h
+        .server
+        .post("/limited")
+        .insert_header(("idempotency-key", h.key("streamed")));
+    h.finish(request.send_stream(chunks))
+        .await
+        .assert_problem(413);
+    assert_eq!(h.runs.get(), 0);
+    // At the limit it runs.
+    let fits: &'static str = Box::leak("a".repeat(1024).into_boxed_str());
+    assert_eq!(
+        h.post("/limited", Some(&h.key("fits")), fits).await.status,
+        StatusCode::CREATED
+    );
+    assert_eq!(h.runs.get(), 1);
+}
+
+async fn an_oversized_response_is_sent_whole_and_never_rerun(backend: Backend) {
+    let h = start(backend, "large_response", |i| i);
+    for path in ["/large?bytes=100000", "/large-sized?bytes=100000"] {
+        let key = h.key(path);
+        let runs_before = h.runs.get();
+        let first = h.post(path, Some(&key), "").await;
+        assert_eq!(first.status, StatusCode::OK);
+        assert_eq!(
+            first.body.len(),
+            100_000,
+            "{path}: the client got every byte"
+        );
+        let retry = h.post(path, Some(&key), "").await;
+        assert_eq!(retry.status, StatusCode::OK);
+        assert!(retry.is_replay());
+        assert_eq!(retry.header("idempotent-body-omitted"), Some("true"));
+        assert!(retry.body.is_empty());
+        assert_eq!(h.runs.get(), runs_before + 1, "{path}: not re-run");
+    }
+    // Under the limit the stream is stored and replayed whole.
+    let key = h.key("small");
+    let first = h.post("/large?bytes=3000", Some(&key), "").await;
+    let retry = h.post("/large?bytes=3000", Some(&key), "").await;
+    assert!(retry.is_replay());
+    assert_eq!(retry.body, first.body);
+    assert_eq!(retry.body.len(), 3000);
+}
+
+async fn safe_methods_and_untagged_routes_are_untouched(backend: Backend) {
+    let h = start(backend, "untouched", |i| i);
+    let key = h.key("g");
+    for _ in 0..2 {
+        let reply = h.send(Method::GET, "/orders", Some(&key), "").await;
+        assert_eq!(reply.status, StatusCode::OK);
+        assert!(!reply.is_replay());
+        let untagged = h.post("/untagged", Some(&key), "{}").await;
+        assert!(!untagged.is_replay());
+    }
+    assert_eq!(h.runs.get(), 4);
+}
+
+async fn protect_methods_covers_untagged_routes(backend: Backend) {
+    let h = start(backend, "methods", |i| i.protect_methods([Method::POST]));
+    let key = h.key("u");
+    let first = h.post("/untagged", Some(&key), "{}").await;
+    let retry = h.post("/untagged", Some(&key), "{}").await;
+    assert!(retry.is_replay());
+    assert_eq!(retry.body, first.body);
+    // A tagged route under an app that also protects POST is processed once.
+    let key = h.key("both");
+    let first = h.post("/orders", Some(&key), "{}").await;
+    let retry = h.post("/orders", Some(&key), "{}").await;
+    assert!(retry.is_replay());
+    assert_eq!(retry.body, first.body);
+    // The route's `required` still holds when the app took the request first.
+    h.post("/required", None, "{}").await.assert_problem(400);
+    assert_eq!(h.runs.get(), 2);
+}
+
+async fn scopes_keep_principals_apart(backend: Backend) {
+    let h = start(backend, "scopes", |i| i.scope(KeyScope::header("x-tenant")));
+    let key = h.key("shared");
+    let send = |tenant: &'static str| {
+        let request = h
+            .server
+            .post("/orders")
+            .insert_header(("idempotency-key", key.clone()))
+            .insert_header(("x-tenant", tenant));
+        h.finish(request.send_body("{}"))
+    };
+    let a = send("a").await;
+    let b = send("b").await;
+    assert!(
+        !a.is_replay() && !b.is_replay(),
+        "another tenant's record is never replayed"
+    );
+    assert_ne!(a.body, b.body);
+    let a_again = send("a").await;
+    assert!(a_again.is_replay());
+    assert_eq!(a_again.body, a.body);
+    assert_eq!(h.runs.get(), 2);
+}
+
+macro_rules! contract_suite {
+    ($backend:ident; $($test:ident),* $(,)?) => {
+        mod $backend {
+            $(
+                #[actix_web::test]
+                async fn $test() {
+                    super::$test(super::Backend::$backend().await).await;
+                }
+            )*
+        }
+    };
+}
+
+macro_rules! both_backends {
+    ($($test:ident),* $(,)?) => {
+        contract_suite!(memory; $($test),*);
+        contract_suite!(redis; $($test),*);
+    };
+}
+
+both_backends!(
+    no_key_runs_the_handler_unprotected,
+    no_key_on_a_required_route_is_400,
+    an_app_wide_required_key_is_400,
+    malformed_keys_are_400,
+    a_retry_replays_byte_identical_without_running,
+    quoted_and_bare_keys_are_the_same_key,
+    another_request_with_the_same_key_is_422,
+    a_retry_while_in_flight_is_409_then_replays,
+    fifty_concurrent_duplicates_run_the_handler_once,
+    error_responses_release_the_key,
+    a_route_can_store_error_responses,
+    a_panicking_handler_is_500_and_releases_the_key,
+    an_oversized_request_body_is_413_without_running,
+    an_oversized_response_is_sent_whole_and_never_rerun,
+    safe_methods_and_untagged_routes_are_untouched,
+    protect_methods_covers_untagged_routes,
+    scopes_keep_principals_apart,
+);

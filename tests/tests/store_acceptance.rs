@@ -1,0 +1,312 @@
+//! The backend-agnostic acceptance suite: every store must pass every test here.
+//!
+//! Each test runs once per backend (`memory::…`, `redis::…`). The Redis runs use the server
+//! at `REDIS_URL` (default 127.0.0.1:6379), each test under its own key prefix.
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use actix_web::http::{Method, StatusCode, header::HeaderName, header::HeaderValue};
+use actix_web::web::Bytes;
+use idempotency_actix::{
+    BeginOutcome, Fingerprint, IdempotencyKey, IdempotencyStore, LeaseToken, StorageKey,
+    StoredResponse,
+};
+
+const LEASE: Duration = Duration::from_secs(30);
+const TTL: Duration = Duration::from_secs(60);
+
+fn key(prefix: &str, name: &str) -> StorageKey {
+    StorageKey::new(
+        prefix,
+        b"",
+        &IdempotencyKey::parse(name.as_bytes()).unwrap(),
+    )
+}
+
+fn print(body: &[u8]) -> Fingerprint {
+    Fingerprint::compute(&Method::POST, "/orders", "", body, [])
+}
+
+fn response(body: &'static [u8]) -> StoredResponse {
+    StoredResponse {
+        status: StatusCode::CREATED,
+        headers: vec![(
+            HeaderName::from_static("location"),
+            HeaderValue::from_static("/orders/1"),
+        )],
+        body: Some(Bytes::from_static(body)),
+    }
+}
+
+async fn acquire(
+    store: &impl IdempotencyStore,
+    key: &StorageKey,
+    body: &[u8],
+    lease: Duration,
+) -> LeaseToken {
+    match store.begin(key, &print(body), lease).await.unwrap() {
+        BeginOutcome::Acquired(token) => token,
+        other => panic!("expected Acquired, got {other:?}"),
+    }
+}
+
+async fn a_new_key_is_acquired_once(store: impl IdempotencyStore, prefix: String) {
+    let key = key(&prefix, "k");
+    acquire(&store, &key, b"a", LEASE).await;
+    assert_eq!(
+        store.begin(&key, &print(b"a"), LEASE).await.unwrap(),
+        BeginOutcome::InFlight
+    );
+}
+
+async fn another_fingerprint_is_a_mismatch_in_flight_and_completed(
+    store: impl IdempotencyStore,
+    prefix: String,
+) {
+    let key = key(&prefix, "k");
+    let token = acquire(&store, &key, b"a", LEASE).await;
+    assert_eq!(
+        store.begin(&key, &print(b"b"), LEASE).await.unwrap(),
+        BeginOutcome::FingerprintMismatch
+    );
+    assert!(
+        store
+            .commit(&key, &token, &response(b"done"), TTL)
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        store.begin(&key, &print(b"b"), LEASE).await.unwrap(),
+        BeginOutcome::FingerprintMismatch
+    );
+}
+
+async fn a_committed_response_is_replayed_exactly(store: impl IdempotencyStore, prefix: String) {
+    let key = key(&prefix, "k");
+    let token = acquire(&store, &key, b"a", LEASE).await;
+    assert!(
+        store
+            .commit(&key, &token, &response(b"{\"id\":1}"), TTL)
+            .await
+            .unwrap()
+    );
+    for _ in 0..3 {
+        assert_eq!(
+            store.begin(&key, &print(b"a"), LEASE).await.unwrap(),
+            BeginOutcome::Completed(response(b"{\"id\":1}"))
+        );
+    }
+}
+
+async fn a_record_without_body_is_replayed_without_body(
+    store: impl IdempotencyStore,
+    prefix: String,
+) {
+    let key = key(&prefix, "k");
+    let token = acquire(&store, &key, b"a", LEASE).await;
+    let mut omitted = response(b"");
+    omitted.body = None;
+    assert!(store.commit(&key, &token, &omitted, TTL).await.unwrap());
+    assert_eq!(
+        store.begin(&key, &print(b"a"), LEASE).await.unwrap(),
+        BeginOutcome::Completed(omitted)
+    );
+}
+
+async fn keys_are_independent(store: impl IdempotencyStore, prefix: String) {
+    acquire(&store, &key(&prefix, "one"), b"a", LEASE).await;
+    acquire(&store, &key(&prefix, "two"), b"a", LEASE).await;
+}
+
+async fn a_wrong_token_cannot_commit_renew_or_release(
+    store: impl IdempotencyStore,
+    prefix: String,
+) {
+    let key = key(&prefix, "k");
+    acquire(&store, &key, b"a", LEASE).await;
+    let stranger = LeaseToken::generate();
+    assert!(
+        !store
+            .commit(&key, &stranger, &response(b"x"), TTL)
+            .await
+            .unwrap()
+    );
+    assert!(!store.renew(&key, &stranger, LEASE).await.unwrap());
+    assert!(!store.release(&key, &stranger).await.unwrap());
+    assert_eq!(
+        store.begin(&key, &print(b"a"), LEASE).await.unwrap(),
+        BeginOutcome::InFlight
+    );
+}
+
+async fn operations_on_a_missing_key_report_false(store: impl IdempotencyStore, prefix: String) {
+    let key = key(&prefix, "never-begun");
+    let token = LeaseToken::generate();
+    assert!(
+        !store
+            .commit(&key, &token, &response(b"x"), TTL)
+            .await
+            .unwrap()
+    );
+    assert!(!store.renew(&key, &token, LEASE).await.unwrap());
+    assert!(!store.release(&key, &token).await.unwrap());
+    // Nothing was created by those calls.
+    acquire(&store, &key, b"a", LEASE).await;
+}
+
+async fn release_frees_the_key(store: impl IdempotencyStore, prefix: String) {
+    let key = key(&prefix, "k");
+    let token = acquire(&store, &key, b"a", LEASE).await;
+    assert!(store.release(&key, &token).await.unwrap());
+    // Released: the next request runs, even with another body.
+    acquire(&store, &key, b"b", LEASE).await;
+}
+
+async fn a_committed_record_cannot_be_released_or_committed_again(
+    store: impl IdempotencyStore,
+    prefix: String,
+) {
+    let key = key(&prefix, "k");
+    let token = acquire(&store, &key, b"a", LEASE).await;
+    assert!(
+        store
+            .commit(&key, &token, &response(b"first"), TTL)
+            .await
+            .unwrap()
+    );
+    assert!(!store.release(&key, &token).await.unwrap());
+    assert!(
+        !store
+            .commit(&key, &token, &response(b"second"), TTL)
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        store.begin(&key, &print(b"a"), LEASE).await.unwrap(),
+        BeginOutcome::Completed(response(b"first"))
+    );
+}
+
+async fn an_expired_lease_frees_the_key(store: impl IdempotencyStore, prefix: String) {
+    let key = key(&prefix, "k");
+    acquire(&store, &key, b"a", Duration::from_millis(50)).await;
+    actix_rt::time::sleep(Duration::from_millis(120)).await;
+    acquire(&store, &key, b"a", LEASE).await;
+}
+
+async fn renewal_keeps_the_lease(store: impl IdempotencyStore, prefix: String) {
+    let key = key(&prefix, "k");
+    let lease = Duration::from_millis(150);
+    let token = acquire(&store, &key, b"a", lease).await;
+    for _ in 0..4 {
+        actix_rt::time::sleep(Duration::from_millis(75)).await;
+        assert!(store.renew(&key, &token, lease).await.unwrap());
+    }
+    // 300 ms after the start, twice the lease: still held.
+    assert_eq!(
+        store.begin(&key, &print(b"a"), lease).await.unwrap(),
+        BeginOutcome::InFlight
+    );
+}
+
+async fn a_lost_lease_cannot_overwrite_the_new_holder(
+    store: impl IdempotencyStore,
+    prefix: String,
+) {
+    let key = key(&prefix, "k");
+    let slow = acquire(&store, &key, b"a", Duration::from_millis(50)).await;
+    actix_rt::time::sleep(Duration::from_millis(120)).await;
+    let fast = acquire(&store, &key, b"a", LEASE).await;
+    assert!(!store.renew(&key, &slow, LEASE).await.unwrap());
+    assert!(
+        !store
+            .commit(&key, &slow, &response(b"slow"), TTL)
+            .await
+            .unwrap()
+    );
+    assert!(!store.release(&key, &slow).await.unwrap());
+    assert!(
+        store
+            .commit(&key, &fast, &response(b"fast"), TTL)
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        store.begin(&key, &print(b"a"), LEASE).await.unwrap(),
+        BeginOutcome::Completed(response(b"fast"))
+    );
+}
+
+async fn a_completed_record_expires_after_its_ttl(store: impl IdempotencyStore, prefix: String) {
+    let key = key(&prefix, "k");
+    let token = acquire(&store, &key, b"a", LEASE).await;
+    assert!(
+        store
+            .commit(&key, &token, &response(b"x"), Duration::from_millis(80))
+            .await
+            .unwrap()
+    );
+    assert!(matches!(
+        store.begin(&key, &print(b"a"), LEASE).await.unwrap(),
+        BeginOutcome::Completed(_)
+    ));
+    actix_rt::time::sleep(Duration::from_millis(160)).await;
+    acquire(&store, &key, b"a", LEASE).await;
+}
+
+async fn concurrent_begins_acquire_exactly_once(store: impl IdempotencyStore, prefix: String) {
+    let key = key(&prefix, "k");
+    let fingerprint = print(b"a");
+    let outcomes =
+        futures_util::future::join_all((0..50).map(|_| store.begin(&key, &fingerprint, LEASE)))
+            .await;
+    let acquired = outcomes
+        .iter()
+        .filter(|outcome| matches!(outcome, Ok(BeginOutcome::Acquired(_))))
+        .count();
+    let in_flight = outcomes
+        .iter()
+        .filter(|outcome| matches!(outcome, Ok(BeginOutcome::InFlight)))
+        .count();
+    assert_eq!((acquired, in_flight), (1, 49));
+}
+
+macro_rules! acceptance_suite {
+    ($backend:ident, $make_store:expr) => {
+        mod $backend {
+            acceptance_suite!(@tests $make_store;
+                a_new_key_is_acquired_once,
+                another_fingerprint_is_a_mismatch_in_flight_and_completed,
+                a_committed_response_is_replayed_exactly,
+                a_record_without_body_is_replayed_without_body,
+                keys_are_independent,
+                a_wrong_token_cannot_commit_renew_or_release,
+                operations_on_a_missing_key_report_false,
+                release_frees_the_key,
+                a_committed_record_cannot_be_released_or_committed_again,
+                an_expired_lease_frees_the_key,
+                renewal_keeps_the_lease,
+                a_lost_lease_cannot_overwrite_the_new_holder,
+                a_completed_record_expires_after_its_ttl,
+                concurrent_begins_acquire_exactly_once,
+            );
+        }
+    };
+    (@tests $make_store:expr; $($test:ident),* $(,)?) => {
+        $(
+            #[actix_web::test]
+            async fn $test() {
+                let prefix = idempotency_actix_tests::unique_prefix(stringify!($test));
+                super::$test($make_store, prefix).await;
+            }
+        )*
+    };
+}
+
+acceptance_suite!(memory, idempotency_actix::MemoryStore::new());
+acceptance_suite!(
+    redis,
+    idempotency_actix::RedisStore::new(idempotency_actix_tests::redis_pool().await)
+);
