@@ -92,3 +92,111 @@ impl RunCounter {
         self.0.load(Ordering::SeqCst)
     }
 }
+
+/// A `redis-server` of the test's own on a free loopback port, stopped when dropped: for
+/// tests that count commands, or stop, pause or restart Redis (never the shared server).
+#[derive(Debug)]
+pub struct PrivateRedis {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl PrivateRedis {
+    /// Starts one and waits until it answers `PING`.
+    ///
+    /// # Panics
+    ///
+    /// When `redis-server` is not installed or does not start within 10 s.
+    pub async fn start() -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|listener| listener.local_addr())
+            .expect("a free loopback port")
+            .port();
+        let child = std::process::Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap_or_else(|error| {
+                panic!("cannot run redis-server ({error}); install it with: apt-get install -y redis-server")
+            });
+        let server = Self { child, port };
+        for _ in 0..100 {
+            if let Ok(client) = redis::Client::open(server.url()) {
+                if let Ok(mut connection) = client.get_multiplexed_async_connection().await {
+                    let pong: redis::RedisResult<String> =
+                        redis::cmd("PING").query_async(&mut connection).await;
+                    if pong.is_ok() {
+                        return server;
+                    }
+                }
+            }
+            actix_rt::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        panic!("redis-server on port {port} did not answer within 10 s");
+    }
+
+    /// Its URL.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Its port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// A plain connection to it.
+    pub async fn connection(&self) -> redis::aio::MultiplexedConnection {
+        redis::Client::open(self.url())
+            .expect("valid URL")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("private redis-server answers")
+    }
+
+    /// How many times clients sent each command since the last call, then resets the
+    /// counts.
+    ///
+    /// Read from `INFO commandstats`, which also counts the commands a script runs inside
+    /// the server; those (the hash and expiry commands of the store's scripts) are left out,
+    /// as are the `INFO`/`CONFIG` calls this makes and connection handshakes, so what is
+    /// left is round trips.
+    pub async fn take_command_counts(&self) -> std::collections::BTreeMap<String, u64> {
+        let mut connection = self.connection().await;
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query_async(&mut connection)
+            .await
+            .expect("INFO commandstats");
+        let _: () = redis::cmd("CONFIG")
+            .arg("RESETSTAT")
+            .query_async(&mut connection)
+            .await
+            .expect("CONFIG RESETSTAT");
+        info.lines()
+            .filter_map(|line| {
+                let (name, stats) = line.strip_prefix("cmdstat_")?.split_once(':')?;
+                let calls = stats.split(',').find_map(|s| s.strip_prefix("calls="))?;
+                Some((name.to_owned(), calls.parse().ok()?))
+            })
+            .filter(|(name, _)| {
+                let command = name.split('|').next().unwrap_or_default();
+                !SERVER_SIDE_OR_BOOKKEEPING.contains(&command)
+            })
+            .collect()
+    }
+}
+
+/// Commands that the store's scripts run inside Redis (never sent by a client) and those
+/// of test bookkeeping and connection set-up.
+const SERVER_SIDE_OR_BOOKKEEPING: [&str; 10] = [
+    "hmget", "hget", "hset", "hdel", "del", "pexpire", "info", "config", "hello", "client",
+];
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

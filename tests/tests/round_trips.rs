@@ -1,0 +1,90 @@
+//! Round trips per request (DESIGN §6, §10), counted by a private `redis-server`'s
+//! `INFO commandstats`: 2 for a new key, 1 for a replay, 0 for unprotected requests.
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeMap;
+
+use actix_web::http::Method;
+use actix_web::{App, HttpResponse, web};
+use idempotency_actix::{Idempotency, IdempotentRoute, RedisPool, RedisStore};
+use idempotency_actix_tests::PrivateRedis;
+
+async fn create() -> HttpResponse {
+    HttpResponse::Created().body("created")
+}
+
+fn start(pool: RedisPool) -> actix_test::TestServer {
+    actix_test::start(move || {
+        App::new().wrap(Idempotency::redis(pool.clone())).service(
+            web::resource("/orders")
+                .wrap(IdempotentRoute::new())
+                .route(web::post().to(create))
+                .route(web::get().to(create)),
+        )
+    })
+}
+
+async fn post(server: &actix_test::TestServer, method: Method, key: Option<&str>) -> u16 {
+    let mut request = server.request(method, server.url("/orders"));
+    if let Some(key) = key {
+        request = request.insert_header(("idempotency-key", key));
+    }
+    request.send_body("{}").await.unwrap().status().as_u16()
+}
+
+fn total(counts: &BTreeMap<String, u64>) -> u64 {
+    counts.values().sum()
+}
+
+#[actix_web::test]
+async fn new_key_costs_two_round_trips_replay_one_unprotected_none() {
+    let redis = PrivateRedis::start().await;
+    let server = start(RedisStore::pool(&redis.url()).unwrap());
+
+    // Warm up: the pool connects and the scripts are loaded once per server.
+    assert_eq!(post(&server, Method::POST, Some("warm-up")).await, 201);
+    redis.take_command_counts().await;
+
+    assert_eq!(post(&server, Method::POST, Some("new")).await, 201);
+    let new_key = redis.take_command_counts().await;
+    assert_eq!(
+        total(&new_key),
+        2,
+        "new key: begin + commit, got {new_key:?}"
+    );
+    assert_eq!(new_key.get("evalsha"), Some(&2));
+
+    assert_eq!(post(&server, Method::POST, Some("new")).await, 201);
+    let replay = redis.take_command_counts().await;
+    assert_eq!(total(&replay), 1, "replay: one round trip, got {replay:?}");
+
+    assert_eq!(post(&server, Method::GET, Some("new")).await, 201);
+    assert_eq!(post(&server, Method::POST, None).await, 201);
+    let unprotected = redis.take_command_counts().await;
+    assert_eq!(
+        total(&unprotected),
+        0,
+        "unprotected: no traffic, got {unprotected:?}"
+    );
+}
+
+#[actix_web::test]
+async fn a_default_bb8_pool_adds_a_ping_per_checkout() {
+    let redis = PrivateRedis::start().await;
+    // bb8's default `test_on_check_out(true)`: what users get from `Pool::builder().build(..)`.
+    let manager = bb8_redis::RedisConnectionManager::new(redis.url()).unwrap();
+    let pool = bb8::Pool::builder().build(manager).await.unwrap();
+    let server = start(pool);
+    assert_eq!(post(&server, Method::POST, Some("warm-up")).await, 201);
+    redis.take_command_counts().await;
+
+    assert_eq!(post(&server, Method::POST, Some("new")).await, 201);
+    let counts = redis.take_command_counts().await;
+    assert_eq!(counts.get("evalsha"), Some(&2), "{counts:?}");
+    assert_eq!(
+        counts.get("ping"),
+        Some(&2),
+        "one PING per checkout: {counts:?}"
+    );
+}

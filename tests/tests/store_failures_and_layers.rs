@@ -1,0 +1,362 @@
+//! What Redis holds after a commit, how the layers combine, and what clients see when the
+//! store fails: real servers, real Redis (`REDIS_URL`, default 127.0.0.1:6379).
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use actix_web::http::{Method, StatusCode};
+use actix_web::web::{self, Bytes};
+use actix_web::{App, HttpResponse};
+use idempotency_actix::{
+    BeginOutcome, FailMode, Fingerprint, Idempotency, IdempotencyStore, IdempotentRoute,
+    LeaseToken, MemoryStore, RedisStore, StorageKey, StoreError, StoredResponse,
+};
+use idempotency_actix_tests::{
+    RunCounter, keys_under, redis_connection, redis_pool, unique_prefix,
+};
+
+async fn create(runs: web::Data<RunCounter>) -> HttpResponse {
+    let seq = runs.record();
+    HttpResponse::Created()
+        .json(serde_json::json!({ "seq": seq, "id": uuid::Uuid::new_v4().to_string() }))
+}
+
+async fn send(
+    server: &actix_test::TestServer,
+    method: Method,
+    path: &str,
+    key: Option<&str>,
+) -> (StatusCode, actix_web::http::header::HeaderMap, Bytes) {
+    let mut request = server.request(method, server.url(path));
+    if let Some(key) = key {
+        request = request.insert_header(("idempotency-key", key));
+    }
+    let mut response = request.send_body("{\"item\":\"x\"}").await.unwrap();
+    let body = response.body().await.unwrap();
+    (response.status(), response.headers().clone(), body)
+}
+
+async fn pttl(key: &str) -> i64 {
+    let mut connection = redis_connection().await;
+    redis::cmd("PTTL")
+        .arg(key)
+        .query_async(&mut connection)
+        .await
+        .unwrap()
+}
+
+#[actix_web::test]
+async fn redis_holds_the_ttl_and_never_the_raw_key() {
+    let pool = redis_pool().await;
+    let prefix = unique_prefix("pttl");
+    let runs = RunCounter::default();
+    let server = {
+        let (pool, prefix, runs) = (pool.clone(), prefix.clone(), runs.clone());
+        actix_test::start(move || {
+            App::new()
+                .app_data(web::Data::new(runs.clone()))
+                .wrap(Idempotency::redis(pool.clone()).key_prefix(prefix.clone()))
+                .service(
+                    web::resource("/default")
+                        .wrap(IdempotentRoute::new())
+                        .route(web::post().to(create)),
+                )
+                .service(
+                    web::resource("/short")
+                        .wrap(IdempotentRoute::new().ttl(Duration::from_secs(90)))
+                        .route(web::post().to(create)),
+                )
+        })
+    };
+    let raw_key = format!("raw-key-{}", uuid::Uuid::new_v4());
+    let (status, _, _) = send(&server, Method::POST, "/default", Some(&raw_key)).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let (status, _, _) = send(&server, Method::POST, "/short", Some("short-key")).await;
+    assert_eq!(status, StatusCode::CREATED);
+
+    let mut connection = redis_connection().await;
+    let keys = keys_under(&mut connection, &prefix).await;
+    assert_eq!(keys.len(), 2, "{keys:?}");
+    let mut ttls = Vec::new();
+    for key in &keys {
+        assert!(
+            !key.contains(&raw_key) && !key.contains("short-key"),
+            "raw key in {key}"
+        );
+        let digest = key.strip_prefix(&prefix).unwrap();
+        assert_eq!(digest.len(), 64);
+        assert!(digest.chars().all(|c| c.is_ascii_hexdigit()));
+        ttls.push(pttl(key).await);
+    }
+    ttls.sort();
+    assert!(
+        (85_000..=90_000).contains(&ttls[0]),
+        "route ttl 90 s, PTTL {}",
+        ttls[0]
+    );
+    let day = 24 * 60 * 60 * 1000;
+    assert!(
+        (day - 10_000..=day).contains(&ttls[1]),
+        "default ttl 24 h, PTTL {}",
+        ttls[1]
+    );
+    assert_eq!(runs.get(), 2);
+}
+
+#[actix_web::test]
+async fn app_and_route_layers_together_process_once_with_the_route_ttl() {
+    let pool = redis_pool().await;
+    let prefix = unique_prefix("both_layers");
+    let runs = RunCounter::default();
+    let server = {
+        let (pool, prefix, runs) = (pool.clone(), prefix.clone(), runs.clone());
+        actix_test::start(move || {
+            App::new()
+                .app_data(web::Data::new(runs.clone()))
+                .wrap(
+                    Idempotency::redis(pool.clone())
+                        .key_prefix(prefix.clone())
+                        .protect_methods([Method::POST]),
+                )
+                .service(
+                    web::resource("/orders")
+                        .wrap(IdempotentRoute::new().ttl(Duration::from_secs(90)))
+                        .route(web::post().to(create)),
+                )
+        })
+    };
+    let (_, _, first) = send(&server, Method::POST, "/orders", Some("k")).await;
+    let (_, headers, retry) = send(&server, Method::POST, "/orders", Some("k")).await;
+    assert_eq!(headers.get("idempotent-replayed").unwrap(), "true");
+    assert_eq!(retry, first);
+    assert_eq!(runs.get(), 1);
+    let mut connection = redis_connection().await;
+    let keys = keys_under(&mut connection, &prefix).await;
+    assert_eq!(keys.len(), 1, "one record, not one per layer: {keys:?}");
+    let ttl = pttl(&keys[0]).await;
+    assert!(
+        (85_000..=90_000).contains(&ttl),
+        "the route's ttl applies: {ttl}"
+    );
+}
+
+#[actix_web::test]
+async fn idempotency_works_on_a_scope_and_on_a_resource() {
+    let store = MemoryStore::new();
+    let runs = RunCounter::default();
+    let server = {
+        let (store, runs) = (store.clone(), runs.clone());
+        actix_test::start(move || {
+            App::new()
+                .app_data(web::Data::new(runs.clone()))
+                .service(
+                    web::scope("/scoped")
+                        .wrap(Idempotency::new(store.clone()).protect_methods([Method::POST]))
+                        .route("/orders", web::post().to(create)),
+                )
+                .service(
+                    web::resource("/resource")
+                        .wrap(Idempotency::new(store.clone()).protect_methods([Method::POST]))
+                        .route(web::post().to(create)),
+                )
+                .route("/outside", web::post().to(create))
+        })
+    };
+    for path in ["/scoped/orders", "/resource"] {
+        let (_, _, first) = send(&server, Method::POST, path, Some(path)).await;
+        let (_, headers, retry) = send(&server, Method::POST, path, Some(path)).await;
+        assert_eq!(
+            headers.get("idempotent-replayed").unwrap(),
+            "true",
+            "{path}"
+        );
+        assert_eq!(retry, first);
+    }
+    let (_, headers, _) = send(&server, Method::POST, "/outside", Some("o")).await;
+    assert!(headers.get("idempotent-replayed").is_none());
+    send(&server, Method::POST, "/outside", Some("o")).await;
+    assert_eq!(runs.get(), 4);
+}
+
+#[actix_web::test]
+async fn a_route_layer_without_idempotency_on_the_app_is_500() {
+    let runs = RunCounter::default();
+    let server = {
+        let runs = runs.clone();
+        actix_test::start(move || {
+            App::new().app_data(web::Data::new(runs.clone())).service(
+                web::resource("/orders")
+                    .wrap(IdempotentRoute::new())
+                    .route(web::post().to(create)),
+            )
+        })
+    };
+    let (status, headers, body) = send(&server, Method::POST, "/orders", Some("k")).await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(
+        headers.get("content-type").unwrap(),
+        "application/problem+json"
+    );
+    let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(problem["type"], "tag:idempotency-actix,2026:not-configured");
+    assert_eq!(runs.get(), 0);
+}
+
+/// A store whose every operation fails, as an unreachable Redis does.
+#[derive(Clone)]
+struct BrokenStore;
+
+impl IdempotencyStore for BrokenStore {
+    async fn begin(
+        &self,
+        _: &StorageKey,
+        _: &Fingerprint,
+        _: Duration,
+    ) -> Result<BeginOutcome, StoreError> {
+        Err(StoreError::Protocol("broken on purpose".into()))
+    }
+    async fn renew(&self, _: &StorageKey, _: &LeaseToken, _: Duration) -> Result<bool, StoreError> {
+        Err(StoreError::Protocol("broken on purpose".into()))
+    }
+    async fn commit(
+        &self,
+        _: &StorageKey,
+        _: &LeaseToken,
+        _: &StoredResponse,
+        _: Duration,
+    ) -> Result<bool, StoreError> {
+        Err(StoreError::Protocol("broken on purpose".into()))
+    }
+    async fn release(&self, _: &StorageKey, _: &LeaseToken) -> Result<bool, StoreError> {
+        Err(StoreError::Protocol("broken on purpose".into()))
+    }
+}
+
+/// A store that answers only after `delay`, as a Redis under `DEBUG SLEEP` does.
+#[derive(Clone)]
+struct SlowStore {
+    inner: MemoryStore,
+    delay: Duration,
+}
+
+impl IdempotencyStore for SlowStore {
+    async fn begin(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<BeginOutcome, StoreError> {
+        actix_rt::time::sleep(self.delay).await;
+        self.inner.begin(key, fingerprint, lease).await
+    }
+    async fn renew(
+        &self,
+        key: &StorageKey,
+        token: &LeaseToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.renew(key, token, lease).await
+    }
+    async fn commit(
+        &self,
+        key: &StorageKey,
+        token: &LeaseToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.commit(key, token, response, ttl).await
+    }
+    async fn release(&self, key: &StorageKey, token: &LeaseToken) -> Result<bool, StoreError> {
+        self.inner.release(key, token).await
+    }
+}
+
+/// Starts `/orders` (tagged) and `/orders` GET on an app built by `idempotency`.
+fn start_with(
+    runs: &RunCounter,
+    idempotency: impl Fn() -> Idempotency + Clone + Send + 'static,
+) -> actix_test::TestServer {
+    let runs = runs.clone();
+    actix_test::start(move || {
+        App::new()
+            .app_data(web::Data::new(runs.clone()))
+            .wrap(idempotency())
+            .service(
+                web::resource("/orders")
+                    .wrap(IdempotentRoute::new())
+                    .route(web::post().to(create))
+                    .route(web::get().to(create)),
+            )
+    })
+}
+
+fn assert_503(status: StatusCode, headers: &actix_web::http::header::HeaderMap, body: &[u8]) {
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(headers.get("retry-after").unwrap(), "1");
+    let problem: serde_json::Value = serde_json::from_slice(body).unwrap();
+    assert_eq!(
+        problem["type"],
+        "tag:idempotency-actix,2026:store-unavailable"
+    );
+    assert!(
+        !problem["detail"]
+            .as_str()
+            .unwrap()
+            .contains("broken on purpose"),
+        "store detail leaked"
+    );
+}
+
+#[actix_web::test]
+async fn a_failing_store_is_503_fail_closed_and_runs_unprotected_fail_open() {
+    let runs = RunCounter::default();
+    let closed = start_with(&runs, || Idempotency::new(BrokenStore));
+    let (status, headers, body) = send(&closed, Method::POST, "/orders", Some("k")).await;
+    assert_503(status, &headers, &body);
+    assert_eq!(runs.get(), 0, "fail-closed: the handler did not run");
+    // Unprotected requests never touch the store, so they still work.
+    assert_eq!(
+        send(&closed, Method::GET, "/orders", Some("k")).await.0,
+        StatusCode::CREATED
+    );
+    assert_eq!(
+        send(&closed, Method::POST, "/orders", None).await.0,
+        StatusCode::CREATED
+    );
+    assert_eq!(runs.get(), 2);
+
+    let open = start_with(&runs, || {
+        Idempotency::new(BrokenStore).on_store_error(FailMode::Open)
+    });
+    let (status, headers, _) = send(&open, Method::POST, "/orders", Some("k")).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert!(headers.get("idempotent-replayed").is_none());
+    assert_eq!(runs.get(), 3, "fail-open: the handler ran");
+}
+
+#[actix_web::test]
+async fn an_unreachable_redis_is_503_and_a_slow_store_times_out() {
+    let runs = RunCounter::default();
+    // Nothing listens on port 1: every connection is refused at once.
+    let dead_pool = RedisStore::pool("redis://127.0.0.1:1").unwrap();
+    let unreachable = start_with(&runs, move || Idempotency::redis(dead_pool.clone()));
+    let (status, headers, body) = send(&unreachable, Method::POST, "/orders", Some("k")).await;
+    assert_503(status, &headers, &body);
+
+    let slow = SlowStore {
+        inner: MemoryStore::new(),
+        delay: Duration::from_secs(5),
+    };
+    let server = start_with(&runs, move || {
+        Idempotency::new(slow.clone()).store_timeout(Duration::from_millis(200))
+    });
+    let started = std::time::Instant::now();
+    let (status, headers, body) = send(&server, Method::POST, "/orders", Some("k")).await;
+    assert_503(status, &headers, &body);
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "the store timeout bounded the wait"
+    );
+    assert_eq!(runs.get(), 0);
+}
