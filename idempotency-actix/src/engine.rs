@@ -391,10 +391,10 @@ async fn capture_body<B>(body: B, limit: usize) -> (IdempotentBody<B>, Captured)
 where
     B: MessageBody + 'static,
 {
-    if let BodySize::Sized(size) = body.size() {
-        if size > limit as u64 {
-            return (IdempotentBody::handler(body), Captured::TooLarge);
-        }
+    if let BodySize::Sized(size) = body.size()
+        && size > limit as u64
+    {
+        return (IdempotentBody::handler(body), Captured::TooLarge);
     }
     let body = match body.try_into_bytes() {
         Ok(bytes) => {

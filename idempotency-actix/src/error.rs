@@ -24,7 +24,7 @@ use crate::store::StoreError;
 ///
 /// let response = IdempotencyError::FingerprintMismatch.error_response();
 /// assert_eq!(response.status(), 422);
-/// assert_eq!(response.headers()["content-type"], "application/problem+json");
+/// assert_eq!(response.headers().get("content-type").unwrap(), "application/problem+json");
 /// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

@@ -1,4 +1,99 @@
-//! tmp
+//! Idempotency-Key middleware for Actix Web: a protected request runs its handler once per
+//! key; every retry with that key, on any instance, gets the stored response back.
+//!
+//! A client sends `Idempotency-Key: "<uuid>"` (the IETF draft's sf-string form, or the bare
+//! form most clients send). The first request with a key runs the handler; its response is
+//! stored (in Redis, or in memory for development) and every retry with the same key and
+//! the same request gets the same status, headers and body back, byte for byte, with
+//! `Idempotent-Replayed: true`, without running the handler again.
+//!
+//! # Quickstart
+//!
+//! ```no_run
+//! use actix_web::{App, HttpResponse, HttpServer, post, web};
+//! use idempotency_actix::{Idempotency, RedisStore, idempotent};
+//!
+//! #[idempotent(ttl = "24h")]
+//! #[post("/orders")]
+//! async fn create_order(order: web::Json<serde_json::Value>) -> HttpResponse {
+//!     HttpResponse::Created().json(order.into_inner())
+//! }
+//!
+//! #[actix_web::main]
+//! async fn main() -> std::io::Result<()> {
+//!     let pool = RedisStore::pool("redis://127.0.0.1:6379").expect("a valid Redis URL");
+//!     HttpServer::new(move || {
+//!         App::new()
+//!             .wrap(Idempotency::redis(pool.clone()))
+//!             .service(create_order)
+//!     })
+//!     .bind("127.0.0.1:8080")?
+//!     .run()
+//!     .await
+//! }
+//! ```
+//!
+//! # What clients see
+//!
+//! | situation | response |
+//! |---|---|
+//! | no key, key not required | the handler runs, nothing is stored |
+//! | no key, `required` | 400 problem |
+//! | malformed key (empty, over 255 characters, not printable ASCII, bad sf-string, repeated header) | 400 problem |
+//! | first request with a key | the handler runs once; its response is returned as produced |
+//! | retry after completion, same request | stored status, headers and body plus `Idempotent-Replayed: true` |
+//! | retry with the same key, another method, path, query or body | 422 problem |
+//! | retry while the first is still running | 409 problem with `Retry-After` |
+//! | handler answers >= 400 or panics | response returned (a panic becomes a 500 problem); key released, a retry runs again (`store_errors` stores them instead) |
+//! | keyed request body over the limit (1 MiB) | 413 problem; the handler does not run |
+//! | response body over the stored limit (1 MiB) | sent whole; the record completes without a body, so a retry never re-runs; the replay has the stored status and headers, an empty body and `Idempotent-Body-Omitted: true` |
+//! | store unreachable, failing, or slower than the store timeout (2 s) | 503 problem with `Retry-After` (fail closed); [`FailMode::Open`] runs the handler unprotected and logs a warning |
+//! | `GET`, `HEAD`, `OPTIONS`, `TRACE`, or unprotected routes | untouched, no store traffic |
+//!
+//! Problems are RFC 9457 `application/problem+json` documents with `type`, `title`,
+//! `status` and `detail`; see [`IdempotencyError`].
+//!
+//! # Layers
+//!
+//! [`Idempotency`] on the `App` (or a scope or resource) brings the store and the defaults.
+//! [`#[idempotent(...)]`](idempotent) protects one route with its own policy by attaching
+//! [`IdempotentRoute`] to it; routes registered by hand use `IdempotentRoute` directly.
+//! Untagged routes are protected only for the methods named with
+//! [`Idempotency::protect_methods`]. When both layers apply, the request is processed once.
+//!
+//! # Stores
+//!
+//! * [`RedisStore`] (`Idempotency::redis(pool)`): a bb8 pool of bb8-redis connections. Two
+//!   round trips for a new key, one for a replay, none for unprotected requests; every
+//!   record is one key, so the same scripts run on Redis Cluster.
+//! * [`MemoryStore`] (`Idempotency::memory()`): in-process, for development, tests and
+//!   single-instance apps.
+//! * Anything implementing [`IdempotencyStore`] (`Idempotency::new(store)`).
+//!
+//! # What is stored
+//!
+//! Records are stored under a blake3 digest of (scope, key), never the raw key (see
+//! [`KeyScope`] to keep tenants apart). A record holds the fingerprint of the request
+//! ([`Fingerprint`]: method, path, query and a digest of the body), the status, the replayed
+//! headers ([`ReplayedHeaders`]: never `Set-Cookie`, `Date`, hop-by-hop or framing headers)
+//! and the body as raw bytes.
+//!
+//! # Guarantees and limits
+//!
+//! * The handler of a protected request runs while its record holds a lease (30 s by
+//!   default) that is renewed every third of it, so a slow handler is not run twice.
+//! * The commit is fenced by the lease token: a request that lost its lease never
+//!   overwrites another request's record.
+//! * The handler runs on its own task: a client that disconnects does not cancel it, and
+//!   its response is committed for the retry.
+//! * The commit happens before the response is sent, so a retry issued after a response
+//!   arrived always gets the replay.
+//! * If the store fails after the handler ran, the response is still sent (never lost) but
+//!   not stored; the in-flight record then expires with its lease, after which a retry
+//!   runs the handler again. Keep the lease short enough for your retry policy.
+
+#![forbid(unsafe_code)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 mod body;
 mod engine;
 mod error;

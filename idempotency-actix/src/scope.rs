@@ -40,8 +40,10 @@ enum ScopeSource {
     #[default]
     Global,
     Header(HeaderName),
-    Function(Rc<dyn Fn(&ServiceRequest) -> Option<String>>),
+    Function(ScopeFn),
 }
+
+type ScopeFn = Rc<dyn Fn(&ServiceRequest) -> Option<String>>;
 
 impl KeyScope {
     /// One key space for the whole app (the default).

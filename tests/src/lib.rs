@@ -122,18 +122,23 @@ impl PrivateRedis {
             });
         let server = Self { child, port };
         for _ in 0..100 {
-            if let Ok(client) = redis::Client::open(server.url()) {
-                if let Ok(mut connection) = client.get_multiplexed_async_connection().await {
-                    let pong: redis::RedisResult<String> =
-                        redis::cmd("PING").query_async(&mut connection).await;
-                    if pong.is_ok() {
-                        return server;
-                    }
-                }
+            if server.answers_ping().await {
+                return server;
             }
             actix_rt::time::sleep(std::time::Duration::from_millis(100)).await;
         }
         panic!("redis-server on port {port} did not answer within 10 s");
+    }
+
+    async fn answers_ping(&self) -> bool {
+        let Ok(client) = redis::Client::open(self.url()) else {
+            return false;
+        };
+        let Ok(mut connection) = client.get_multiplexed_async_connection().await else {
+            return false;
+        };
+        let pong: redis::RedisResult<String> = redis::cmd("PING").query_async(&mut connection).await;
+        pong.is_ok()
     }
 
     /// Its URL.
