@@ -7,7 +7,7 @@
 use std::future::poll_fn;
 use std::panic::AssertUnwindSafe;
 use std::rc::Rc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use actix_web::body::{BodySize, BoxBody, MessageBody};
 use actix_web::dev::{Payload, Service, ServiceRequest, ServiceResponse};
@@ -19,7 +19,7 @@ use futures_util::future::{Either, FutureExt, select};
 
 use crate::body::IdempotentBody;
 use crate::error::IdempotencyError;
-use crate::fingerprint::FingerprintParts;
+use crate::fingerprint::{Fingerprint, FingerprintParts};
 use crate::key::IdempotencyKey;
 use crate::policy::{Policy, RoutePolicy};
 use crate::record::StoredResponse;
@@ -151,7 +151,7 @@ impl Engine {
         req.set_payload(Payload::from(body));
 
         let begun = self
-            .bounded(self.store.begin(&storage_key, &fingerprint, policy.lease))
+            .begin_or_wait(&storage_key, &fingerprint, &policy)
             .await;
         match begun {
             Ok(BeginOutcome::Acquired(token)) => {
@@ -196,6 +196,33 @@ impl Engine {
                     ))
                 }
             },
+        }
+    }
+
+    /// `begin`, repeated while the key is in flight and the policy allows waiting.
+    async fn begin_or_wait(
+        &self,
+        storage_key: &StorageKey,
+        fingerprint: &Fingerprint,
+        policy: &Policy,
+    ) -> Result<BeginOutcome, StoreError> {
+        let deadline = policy
+            .wait_for_completion
+            .map(|bound| Instant::now() + bound);
+        let mut pause = Duration::from_millis(20);
+        loop {
+            let begun = self
+                .bounded(self.store.begin(storage_key, fingerprint, policy.lease))
+                .await;
+            match (&begun, deadline) {
+                (Ok(BeginOutcome::InFlight), Some(deadline))
+                    if Instant::now() + pause < deadline =>
+                {
+                    actix_rt::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_millis(250));
+                }
+                _ => return begun,
+            }
         }
     }
 
@@ -302,13 +329,60 @@ impl Engine {
                 key = storage_key.as_str(),
                 "idempotency: lease lost before commit; response sent but not stored"
             ),
-            Err(error) => tracing::error!(
-                key = storage_key.as_str(),
-                %error,
-                "idempotency: commit failed; response sent but not stored (the in-flight record expires with its lease)"
-            ),
+            Err(error) => {
+                tracing::warn!(
+                    key = storage_key.as_str(),
+                    %error,
+                    "idempotency: commit failed; response sent, commit retried in the background"
+                );
+                self.commit_in_background(storage_key, token, stored, &policy);
+            }
         }
         Ok(response)
+    }
+
+    /// Retries a failed commit until it lands, the lease is lost, or the lease would have
+    /// expired. Meanwhile the record is in flight (retries get 409), never free, so the
+    /// handler is not run again unless the store stays unreachable past the lease.
+    fn commit_in_background(
+        &self,
+        storage_key: StorageKey,
+        token: LeaseToken,
+        stored: StoredResponse,
+        policy: &Policy,
+    ) {
+        let store = Rc::clone(&self.store);
+        let timeout = self.settings.store_timeout;
+        let deadline = Instant::now() + policy.lease;
+        let ttl = policy.ttl;
+        actix_rt::spawn(async move {
+            let mut pause = Duration::from_millis(50);
+            while Instant::now() + pause < deadline {
+                actix_rt::time::sleep(pause).await;
+                let commit = store.commit(&storage_key, &token, &stored, ttl);
+                match actix_rt::time::timeout(timeout, commit).await {
+                    Ok(Ok(true)) => {
+                        tracing::info!(
+                            key = storage_key.as_str(),
+                            "idempotency: commit landed on retry"
+                        );
+                        return;
+                    }
+                    Ok(Ok(false)) => {
+                        tracing::warn!(
+                            key = storage_key.as_str(),
+                            "idempotency: lease lost before the commit landed"
+                        );
+                        return;
+                    }
+                    Ok(Err(_)) | Err(_) => pause = (pause * 2).min(Duration::from_secs(1)),
+                }
+            }
+            tracing::error!(
+                key = storage_key.as_str(),
+                "idempotency: commit never landed within the lease; the key frees itself when the lease expires"
+            );
+        });
     }
 
     /// Runs `handler` to completion while renewing the lease every third of it.

@@ -45,6 +45,10 @@ pub struct Policy {
     /// Whether responses with status >= 400 are stored too (by default they release the
     /// key, so a retry runs the handler again).
     pub store_errors: bool,
+    /// How long a retry that finds its key in flight waits for the first request to finish
+    /// (then replays its response) before answering 409; `None` answers 409 at once (the
+    /// default).
+    pub wait_for_completion: Option<Duration>,
 }
 
 impl Default for Policy {
@@ -56,6 +60,7 @@ impl Default for Policy {
             max_request_body: DEFAULT_MAX_REQUEST_BODY,
             max_stored_body: DEFAULT_MAX_STORED_BODY,
             store_errors: false,
+            wait_for_completion: None,
         }
     }
 }
@@ -78,6 +83,7 @@ pub struct RoutePolicy {
     max_request_body: Option<usize>,
     max_stored_body: Option<usize>,
     store_errors: Option<bool>,
+    wait_for_completion: Option<Duration>,
 }
 
 impl RoutePolicy {
@@ -124,6 +130,14 @@ impl RoutePolicy {
         self
     }
 
+    /// A retry that finds its key in flight waits up to `bound` for the first request to
+    /// finish and replays its response (409 if it is still running then).
+    #[must_use]
+    pub const fn wait_for_completion(mut self, bound: Duration) -> Self {
+        self.wait_for_completion = Some(bound);
+        self
+    }
+
     /// The effective policy: `defaults` with these overrides.
     pub fn apply_to(&self, defaults: &Policy) -> Policy {
         Policy {
@@ -133,6 +147,7 @@ impl RoutePolicy {
             max_request_body: self.max_request_body.unwrap_or(defaults.max_request_body),
             max_stored_body: self.max_stored_body.unwrap_or(defaults.max_stored_body),
             store_errors: self.store_errors.unwrap_or(defaults.store_errors),
+            wait_for_completion: self.wait_for_completion.or(defaults.wait_for_completion),
         }
     }
 

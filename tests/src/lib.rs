@@ -112,22 +112,38 @@ impl PrivateRedis {
             .and_then(|listener| listener.local_addr())
             .expect("a free loopback port")
             .port();
-        let child = std::process::Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no"])
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .unwrap_or_else(|error| {
-                panic!("cannot run redis-server ({error}); install it with: apt-get install -y redis-server")
-            });
-        let server = Self { child, port };
+        let server = Self {
+            child: spawn_redis_server(port),
+            port,
+        };
+        server.wait_until_it_answers().await;
+        server
+    }
+
+    /// Kills the server (like a crash: nothing is kept, it keeps nothing on disk).
+    pub fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts it again on the same port, empty, and waits until it answers.
+    pub async fn restart(&mut self) {
+        self.stop();
+        self.child = spawn_redis_server(self.port);
+        self.wait_until_it_answers().await;
+    }
+
+    async fn wait_until_it_answers(&self) {
         for _ in 0..100 {
-            if server.answers_ping().await {
-                return server;
+            if self.answers_ping().await {
+                return;
             }
             actix_rt::time::sleep(std::time::Duration::from_millis(100)).await;
         }
-        panic!("redis-server on port {port} did not answer within 10 s");
+        panic!(
+            "redis-server on port {} did not answer within 10 s",
+            self.port
+        );
     }
 
     async fn answers_ping(&self) -> bool {
@@ -137,7 +153,8 @@ impl PrivateRedis {
         let Ok(mut connection) = client.get_multiplexed_async_connection().await else {
             return false;
         };
-        let pong: redis::RedisResult<String> = redis::cmd("PING").query_async(&mut connection).await;
+        let pong: redis::RedisResult<String> =
+            redis::cmd("PING").query_async(&mut connection).await;
         pong.is_ok()
     }
 
@@ -191,6 +208,19 @@ impl PrivateRedis {
             })
             .collect()
     }
+}
+
+fn spawn_redis_server(port: u16) -> std::process::Child {
+    std::process::Command::new("redis-server")
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+        .args(["--save", "", "--appendonly", "no"])
+        // DEBUG SLEEP simulates a stalled server in the fault-injection tests.
+        .args(["--enable-debug-command", "yes"])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap_or_else(|error| {
+            panic!("cannot run redis-server ({error}); install it with: apt-get install -y redis-server")
+        })
 }
 
 /// Commands that the store's scripts run inside Redis (never sent by a client) and those

@@ -164,25 +164,21 @@ async fn release_frees_the_key(store: impl IdempotencyStore, prefix: String) {
     acquire(&store, &key, b"b", LEASE).await;
 }
 
-async fn a_committed_record_cannot_be_released_or_committed_again(
+async fn a_committed_record_cannot_be_released_renewed_or_overwritten(
     store: impl IdempotencyStore,
     prefix: String,
 ) {
     let key = key(&prefix, "k");
     let token = acquire(&store, &key, b"a", LEASE).await;
-    assert!(
-        store
-            .commit(&key, &token, &response(b"first"), TTL)
-            .await
-            .unwrap()
-    );
+    let first = response(b"first");
+    assert!(store.commit(&key, &token, &first, TTL).await.unwrap());
     assert!(!store.release(&key, &token).await.unwrap());
-    assert!(
-        !store
-            .commit(&key, &token, &response(b"second"), TTL)
-            .await
-            .unwrap()
-    );
+    assert!(!store.renew(&key, &token, LEASE).await.unwrap());
+    // A repeated commit (a retry after a lost reply) succeeds and writes nothing.
+    let second = response(b"second");
+    assert!(store.commit(&key, &token, &second, TTL).await.unwrap());
+    let stranger = LeaseToken::generate();
+    assert!(!store.commit(&key, &stranger, &second, TTL).await.unwrap());
     assert_eq!(
         store.begin(&key, &print(b"a"), LEASE).await.unwrap(),
         BeginOutcome::Completed(response(b"first"))
@@ -285,7 +281,7 @@ macro_rules! acceptance_suite {
                 a_wrong_token_cannot_commit_renew_or_release,
                 operations_on_a_missing_key_report_false,
                 release_frees_the_key,
-                a_committed_record_cannot_be_released_or_committed_again,
+                a_committed_record_cannot_be_released_renewed_or_overwritten,
                 an_expired_lease_frees_the_key,
                 renewal_keeps_the_lease,
                 a_lost_lease_cannot_overwrite_the_new_holder,

@@ -189,6 +189,15 @@ impl Idempotency {
         self
     }
 
+    /// A retry that finds its key in flight waits up to `bound` for the first request to
+    /// finish and replays its response, instead of answering 409 at once (the default).
+    /// The store is polled meanwhile (every 20 ms, backing off to 250 ms).
+    #[must_use]
+    pub fn wait_for_completion(mut self, bound: Duration) -> Self {
+        self.settings.defaults.wait_for_completion = Some(bound);
+        self
+    }
+
     /// Stores and replays responses with status >= 400 too (by default they release the
     /// key so a retry runs again).
     #[must_use]

@@ -91,6 +91,13 @@ impl IdempotentRoute {
         Self::with_policy(self.policy.store_errors())
     }
 
+    /// A retry that finds the key in flight waits up to `bound` for the first request to
+    /// finish, then replays its response (409 if it is still running then).
+    #[must_use]
+    pub fn wait_for_completion(self, bound: Duration) -> Self {
+        Self::with_policy(self.policy.wait_for_completion(bound))
+    }
+
     /// The overrides this route applies.
     pub fn policy(&self) -> &RoutePolicy {
         &self.policy

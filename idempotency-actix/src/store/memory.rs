@@ -50,7 +50,7 @@ struct Record {
 
 enum RecordState {
     InFlight(LeaseToken),
-    Completed(StoredResponse),
+    Completed(LeaseToken, StoredResponse),
 }
 
 impl MemoryStore {
@@ -130,7 +130,9 @@ impl IdempotencyStore for MemoryStore {
             } else {
                 match &record.state {
                     RecordState::InFlight(_) => BeginOutcome::InFlight,
-                    RecordState::Completed(response) => BeginOutcome::Completed(response.clone()),
+                    RecordState::Completed(_, response) => {
+                        BeginOutcome::Completed(response.clone())
+                    }
                 }
             });
         }
@@ -169,13 +171,23 @@ impl IdempotencyStore for MemoryStore {
     ) -> Result<bool, StoreError> {
         let now = Instant::now();
         let mut records = self.records();
-        Ok(records
-            .held_by(key, token, now)
-            .map(|record| {
-                record.state = RecordState::Completed(response.clone());
+        let Some(record) = records
+            .by_key
+            .get_mut(key.as_str())
+            .filter(|r| r.expires_at > now)
+        else {
+            return Ok(false);
+        };
+        Ok(match &record.state {
+            RecordState::InFlight(holder) if holder == token => {
+                record.state = RecordState::Completed(token.clone(), response.clone());
                 record.expires_at = now + ttl;
-            })
-            .is_some())
+                true
+            }
+            // Committing twice with one token succeeds without writing again.
+            RecordState::Completed(committer, _) => committer == token,
+            RecordState::InFlight(_) => false,
+        })
     }
 
     async fn release(&self, key: &StorageKey, token: &LeaseToken) -> Result<bool, StoreError> {

@@ -116,6 +116,9 @@ pub enum StoreError {
 /// ```
 pub trait IdempotencyStore: 'static {
     /// Creates the in-flight record, or reports the record that exists.
+    ///
+    /// A store may run `begin` again after a lost reply; an in-flight record that holds the
+    /// token it generated for this call then counts as acquired.
     fn begin(
         &self,
         key: &StorageKey,
@@ -132,7 +135,8 @@ pub trait IdempotencyStore: 'static {
     ) -> impl Future<Output = Result<bool, StoreError>>;
 
     /// Stores the completed response for `ttl`; `false` if `token` no longer holds the lease
-    /// (nothing was written).
+    /// (nothing was written). Idempotent: committing again with the token that completed
+    /// the record answers `true` and changes nothing.
     fn commit(
         &self,
         key: &StorageKey,

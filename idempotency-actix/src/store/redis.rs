@@ -18,7 +18,7 @@ pub type RedisPool = bb8::Pool<RedisConnectionManager>;
 /// scripts run on Redis Cluster.
 ///
 /// Fields of a record: `v` (format version), `f` (fingerprint, 32 raw bytes), `s` (`i` in
-/// flight, `c` completed), `t` (lease token, while in flight), `r` (the encoded
+/// flight, `c` completed), `t` (the lease token of the request that ran), `r` (the encoded
 /// [`StoredResponse`], once completed). The key's expiry is the lease while in flight and
 /// the TTL once completed. A record of another format version is treated as absent.
 ///
@@ -47,11 +47,17 @@ pub struct RedisStore {
     pool: RedisPool,
 }
 
+// Every script is safe to run twice with the same arguments (a retry after a connection
+// dropped before the reply arrived): a repeated `begin` of the same token re-acquires, a
+// repeated `commit` reports success without writing again, `renew` and `release` compare
+// the token first.
+
 static BEGIN: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
-local record = redis.call('HMGET', KEYS[1], 'v', 'f', 's', 'r')
+local record = redis.call('HMGET', KEYS[1], 'v', 'f', 's', 'r', 't')
 if record[1] == ARGV[1] then
+  if record[3] == 'i' and record[5] == ARGV[3] then return {'acquired'} end
   if record[2] ~= ARGV[2] then return {'mismatch'} end
   if record[3] == 'c' then return {'completed', record[4]} end
   return {'in_flight'}
@@ -67,7 +73,8 @@ return {'acquired'}
 static RENEW: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
-if redis.call('HGET', KEYS[1], 't') ~= ARGV[1] then return 0 end
+local record = redis.call('HMGET', KEYS[1], 's', 't')
+if record[1] ~= 'i' or record[2] ~= ARGV[1] then return 0 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 ",
@@ -77,9 +84,10 @@ return 1
 static COMMIT: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
-if redis.call('HGET', KEYS[1], 't') ~= ARGV[1] then return 0 end
+local record = redis.call('HMGET', KEYS[1], 's', 't')
+if record[2] ~= ARGV[1] then return 0 end
+if record[1] == 'c' then return 1 end
 redis.call('HSET', KEYS[1], 's', 'c', 'r', ARGV[2])
-redis.call('HDEL', KEYS[1], 't')
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
 ",
@@ -89,7 +97,8 @@ return 1
 static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
-if redis.call('HGET', KEYS[1], 't') ~= ARGV[1] then return 0 end
+local record = redis.call('HMGET', KEYS[1], 's', 't')
+if record[1] ~= 'i' or record[2] ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
 return 1
 ",
@@ -124,15 +133,27 @@ impl RedisStore {
     }
 
     async fn run(&self, invocation: &redis::ScriptInvocation<'_>) -> Result<Value, StoreError> {
-        let mut connection = self
-            .pool
-            .get()
-            .await
-            .map_err(|error| StoreError::Unavailable(Box::new(error)))?;
-        invocation
-            .invoke_async(&mut *connection)
-            .await
-            .map_err(|error| StoreError::Unavailable(Box::new(error)))
+        let mut connection = self.pool.get().await.map_err(unavailable)?;
+        match invocation.invoke_async(&mut *connection).await {
+            Ok(value) => Ok(value),
+            // A multiplexed connection whose socket died stays dead, and bb8-redis never
+            // reports it broken; without a PING per checkout it would go back to the pool
+            // and fail every later request. Replace it in its pool slot with a fresh one and
+            // retry once (every script is safe to run twice).
+            Err(error) if error.is_unrecoverable_error() || error.is_io_error() => {
+                tracing::debug!(%error, "idempotency: Redis connection lost; reconnecting");
+                *connection = self
+                    .pool
+                    .dedicated_connection()
+                    .await
+                    .map_err(unavailable)?;
+                invocation
+                    .invoke_async(&mut *connection)
+                    .await
+                    .map_err(unavailable)
+            }
+            Err(error) => Err(unavailable(error)),
+        }
     }
 
     async fn run_flag(&self, invocation: &redis::ScriptInvocation<'_>) -> Result<bool, StoreError> {
@@ -148,6 +169,10 @@ fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis())
         .unwrap_or(u64::MAX)
         .max(1)
+}
+
+fn unavailable(error: impl std::error::Error + Send + Sync + 'static) -> StoreError {
+    StoreError::Unavailable(Box::new(error))
 }
 
 fn unexpected(value: &Value) -> StoreError {

@@ -1,0 +1,455 @@
+//! DESIGN §7 under failure: leases, waiting for completion, client disconnects, Redis
+//! stopped, restarted, stalled (`DEBUG SLEEP`, `CLIENT PAUSE`), an exhausted pool, and
+//! graceful shutdown. Tests that stop or stall Redis use a private `redis-server`.
+
+#![allow(clippy::unwrap_used)]
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use actix_web::http::StatusCode;
+use actix_web::web::{self, Bytes};
+use actix_web::{App, HttpResponse, HttpServer};
+use idempotency_actix::{FailMode, Idempotency, IdempotentRoute, RedisPool, RedisStore};
+use idempotency_actix_tests::{PrivateRedis, RunCounter, redis_pool, unique_prefix};
+
+#[derive(serde::Deserialize)]
+struct Delay {
+    delay_ms: Option<u64>,
+}
+
+async fn create(runs: web::Data<RunCounter>, delay: web::Query<Delay>) -> HttpResponse {
+    let seq = runs.record();
+    actix_rt::time::sleep(Duration::from_millis(delay.delay_ms.unwrap_or(0))).await;
+    HttpResponse::Created().json(serde_json::json!({
+        "seq": seq,
+        "id": uuid::Uuid::new_v4().to_string(),
+    }))
+}
+
+/// An app with `/orders` under `route`, on `pool`, configured by `configure`.
+#[derive(Clone)]
+struct Setup {
+    pool: RedisPool,
+    prefix: String,
+    runs: RunCounter,
+    route: fn() -> IdempotentRoute,
+    configure: fn(Idempotency) -> Idempotency,
+}
+
+impl Setup {
+    fn app(
+        self,
+    ) -> App<
+        impl actix_web::dev::ServiceFactory<
+            actix_web::dev::ServiceRequest,
+            Config = (),
+            Response = actix_web::dev::ServiceResponse<impl actix_web::body::MessageBody>,
+            Error = actix_web::Error,
+            InitError = (),
+        >,
+    > {
+        App::new()
+            .app_data(web::Data::new(self.runs.clone()))
+            .wrap((self.configure)(
+                Idempotency::redis(self.pool.clone()).key_prefix(self.prefix.clone()),
+            ))
+            .service(
+                web::resource("/orders")
+                    .wrap((self.route)())
+                    .route(web::post().to(create)),
+            )
+    }
+}
+
+fn app_factory(
+    pool: RedisPool,
+    prefix: String,
+    runs: RunCounter,
+    route: fn() -> IdempotentRoute,
+    configure: fn(Idempotency) -> Idempotency,
+) -> Setup {
+    Setup {
+        pool,
+        prefix,
+        runs,
+        route,
+        configure,
+    }
+}
+
+fn serve(setup: Setup) -> actix_test::TestServer {
+    actix_test::start(move || setup.clone().app())
+}
+
+struct Reply {
+    status: StatusCode,
+    replayed: bool,
+    retry_after: Option<String>,
+    body: Bytes,
+}
+
+async fn post(client: &awc::Client, url: &str, key: &str) -> Reply {
+    let mut response = client
+        .post(url)
+        .insert_header(("idempotency-key", key))
+        .send_body("{}")
+        .await
+        .unwrap();
+    let header = |name: &str| {
+        response
+            .headers()
+            .get(name)
+            .map(|v| v.to_str().unwrap().to_owned())
+    };
+    let replayed = header("idempotent-replayed").as_deref() == Some("true");
+    let retry_after = header("retry-after");
+    let status = response.status();
+    let body = response.body().await.unwrap();
+    Reply {
+        status,
+        replayed,
+        retry_after,
+        body,
+    }
+}
+
+#[actix_web::test]
+async fn a_handler_slower_than_its_lease_is_never_duplicated() {
+    let runs = RunCounter::default();
+    let server = serve(app_factory(
+        redis_pool().await,
+        unique_prefix("lease"),
+        runs.clone(),
+        || IdempotentRoute::new().lease(Duration::from_millis(300)),
+        |i| i,
+    ));
+    let client = awc::Client::default();
+    let url = server.url("/orders?delay_ms=1200");
+    let (first, duplicate) = futures_util::future::join(post(&client, &url, "slow"), async {
+        // Four leases after the start: without renewal the key would be free again.
+        actix_rt::time::sleep(Duration::from_millis(900)).await;
+        post(&client, &url, "slow").await
+    })
+    .await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(duplicate.status, StatusCode::CONFLICT);
+    let retry = post(&client, &url, "slow").await;
+    assert!(retry.replayed);
+    assert_eq!(retry.body, first.body);
+    assert_eq!(runs.get(), 1);
+}
+
+#[actix_web::test]
+async fn a_retry_can_wait_for_the_first_request_and_replay_it() {
+    let runs = RunCounter::default();
+    let server = serve(app_factory(
+        redis_pool().await,
+        unique_prefix("wait"),
+        runs.clone(),
+        || IdempotentRoute::new().wait_for_completion(Duration::from_secs(5)),
+        |i| i,
+    ));
+    let client = awc::Client::default();
+    let url = server.url("/orders?delay_ms=600");
+    let (first, waiting) = futures_util::future::join(post(&client, &url, "w"), async {
+        actix_rt::time::sleep(Duration::from_millis(100)).await;
+        post(&client, &url, "w").await
+    })
+    .await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(waiting.status, StatusCode::CREATED);
+    assert!(waiting.replayed, "the waiting retry got the first response");
+    assert_eq!(waiting.body, first.body);
+    assert_eq!(runs.get(), 1);
+}
+
+#[actix_web::test]
+async fn waiting_is_bounded_then_409() {
+    let runs = RunCounter::default();
+    let server = serve(app_factory(
+        redis_pool().await,
+        unique_prefix("wait_bound"),
+        runs.clone(),
+        IdempotentRoute::new,
+        |i| i.wait_for_completion(Duration::from_millis(200)),
+    ));
+    let client = awc::Client::default();
+    let url = server.url("/orders?delay_ms=1500");
+    let (first, waiting) = futures_util::future::join(post(&client, &url, "w"), async {
+        actix_rt::time::sleep(Duration::from_millis(100)).await;
+        post(&client, &url, "w").await
+    })
+    .await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(waiting.status, StatusCode::CONFLICT);
+    assert_eq!(waiting.retry_after.as_deref(), Some("1"));
+    assert_eq!(runs.get(), 1);
+}
+
+#[actix_web::test]
+async fn a_client_that_disconnects_gets_the_replay_on_retry() {
+    let runs = RunCounter::default();
+    let server = serve(app_factory(
+        redis_pool().await,
+        unique_prefix("disconnect"),
+        runs.clone(),
+        IdempotentRoute::new,
+        |i| i,
+    ));
+    let mut socket = std::net::TcpStream::connect(server.addr()).unwrap();
+    write!(
+        socket,
+        "POST /orders?delay_ms=600 HTTP/1.1\r\nHost: test\r\nIdempotency-Key: gone\r\n\
+         Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{{}}"
+    )
+    .unwrap();
+    actix_rt::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(runs.get(), 1, "the handler started");
+    socket.shutdown(std::net::Shutdown::Both).unwrap();
+    drop(socket);
+
+    // The handler keeps running after the disconnect, and commits.
+    actix_rt::time::sleep(Duration::from_millis(900)).await;
+    let client = awc::Client::default();
+    let retry = post(&client, &server.url("/orders?delay_ms=600"), "gone").await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(
+        retry.replayed,
+        "the disconnected request's response was committed"
+    );
+    assert_eq!(runs.get(), 1);
+}
+
+#[actix_web::test]
+async fn redis_stopped_is_503_fail_closed_and_the_app_recovers_when_it_returns() {
+    let mut redis = PrivateRedis::start().await;
+    let runs = RunCounter::default();
+    let pool = RedisStore::pool(&redis.url()).unwrap();
+    let server = serve(app_factory(
+        pool,
+        unique_prefix("stopped"),
+        runs.clone(),
+        IdempotentRoute::new,
+        |i| i.store_timeout(Duration::from_millis(500)),
+    ));
+    let client = awc::Client::default();
+    let url = server.url("/orders");
+    assert_eq!(
+        post(&client, &url, "before").await.status,
+        StatusCode::CREATED
+    );
+
+    redis.stop();
+    let started = Instant::now();
+    let down = post(&client, &url, "during").await;
+    assert_eq!(down.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(down.retry_after.as_deref(), Some("1"));
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "bounded by the store timeout"
+    );
+    assert_eq!(runs.get(), 1, "fail-closed: the handler did not run");
+
+    // Back (empty): the same app serves again, without a restart.
+    redis.restart().await;
+    let back = post(&client, &url, "after").await;
+    assert_eq!(back.status, StatusCode::CREATED);
+    let retry = post(&client, &url, "after").await;
+    assert!(retry.replayed);
+    assert_eq!(runs.get(), 2);
+}
+
+#[actix_web::test]
+async fn redis_stopped_runs_unprotected_fail_open() {
+    let mut redis = PrivateRedis::start().await;
+    let runs = RunCounter::default();
+    let server = serve(app_factory(
+        RedisStore::pool(&redis.url()).unwrap(),
+        unique_prefix("fail_open"),
+        runs.clone(),
+        IdempotentRoute::new,
+        |i| {
+            i.store_timeout(Duration::from_millis(500))
+                .on_store_error(FailMode::Open)
+        },
+    ));
+    redis.stop();
+    let client = awc::Client::default();
+    let reply = post(&client, &server.url("/orders"), "open").await;
+    assert_eq!(reply.status, StatusCode::CREATED);
+    assert!(!reply.replayed);
+    assert_eq!(runs.get(), 1);
+}
+
+#[actix_web::test]
+async fn redis_restarted_mid_request_still_delivers_the_response() {
+    let mut redis = PrivateRedis::start().await;
+    let runs = RunCounter::default();
+    let server = serve(app_factory(
+        RedisStore::pool(&redis.url()).unwrap(),
+        unique_prefix("restart_mid"),
+        runs.clone(),
+        IdempotentRoute::new,
+        |i| i.store_timeout(Duration::from_millis(500)),
+    ));
+    let client = awc::Client::default();
+    let url = server.url("/orders?delay_ms=800");
+    let (reply, ()) = futures_util::future::join(post(&client, &url, "mid"), async {
+        actix_rt::time::sleep(Duration::from_millis(200)).await;
+        redis.restart().await;
+    })
+    .await;
+    // The record vanished with the restart; the commit is refused, the response is not lost.
+    assert_eq!(reply.status, StatusCode::CREATED);
+    let body: serde_json::Value = serde_json::from_slice(&reply.body).unwrap();
+    assert_eq!(body["seq"], 1);
+    // The app kept working through the restart.
+    assert_eq!(
+        post(&client, &server.url("/orders"), "next").await.status,
+        StatusCode::CREATED
+    );
+}
+
+/// Sends a command to `redis` from its own connection, without waiting for the reply.
+fn stall(redis: &PrivateRedis, command: &'static [&'static str]) {
+    let url = redis.url();
+    actix_rt::spawn(async move {
+        let client = redis::Client::open(url).unwrap();
+        let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+        let mut cmd = redis::cmd(command[0]);
+        for arg in &command[1..] {
+            cmd.arg(*arg);
+        }
+        let _: redis::RedisResult<redis::Value> = cmd.query_async(&mut connection).await;
+    });
+}
+
+async fn assert_stall_is_bounded(command: &'static [&'static str], test: &str) {
+    let redis = PrivateRedis::start().await;
+    let runs = RunCounter::default();
+    let server = serve(app_factory(
+        RedisStore::pool(&redis.url()).unwrap(),
+        unique_prefix(test),
+        runs.clone(),
+        IdempotentRoute::new,
+        |i| i.store_timeout(Duration::from_millis(300)),
+    ));
+    let client = awc::Client::default();
+    let url = server.url("/orders");
+    assert_eq!(
+        post(&client, &url, "warm").await.status,
+        StatusCode::CREATED
+    );
+
+    stall(&redis, command);
+    actix_rt::time::sleep(Duration::from_millis(100)).await;
+    let started = Instant::now();
+    let stalled = post(&client, &url, "stalled").await;
+    assert_eq!(
+        stalled.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{command:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_millis(1500),
+        "bounded by the store timeout"
+    );
+    assert_eq!(runs.get(), 1);
+
+    // After the stall the app serves again by itself.
+    actix_rt::time::sleep(Duration::from_millis(1800)).await;
+    let mut recovered = post(&client, &url, "after").await;
+    if recovered.status == StatusCode::CONFLICT {
+        // A `begin` that timed out during the stall ran when Redis woke up; its lease (30 s
+        // by default) holds that key, never a double run. Other keys are free.
+        recovered = post(&client, &url, "after-2").await;
+    }
+    assert_eq!(recovered.status, StatusCode::CREATED, "{command:?}");
+}
+
+#[actix_web::test]
+async fn debug_sleep_is_503_within_the_store_timeout() {
+    assert_stall_is_bounded(&["DEBUG", "SLEEP", "1.5"], "debug_sleep").await;
+}
+
+#[actix_web::test]
+async fn client_pause_is_503_within_the_store_timeout() {
+    assert_stall_is_bounded(&["CLIENT", "PAUSE", "1500", "ALL"], "client_pause").await;
+}
+
+#[actix_web::test]
+async fn an_exhausted_pool_is_503_within_the_store_timeout() {
+    let redis = PrivateRedis::start().await;
+    let pool: RedisPool = bb8::Pool::builder()
+        .max_size(1)
+        .test_on_check_out(false)
+        .build(bb8_redis::RedisConnectionManager::new(redis.url()).unwrap())
+        .await
+        .unwrap();
+    let runs = RunCounter::default();
+    let server = serve(app_factory(
+        pool.clone(),
+        unique_prefix("exhausted"),
+        runs.clone(),
+        IdempotentRoute::new,
+        |i| i.store_timeout(Duration::from_millis(300)),
+    ));
+    let client = awc::Client::default();
+    let url = server.url("/orders");
+    let held = pool.get().await.unwrap();
+    let started = Instant::now();
+    let reply = post(&client, &url, "starved").await;
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(started.elapsed() < Duration::from_millis(1500));
+    drop(held);
+    assert_eq!(post(&client, &url, "fed").await.status, StatusCode::CREATED);
+    assert_eq!(runs.get(), 1);
+}
+
+#[actix_web::test]
+async fn graceful_shutdown_lets_in_flight_requests_finish_and_commit() {
+    let pool = redis_pool().await;
+    let prefix = unique_prefix("shutdown");
+    let runs = RunCounter::default();
+    let factory = app_factory(
+        pool.clone(),
+        prefix.clone(),
+        runs.clone(),
+        IdempotentRoute::new,
+        |i| i,
+    );
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let setup = factory.clone();
+    let server = HttpServer::new(move || setup.clone().app())
+        .workers(1)
+        .shutdown_timeout(10)
+        .disable_signals()
+        .listen(listener)
+        .unwrap()
+        .run();
+    let handle = server.handle();
+    let running = actix_rt::spawn(server);
+
+    let client = awc::Client::default();
+    let url = format!("http://{addr}/orders?delay_ms=800");
+    let (reply, ()) = futures_util::future::join(post(&client, &url, "stopping"), async {
+        actix_rt::time::sleep(Duration::from_millis(200)).await;
+        handle.stop(true).await;
+    })
+    .await;
+    assert_eq!(
+        reply.status,
+        StatusCode::CREATED,
+        "the in-flight request finished"
+    );
+    running.await.unwrap().unwrap();
+
+    // Another instance on the same Redis replays it: the commit happened before shutdown.
+    let next = serve(factory);
+    let retry = post(&client, &next.url("/orders?delay_ms=800"), "stopping").await;
+    assert!(retry.replayed);
+    assert_eq!(retry.body, reply.body);
+    assert_eq!(runs.get(), 1);
+}
