@@ -235,10 +235,7 @@ impl Engine {
         &self,
         operation: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
-        let limit = self.settings.store_timeout;
-        actix_rt::time::timeout(limit, operation)
-            .await
-            .unwrap_or(Err(StoreError::Timeout(limit)))
+        within(self.settings.store_timeout, operation).await
     }
 
     async fn run_and_commit<S, B>(
@@ -360,8 +357,8 @@ impl Engine {
             while Instant::now() + pause < deadline {
                 actix_rt::time::sleep(pause).await;
                 let commit = store.commit(&storage_key, &token, &stored, ttl);
-                match actix_rt::time::timeout(timeout, commit).await {
-                    Ok(Ok(true)) => {
+                match within(timeout, commit).await {
+                    Ok(true) => {
                         tracing::info!(
                             key = storage_key.as_str(),
                             "idempotency: commit landed on retry"
@@ -427,6 +424,16 @@ impl Engine {
             tracing::error!(key = storage_key.as_str(), %error, "idempotency: release failed; the key frees itself when its lease expires");
         }
     }
+}
+
+/// Runs a store operation for at most `limit`.
+async fn within<T>(
+    limit: Duration,
+    operation: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    actix_rt::time::timeout(limit, operation)
+        .await
+        .unwrap_or(Err(StoreError::Timeout(limit)))
 }
 
 /// Reads the request body, refusing more than `limit` bytes.
