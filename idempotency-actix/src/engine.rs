@@ -365,14 +365,14 @@ impl Engine {
                         );
                         return;
                     }
-                    Ok(Ok(false)) => {
+                    Ok(false) => {
                         tracing::warn!(
                             key = storage_key.as_str(),
                             "idempotency: lease lost before the commit landed"
                         );
                         return;
                     }
-                    Ok(Err(_)) | Err(_) => pause = (pause * 2).min(Duration::from_secs(1)),
+                    Err(_) => pause = (pause * 2).min(Duration::from_secs(1)),
                 }
             }
             tracing::error!(
