@@ -2,6 +2,8 @@
 //! what is valid round-trips. The cargo-fuzz targets in `fuzz/` explore the same functions
 //! without a bound.
 
+#![allow(clippy::unwrap_used)]
+
 use actix_web::http::StatusCode;
 use actix_web::http::header::{HeaderName, HeaderValue};
 use actix_web::web::Bytes;
