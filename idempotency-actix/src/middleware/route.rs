@@ -22,6 +22,11 @@ use crate::policy::RoutePolicy;
 /// it answers 500 and logs what is missing. Safe methods (`GET`, `HEAD`, `OPTIONS`, `TRACE`)
 /// pass through untouched.
 ///
+/// When an app-level [`Idempotency`](crate::Idempotency) also protects the route's method
+/// (`protect_methods`), the app layer takes the request before routing and processes it once:
+/// the route's `ttl`, `max_stored_body`, `store_errors` and `required` still apply; its
+/// `lease`, `max_request_body` and `wait_for_completion` are the app's.
+///
 /// # Examples
 ///
 /// ```
