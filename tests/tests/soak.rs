@@ -167,7 +167,7 @@ async fn soak_with_duplicates_and_redis_faults() {
             *total.by_status.entry(status).or_default() += count;
         }
     }
-    let runs = runs.lock().unwrap();
+    let runs: HashMap<String, u32> = runs.lock().unwrap().clone();
     let max_runs = runs.values().copied().max().unwrap_or(0);
     let twice: Vec<_> = runs.iter().filter(|(_, runs)| **runs > 1).collect();
 

@@ -1,0 +1,289 @@
+//! The expansion: add the route's `IdempotentRoute` as a `wrap = "..."` option to the Actix
+//! route attributes below `#[idempotent]`.
+//!
+//! Actix's route macros (`#[post("/path", wrap = "<expr>")]`, `#[route(...)]`, the method
+//! attributes under `#[routes]`) register a resource middleware for each `wrap` they are
+//! given. `#[idempotent]` expands before them when it is written above them, so it can add
+//! one. Written below, it lands on the handler fn that the route macro has already moved
+//! into its generated service, where no route attribute is left to extend: that is the
+//! order error.
+
+use proc_macro2::{Literal, Span, TokenStream, TokenTree};
+use quote::{ToTokens, quote};
+use syn::{Attribute, ItemFn, LitStr, Meta};
+
+use crate::args::{ArgumentList, Arguments};
+
+/// The error for a handler without a route attribute below `#[idempotent]`.
+pub(crate) const ORDER_ERROR: &str = "#[idempotent] must be placed above the route attribute \
+     (#[post(..)], #[route(..)], #[routes]); for routes registered by hand, wrap the resource \
+     in idempotency_actix::IdempotentRoute";
+
+/// Actix's single-method route attributes, by the last segment of their path.
+const METHOD_ATTRIBUTES: [&str; 10] = [
+    "get", "post", "put", "patch", "delete", "head", "options", "trace", "connect", "query",
+];
+
+/// Expands `#[idempotent(args)] item`; on any error, the item unchanged plus the errors.
+pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
+    let arguments = syn::parse2::<ArgumentList>(args).and_then(Arguments::try_from);
+    let handler = syn::parse2::<ItemFn>(item.clone()).map_err(|_| {
+        syn::Error::new(
+            Span::call_site(),
+            format!("#[idempotent] goes on an Actix Web handler fn; {ORDER_ERROR}"),
+        )
+    });
+    let expanded = match (arguments, handler) {
+        (Ok(arguments), Ok(mut handler)) => {
+            attach(&arguments, &mut handler.attrs).map(|()| handler.into_token_stream())
+        }
+        (Err(mut errors), Ok(mut handler)) => {
+            // Report a misplaced attribute too, so both are fixed in one go.
+            if let Err(error) = attach(&Arguments::default(), &mut handler.attrs) {
+                errors.combine(error);
+            }
+            Err(errors)
+        }
+        (Ok(_), Err(error)) => Err(error),
+        (Err(mut errors), Err(error)) => {
+            errors.combine(error);
+            Err(errors)
+        }
+    };
+    expanded.unwrap_or_else(|errors| {
+        let errors = errors.to_compile_error();
+        quote!(#item #errors)
+    })
+}
+
+/// Adds the route layer to every route attribute in `attrs`.
+fn attach(arguments: &Arguments, attrs: &mut [Attribute]) -> syn::Result<()> {
+    let layer = LitStr::new(&route_layer(arguments).to_string(), Span::call_site());
+    let mut routed = false;
+    for attr in attrs.iter_mut() {
+        let Some(name) = attr
+            .path()
+            .segments
+            .last()
+            .map(|segment| segment.ident.to_string())
+        else {
+            continue;
+        };
+        match name.as_str() {
+            // `#[routes]` takes no arguments; the method attributes under it get the layer.
+            "routes" => routed = true,
+            "route" => {
+                routed = true;
+                add_wrap(attr, &layer);
+            }
+            method if METHOD_ATTRIBUTES.contains(&method) => {
+                routed = true;
+                add_wrap(attr, &layer);
+            }
+            "idempotent" => {
+                return Err(syn::Error::new_spanned(
+                    attr,
+                    "#[idempotent] is given twice on this handler; put all the arguments in one",
+                ));
+            }
+            _ => {}
+        }
+    }
+    if routed {
+        Ok(())
+    } else {
+        Err(syn::Error::new(Span::call_site(), ORDER_ERROR))
+    }
+}
+
+/// The expression of the route's layer, named by absolute paths through the runtime
+/// crate's `__private` module.
+fn route_layer(arguments: &Arguments) -> TokenStream {
+    let private = quote!(::idempotency_actix::__private);
+    if *arguments == Arguments::default() {
+        return quote!(#private::IdempotentRoute::new());
+    }
+    let Arguments {
+        ttl,
+        lease,
+        required,
+        store_errors,
+        max_request_body,
+        max_stored_body,
+    } = arguments;
+    let millis = |value: u64| quote!(#private::Duration::from_millis(#value));
+    let bytes = |value: u64| Literal::u64_unsuffixed(value);
+    let mut policy = quote!(#private::RoutePolicy::default());
+    if let Some(ttl) = ttl {
+        let ttl = millis(*ttl);
+        policy.extend(quote!(.ttl(#ttl)));
+    }
+    if let Some(lease) = lease {
+        let lease = millis(*lease);
+        policy.extend(quote!(.lease(#lease)));
+    }
+    if *required {
+        policy.extend(quote!(.required()));
+    }
+    if *store_errors {
+        policy.extend(quote!(.store_errors()));
+    }
+    if let Some(limit) = max_request_body {
+        let limit = bytes(*limit);
+        policy.extend(quote!(.max_request_body(#limit)));
+    }
+    if let Some(limit) = max_stored_body {
+        let limit = bytes(*limit);
+        policy.extend(quote!(.max_stored_body(#limit)));
+    }
+    quote!(#private::IdempotentRoute::with_policy(#policy))
+}
+
+/// Inserts `wrap = "<layer>"` right after the route's path, so the layer is the first
+/// `wrap` Actix applies: the innermost, closest to the handler. A `wrap` the user wrote
+/// stays, outside ours (an auth layer still refuses before any store traffic; a compression
+/// layer compresses replays like fresh responses).
+///
+/// An attribute that does not start with a path literal is left as it is: Actix reports it.
+fn add_wrap(attr: &mut Attribute, layer: &LitStr) {
+    let Meta::List(list) = &mut attr.meta else {
+        return;
+    };
+    let mut tokens = list.tokens.clone().into_iter();
+    let Some(path @ TokenTree::Literal(_)) = tokens.next() else {
+        return;
+    };
+    let rest: TokenStream = match tokens.next() {
+        Some(TokenTree::Punct(comma)) if comma.as_char() == ',' => tokens.collect(),
+        None => TokenStream::new(),
+        // Not `"path", ...`: leave it for Actix to report.
+        Some(_) => return,
+    };
+    let wrap = quote!(wrap = #layer);
+    list.tokens = if rest.is_empty() {
+        quote!(#path, #wrap)
+    } else {
+        quote!(#path, #wrap, #rest)
+    };
+}
+
+#[cfg(test)]
+mod tests {
+    use quote::quote;
+
+    use super::idempotent;
+
+    fn expand(args: proc_macro2::TokenStream, item: proc_macro2::TokenStream) -> String {
+        idempotent(args, item).to_string()
+    }
+
+    #[test]
+    fn adds_the_layer_in_front_of_existing_options() {
+        let expanded = expand(
+            quote!(ttl = "90s", required),
+            quote!(
+                #[post("/orders", name = "orders", wrap = "Logger::default()")]
+                async fn create() -> HttpResponse {
+                    HttpResponse::Ok().finish()
+                }
+            ),
+        );
+        let expected = quote!(
+            #[post(
+                "/orders",
+                wrap = ":: idempotency_actix :: __private :: IdempotentRoute :: with_policy (:: idempotency_actix :: __private :: RoutePolicy :: default () . ttl (:: idempotency_actix :: __private :: Duration :: from_millis (90000u64)) . required ())",
+                name = "orders",
+                wrap = "Logger::default()"
+            )]
+        )
+        .to_string();
+        assert!(expanded.starts_with(&expected), "{expanded}");
+    }
+
+    #[test]
+    fn bare_attribute_uses_the_app_defaults() {
+        let expanded = expand(
+            quote!(),
+            quote!(
+                #[actix_web::put("/profile")]
+                async fn update() -> HttpResponse {
+                    HttpResponse::Ok().finish()
+                }
+            ),
+        );
+        assert!(
+            expanded.contains(
+                "wrap = \":: idempotency_actix :: __private :: IdempotentRoute :: new ()\""
+            ),
+            "{expanded}"
+        );
+    }
+
+    #[test]
+    fn every_method_under_routes_gets_the_layer() {
+        let expanded = expand(
+            quote!(),
+            quote!(
+                #[routes]
+                #[post("/a")]
+                #[put("/b")]
+                #[get("/c")]
+                async fn handler() -> HttpResponse {
+                    HttpResponse::Ok().finish()
+                }
+            ),
+        );
+        assert_eq!(
+            expanded.matches("IdempotentRoute :: new").count(),
+            3,
+            "{expanded}"
+        );
+    }
+
+    #[test]
+    fn byte_limits_are_unsuffixed() {
+        let expanded = expand(
+            quote!(max_request_body = 10, max_stored_body = 20usize),
+            quote!(
+                #[route("/x", method = "POST")]
+                async fn handler() -> HttpResponse {
+                    HttpResponse::Ok().finish()
+                }
+            ),
+        );
+        assert!(
+            expanded.contains(". max_request_body (10) . max_stored_body (20)"),
+            "{expanded}"
+        );
+    }
+
+    #[test]
+    fn a_handler_without_route_attribute_is_an_order_error() {
+        let expanded = expand(
+            quote!(ttl = "1h"),
+            quote!(
+                async fn handler() -> HttpResponse {
+                    HttpResponse::Ok().finish()
+                }
+            ),
+        );
+        assert!(
+            expanded.contains("must be placed above the route attribute"),
+            "{expanded}"
+        );
+        assert!(expanded.contains("async fn handler"), "{expanded}");
+    }
+
+    #[test]
+    fn argument_errors_keep_the_item_unchanged() {
+        let item = quote!(
+            #[post("/x")]
+            async fn handler() -> HttpResponse {
+                HttpResponse::Ok().finish()
+            }
+        );
+        let expanded = expand(quote!(ttl = "0s"), item.clone());
+        assert!(expanded.starts_with(&item.to_string()), "{expanded}");
+        assert!(expanded.contains("compile_error"), "{expanded}");
+    }
+}

@@ -1,0 +1,15 @@
+use actix_web::{App, HttpResponse, post};
+use idempotency_actix::{Idempotency, idempotent};
+
+#[idempotent(ttl = "1h")]
+#[idempotent(required)]
+#[post("/orders")]
+async fn create_order() -> HttpResponse {
+    HttpResponse::Created().finish()
+}
+
+fn main() {
+    let _app = App::new()
+        .wrap(Idempotency::memory())
+        .service(create_order);
+}
