@@ -4,6 +4,7 @@
 //! answer from the record (replay, 409, 422) or run the handler under a renewed lease and
 //! commit (or release) before the response leaves.
 
+use std::cell::{Cell, RefCell};
 use std::future::poll_fn;
 use std::panic::AssertUnwindSafe;
 use std::rc::Rc;
@@ -89,16 +90,26 @@ pub(crate) struct EngineHandle(pub(crate) Rc<Engine>);
 
 /// Request extension: a layer has taken charge of this request, so layers further in leave
 /// it alone (a request is processed once even when the app and the route both protect it).
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 pub(crate) struct Claimed {
     pub(crate) key_present: bool,
+    /// The lock the claiming layer holds while the handler runs; `None` when it runs the
+    /// handler without one (no key, or fail-open).
+    pub(crate) lock: Option<Rc<HeldLock>>,
 }
 
-/// Request extension: the route's overrides, left for an app layer that claimed the request
-/// before routing; it applies the ones that still matter after the handler (ttl, what is
-/// stored).
-#[derive(Clone)]
-pub(crate) struct RouteOverride(pub(crate) RoutePolicy);
+/// The lock an outer layer holds for a request, shared with the route layer further in.
+///
+/// An app layer takes the request before routing, so it starts with the app's policy; the
+/// route layer then applies its own: it refuses a body over its limit, shortens or extends
+/// the lease at once, and leaves its policy for the commit (ttl, what is stored).
+pub(crate) struct HeldLock {
+    pub(crate) storage_key: StorageKey,
+    pub(crate) token: LeaseToken,
+    pub(crate) body_len: usize,
+    pub(crate) lease: Cell<Duration>,
+    pub(crate) route_policy: RefCell<Option<RoutePolicy>>,
+}
 
 /// The response type every layer produces.
 pub(crate) type Response<B> = ServiceResponse<IdempotentBody<B>>;
@@ -134,18 +145,25 @@ impl Engine {
                 return Ok(self.refuse(req, IdempotencyError::MissingKey));
             }
             Ok(None) => {
-                req.extensions_mut().insert(Claimed { key_present: false });
+                req.extensions_mut().insert(Claimed {
+                    key_present: false,
+                    lock: None,
+                });
                 return service.call(req).await.map(with_handler_body);
             }
             Err(error) => return Ok(self.refuse(req, error.into())),
         };
-        req.extensions_mut().insert(Claimed { key_present: true });
+        req.extensions_mut().insert(Claimed {
+            key_present: true,
+            lock: None,
+        });
 
         let body = match read_body(&mut req, policy.max_request_body).await {
             Ok(body) => body,
             Err(error) => return Ok(self.refuse(req, error)),
         };
         let fingerprint = self.settings.fingerprint.of(&req, &body);
+        let body_len = body.len();
         let storage_key =
             StorageKey::new(&self.settings.prefix, &self.settings.scope.of(&req), &key);
         req.set_payload(Payload::from(body));
@@ -156,8 +174,14 @@ impl Engine {
         match begun {
             Ok(BeginOutcome::Acquired(token)) => {
                 tracing::debug!(key = storage_key.as_str(), "idempotency: executing");
-                self.run_and_commit(policy, storage_key, token, req, service)
-                    .await
+                let lock = Rc::new(HeldLock {
+                    storage_key,
+                    token,
+                    body_len,
+                    lease: Cell::new(policy.lease),
+                    route_policy: RefCell::new(None),
+                });
+                self.run_and_commit(policy, lock, req, service).await
             }
             Ok(BeginOutcome::Completed(stored)) => {
                 tracing::debug!(key = storage_key.as_str(), "idempotency: replayed");
@@ -241,8 +265,7 @@ impl Engine {
     async fn run_and_commit<S, B>(
         &self,
         policy: Policy,
-        storage_key: StorageKey,
-        token: LeaseToken,
+        lock: Rc<HeldLock>,
         req: ServiceRequest,
         service: Rc<S>,
     ) -> Result<Response<B>, actix_web::Error>
@@ -251,10 +274,13 @@ impl Engine {
             + 'static,
         B: MessageBody + 'static,
     {
+        req.extensions_mut().insert(Claimed {
+            key_present: true,
+            lock: Some(Rc::clone(&lock)),
+        });
+        let (storage_key, token) = (&lock.storage_key, &lock.token);
         let handler = AssertUnwindSafe(async move { service.call(req).await }).catch_unwind();
-        let outcome = self
-            .while_renewing_lease(handler, &storage_key, &token, policy.lease)
-            .await;
+        let outcome = self.while_renewing_lease(handler, &lock).await;
 
         let response = match outcome {
             Err(_panic) => {
@@ -262,28 +288,23 @@ impl Engine {
                     key = storage_key.as_str(),
                     "idempotency: handler panicked; key released"
                 );
-                self.release(&storage_key, &token).await;
+                self.release(storage_key, token).await;
                 // No clone of the request may be held while an app-level layer's inner
                 // service routes it (routing needs it unshared), so the 500 travels as an
                 // error that Actix renders with `IdempotencyError::error_response`.
                 return Err(IdempotencyError::HandlerPanicked.into());
             }
             Ok(Err(error)) => {
-                self.release(&storage_key, &token).await;
+                self.release(storage_key, token).await;
                 return Err(error);
             }
             Ok(Ok(response)) => response,
         };
 
-        // An app layer that claimed the request before routing learns the route's policy
-        // only now, from what the route layer left in the request.
-        let route_override = response
-            .request()
-            .extensions()
-            .get::<RouteOverride>()
-            .cloned();
-        let policy = match route_override {
-            Some(RouteOverride(route)) => route.apply_to(&policy),
+        // An app layer that took the request before routing learns the route's policy only
+        // now, from what the route layer left in the shared lock.
+        let policy = match lock.route_policy.borrow().as_ref() {
+            Some(route) => route.apply_to(&policy),
             None => policy,
         };
 
@@ -293,7 +314,7 @@ impl Engine {
                 status = response.status().as_u16(),
                 "idempotency: error response; key released"
             );
-            self.release(&storage_key, &token).await;
+            self.release(storage_key, token).await;
             return Ok(with_handler_body(response));
         }
 
@@ -308,7 +329,7 @@ impl Engine {
             Captured::Body(bytes) => Some(bytes),
             Captured::TooLarge => None,
             Captured::Failed => {
-                self.release(&storage_key, &token).await;
+                self.release(storage_key, token).await;
                 return Ok(response);
             }
         };
@@ -318,7 +339,7 @@ impl Engine {
             body: stored_body,
         };
         match self
-            .bounded(self.store.commit(&storage_key, &token, &stored, policy.ttl))
+            .bounded(self.store.commit(storage_key, token, &stored, policy.ttl))
             .await
         {
             Ok(true) => tracing::debug!(key = storage_key.as_str(), "idempotency: committed"),
@@ -332,7 +353,7 @@ impl Engine {
                     %error,
                     "idempotency: commit failed; response sent, commit retried in the background"
                 );
-                self.commit_in_background(storage_key, token, stored, &policy);
+                self.commit_in_background(storage_key.clone(), token.clone(), stored, &policy);
             }
         }
         Ok(response)
@@ -382,21 +403,18 @@ impl Engine {
         });
     }
 
-    /// Runs `handler` to completion while renewing the lease every third of it.
+    /// Runs `handler` to completion while renewing the lease every third of it (the lease a
+    /// route layer set, once it has).
     async fn while_renewing_lease<T>(
         &self,
         handler: impl Future<Output = T>,
-        storage_key: &StorageKey,
-        token: &LeaseToken,
-        lease: Duration,
+        lock: &HeldLock,
     ) -> T {
+        let storage_key = &lock.storage_key;
         let renewals = async {
             loop {
-                actix_rt::time::sleep(lease / 3).await;
-                match self
-                    .bounded(self.store.renew(storage_key, token, lease))
-                    .await
-                {
+                actix_rt::time::sleep(lock.lease.get() / 3).await;
+                match self.renew(lock).await {
                     Ok(true) => {}
                     Ok(false) => {
                         tracing::warn!(
@@ -417,6 +435,14 @@ impl Engine {
             Either::Left((output, _)) => output,
             Either::Right(((), handler)) => handler.await,
         }
+    }
+
+    /// Extends the lease of `lock` to its current length.
+    pub(crate) async fn renew(&self, lock: &HeldLock) -> Result<bool, StoreError> {
+        let renewal = self
+            .store
+            .renew(&lock.storage_key, &lock.token, lock.lease.get());
+        self.bounded(renewal).await
     }
 
     async fn release(&self, storage_key: &StorageKey, token: &LeaseToken) {

@@ -10,7 +10,7 @@ use crate::duration::{DurationError, parse_millis};
 /// Appended to every argument error, so the fix is in the message.
 pub(crate) const ALLOWED: &str = "#[idempotent] accepts: ttl = \"<duration>\", \
      lease = \"<duration>\", required, store_errors, max_request_body = <bytes>, \
-     max_stored_body = <bytes>";
+     max_stored_body = <bytes>, wait_for_completion = \"<duration>\"";
 
 /// A route's policy as written in the attribute; unset fields keep the App's defaults.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -27,6 +27,8 @@ pub(crate) struct Arguments {
     pub(crate) max_request_body: Option<u64>,
     /// `max_stored_body = <bytes>`.
     pub(crate) max_stored_body: Option<u64>,
+    /// `wait_for_completion = "<duration>"`, in milliseconds.
+    pub(crate) wait_for_completion: Option<u64>,
 }
 
 /// The arguments the attribute knows.
@@ -38,6 +40,7 @@ enum Key {
     StoreErrors,
     MaxRequestBody,
     MaxStoredBody,
+    WaitForCompletion,
 }
 
 impl Key {
@@ -50,6 +53,7 @@ impl Key {
             "store_errors" => Self::StoreErrors,
             "max_request_body" => Self::MaxRequestBody,
             "max_stored_body" => Self::MaxStoredBody,
+            "wait_for_completion" => Self::WaitForCompletion,
             _ => return None,
         })
     }
@@ -62,6 +66,7 @@ impl Key {
             Self::StoreErrors => "store_errors",
             Self::MaxRequestBody => "max_request_body",
             Self::MaxStoredBody => "max_stored_body",
+            Self::WaitForCompletion => "wait_for_completion",
         }
     }
 
@@ -74,6 +79,7 @@ impl Key {
             Self::StoreErrors => "store_errors",
             Self::MaxRequestBody => "max_request_body = 1048576",
             Self::MaxStoredBody => "max_stored_body = 65536",
+            Self::WaitForCompletion => "wait_for_completion = \"5s\"",
         }
     }
 }
@@ -211,6 +217,10 @@ impl Arguments {
                 self.lease = Some(duration(key, &expr)?);
                 Ok(())
             }
+            (Key::WaitForCompletion, Some(expr)) => {
+                self.wait_for_completion = Some(duration(key, &expr)?);
+                Ok(())
+            }
             (Key::MaxRequestBody, Some(expr)) => {
                 self.max_request_body = Some(bytes(key, &expr)?);
                 Ok(())
@@ -345,6 +355,7 @@ mod tests {
             store_errors,
             max_request_body = 4096,
             max_stored_body = 1_024usize,
+            wait_for_completion = "2s",
         ));
         assert_eq!(
             arguments.ok(),
@@ -355,6 +366,7 @@ mod tests {
                 store_errors: true,
                 max_request_body: Some(4096),
                 max_stored_body: Some(1024),
+                wait_for_completion: Some(2_000),
             })
         );
     }

@@ -110,6 +110,7 @@ fn route_layer(arguments: &Arguments) -> TokenStream {
         store_errors,
         max_request_body,
         max_stored_body,
+        wait_for_completion,
     } = arguments;
     let millis = |value: u64| quote!(#private::Duration::from_millis(#value));
     let bytes = |value: u64| Literal::u64_unsuffixed(value);
@@ -135,6 +136,10 @@ fn route_layer(arguments: &Arguments) -> TokenStream {
     if let Some(limit) = max_stored_body {
         let limit = bytes(*limit);
         policy.extend(quote!(.max_stored_body(#limit)));
+    }
+    if let Some(bound) = wait_for_completion {
+        let bound = millis(*bound);
+        policy.extend(quote!(.wait_for_completion(#bound)));
     }
     quote!(#private::IdempotentRoute::with_policy(#policy))
 }

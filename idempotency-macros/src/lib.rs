@@ -47,6 +47,7 @@ use proc_macro::TokenStream;
 /// | `required` | a request without a key is refused with a 400 problem | off (`Idempotency::require_key`) |
 /// | `store_errors` | responses with status >= 400 are stored and replayed too, instead of releasing the key so that a retry runs again | off (`Idempotency::store_errors`) |
 /// | `max_request_body = <bytes>` | the largest body a keyed request may send; larger is a 413 problem and the handler does not run | 1 MiB (`Idempotency::max_request_body`) |
+/// | `wait_for_completion = "<duration>"` | a retry that finds the key in flight waits up to this long for the first request to finish and replays its response, instead of a 409 problem at once | off (`Idempotency::wait_for_completion`) |
 /// | `max_stored_body = <bytes>` | the largest response body that is stored; a larger one is sent whole, and its record completes without a body (a retry gets the status and headers, an empty body and `Idempotent-Body-Omitted: true`) | 1 MiB (`Idempotency::max_stored_body`) |
 ///
 /// A duration is a string of a number and a unit, `ms`, `s`, `m`, `h` or `d`: `"500ms"`,
@@ -67,6 +68,7 @@ use proc_macro::TokenStream;
 ///     store_errors,
 ///     max_request_body = 65_536,
 ///     max_stored_body = 262_144,
+///     wait_for_completion = "5s",
 /// )]
 /// #[post("/payments")]
 /// async fn create_payment() -> HttpResponse {

@@ -22,6 +22,11 @@ async fn create(runs: web::Data<RunCounter>) -> HttpResponse {
         .json(serde_json::json!({ "seq": seq, "id": uuid::Uuid::new_v4().to_string() }))
 }
 
+async fn slow_create(runs: web::Data<RunCounter>) -> HttpResponse {
+    actix_rt::time::sleep(Duration::from_millis(600)).await;
+    create(runs).await
+}
+
 async fn send(
     server: &actix_test::TestServer,
     method: Method,
@@ -124,14 +129,55 @@ async fn app_and_route_layers_together_process_once_with_the_route_ttl() {
                         .wrap(IdempotentRoute::new().ttl(Duration::from_secs(90)))
                         .route(web::post().to(create)),
                 )
+                .service(
+                    web::resource("/small")
+                        .wrap(IdempotentRoute::new().max_request_body(8))
+                        .route(web::post().to(create)),
+                )
+                .service(
+                    web::resource("/short-lease")
+                        .wrap(IdempotentRoute::new().lease(Duration::from_secs(5)))
+                        .route(web::post().to(slow_create)),
+                )
         })
     };
+    // The route's smaller body limit holds although the app layer read the body first.
+    let (status, _, _) = send(&server, Method::POST, "/small", Some("big")).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(runs.get(), 0);
+
+    // The route's lease replaces the app's (30 s) while the handler runs.
+    let (reply, lease) = futures_util::future::join(
+        send(&server, Method::POST, "/short-lease", Some("lease")),
+        async {
+            actix_rt::time::sleep(Duration::from_millis(300)).await;
+            let mut connection = redis_connection().await;
+            let keys = keys_under(&mut connection, &prefix).await;
+            assert_eq!(keys.len(), 1, "{keys:?}");
+            pttl(&keys[0]).await
+        },
+    )
+    .await;
+    assert_eq!(reply.0, StatusCode::CREATED);
+    assert!(
+        (1..=5_000).contains(&lease),
+        "the route's 5 s lease applies: {lease}"
+    );
+    let mut connection = redis_connection().await;
+    for key in keys_under(&mut connection, &prefix).await {
+        let _: () = redis::cmd("DEL")
+            .arg(&key)
+            .query_async(&mut connection)
+            .await
+            .unwrap();
+    }
+    let runs_before = runs.get();
+
     let (_, _, first) = send(&server, Method::POST, "/orders", Some("k")).await;
     let (_, headers, retry) = send(&server, Method::POST, "/orders", Some("k")).await;
     assert_eq!(headers.get("idempotent-replayed").unwrap(), "true");
     assert_eq!(retry, first);
-    assert_eq!(runs.get(), 1);
-    let mut connection = redis_connection().await;
+    assert_eq!(runs.get(), runs_before + 1);
     let keys = keys_under(&mut connection, &prefix).await;
     assert_eq!(keys.len(), 1, "one record, not one per layer: {keys:?}");
     let ttl = pttl(&keys[0]).await;

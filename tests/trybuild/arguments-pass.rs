@@ -8,6 +8,7 @@ use idempotency_actix::{Idempotency, idempotent};
     store_errors,
     max_request_body = 65_536,
     max_stored_body = 1048576usize,
+    wait_for_completion = "5s",
 )]
 #[post("/everything")]
 async fn everything() -> HttpResponse {

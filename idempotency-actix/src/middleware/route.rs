@@ -10,9 +10,10 @@ use actix_web::body::MessageBody;
 use actix_web::dev::{ServiceRequest, ServiceResponse};
 
 use super::{IdempotencyFuture, answer, pass_through, process};
-use crate::engine::{Claimed, EngineHandle, Response, RouteOverride, is_safe_method, refuse};
+use crate::engine::{Claimed, EngineHandle, Response, is_safe_method, refuse, with_handler_body};
 use crate::error::IdempotencyError;
 use crate::policy::RoutePolicy;
+use futures_util::future::Either;
 
 /// Route-level idempotency: protects the route it wraps with its own policy, on the store of
 /// the [`Idempotency`](crate::Idempotency) above it.
@@ -23,9 +24,11 @@ use crate::policy::RoutePolicy;
 /// pass through untouched.
 ///
 /// When an app-level [`Idempotency`](crate::Idempotency) also protects the route's method
-/// (`protect_methods`), the app layer takes the request before routing and processes it once:
-/// the route's `ttl`, `max_stored_body`, `store_errors` and `required` still apply; its
-/// `lease`, `max_request_body` and `wait_for_completion` are the app's.
+/// (`protect_methods`), the app layer takes the request before routing and processes it once,
+/// and this layer hands it the route's policy: `ttl`, `lease` (applied as soon as the route
+/// is reached), `required`, `store_errors`, `max_stored_body` and a `max_request_body`
+/// smaller than the app's all apply. Two things are decided before routing and stay the
+/// app's: a `max_request_body` larger than the app's, and `wait_for_completion`.
 ///
 /// # Examples
 ///
@@ -155,7 +158,7 @@ where
                 extensions
                     .get::<EngineHandle>()
                     .map(|handle| Rc::clone(&handle.0)),
-                extensions.get::<Claimed>().copied(),
+                extensions.get::<Claimed>().cloned(),
             )
         };
         let Some(engine) = engine else {
@@ -167,16 +170,36 @@ where
             return answer::<S, B>(refuse(req.into_parts().0, &IdempotencyError::NotConfigured));
         };
         match claimed {
-            // An outer layer already processes this request; it applies our ttl and storage
-            // options at commit, and we still enforce a required key.
-            Some(Claimed { key_present: false }) if self.policy.requires_key() => {
+            // An outer layer already processes this request: we still enforce a required key
+            // and our body limit, and hand our policy to the lock it holds.
+            Some(Claimed {
+                key_present: false, ..
+            }) if self.policy.requires_key() => {
                 answer::<S, B>(refuse(req.into_parts().0, &IdempotencyError::MissingKey))
             }
-            Some(_) => {
-                req.extensions_mut()
-                    .insert(RouteOverride(RoutePolicy::clone(&self.policy)));
-                pass_through(&*self.service, req)
+            Some(Claimed {
+                lock: Some(lock), ..
+            }) => {
+                let policy = self.policy.apply_to(&engine.settings.defaults);
+                if lock.body_len > policy.max_request_body {
+                    let limit = policy.max_request_body;
+                    let error = IdempotencyError::RequestBodyTooLarge { limit };
+                    return answer::<S, B>(refuse(req.into_parts().0, &error));
+                }
+                lock.route_policy
+                    .replace(Some(RoutePolicy::clone(&self.policy)));
+                if lock.lease.replace(policy.lease) == policy.lease {
+                    return pass_through(&*self.service, req);
+                }
+                let service = Rc::clone(&self.service);
+                Either::Right(Box::pin(async move {
+                    if let Err(error) = engine.renew(&lock).await {
+                        tracing::warn!(%error, "idempotency: could not apply the route's lease");
+                    }
+                    service.call(req).await.map(with_handler_body)
+                }))
             }
+            Some(_) => pass_through(&*self.service, req),
             None => {
                 let policy = self.policy.apply_to(&engine.settings.defaults);
                 process(engine, policy, req, Rc::clone(&self.service))
