@@ -121,14 +121,14 @@ async fn a_handler_slower_than_its_lease_is_never_duplicated() {
         redis_pool().await,
         unique_prefix("lease"),
         runs.clone(),
-        || IdempotentRoute::new().lease(Duration::from_millis(300)),
+        || IdempotentRoute::new().lease(Duration::from_millis(900)),
         |i| i,
     ));
     let client = awc::Client::default();
-    let url = server.url("/orders?delay_ms=1200");
+    let url = server.url("/orders?delay_ms=3000");
     let (first, duplicate) = futures_util::future::join(post(&client, &url, "slow"), async {
-        // Four leases after the start: without renewal the key would be free again.
-        actix_rt::time::sleep(Duration::from_millis(900)).await;
+        // Over two leases after the start: without renewal the key would be free again.
+        actix_rt::time::sleep(Duration::from_millis(2200)).await;
         post(&client, &url, "slow").await
     })
     .await;
@@ -343,7 +343,8 @@ async fn assert_stall_is_bounded(command: &'static [&'static str], test: &str) {
     );
 
     stall(&redis, command);
-    actix_rt::time::sleep(Duration::from_millis(100)).await;
+    // Time for the stalling command to reach Redis, even on a loaded machine.
+    actix_rt::time::sleep(Duration::from_millis(300)).await;
     let started = Instant::now();
     let stalled = post(&client, &url, "stalled").await;
     assert_eq!(
@@ -357,8 +358,8 @@ async fn assert_stall_is_bounded(command: &'static [&'static str], test: &str) {
     );
     assert_eq!(runs.get(), 1);
 
-    // After the stall the app serves again by itself.
-    actix_rt::time::sleep(Duration::from_millis(1800)).await;
+    // After the stall (2 s) the app serves again by itself.
+    actix_rt::time::sleep(Duration::from_millis(2000)).await;
     let mut recovered = post(&client, &url, "after").await;
     if recovered.status == StatusCode::CONFLICT {
         // A `begin` that timed out during the stall ran when Redis woke up; its lease (30 s
@@ -370,12 +371,12 @@ async fn assert_stall_is_bounded(command: &'static [&'static str], test: &str) {
 
 #[actix_web::test]
 async fn debug_sleep_is_503_within_the_store_timeout() {
-    assert_stall_is_bounded(&["DEBUG", "SLEEP", "1.5"], "debug_sleep").await;
+    assert_stall_is_bounded(&["DEBUG", "SLEEP", "2"], "debug_sleep").await;
 }
 
 #[actix_web::test]
 async fn client_pause_is_503_within_the_store_timeout() {
-    assert_stall_is_bounded(&["CLIENT", "PAUSE", "1500", "ALL"], "client_pause").await;
+    assert_stall_is_bounded(&["CLIENT", "PAUSE", "2000", "ALL"], "client_pause").await;
 }
 
 #[actix_web::test]
