@@ -235,3 +235,190 @@ impl Drop for PrivateRedis {
         let _ = self.child.wait();
     }
 }
+
+/// The reference server (`examples/reference_server.rs`, DESIGN §11) as a child process of
+/// the test, killed when dropped.
+///
+/// The first use in a test binary builds it with `cargo build --example reference_server`
+/// (once; later uses wait for that build). Each server listens on a free loopback port with
+/// 2 workers; its configuration comes from the environment variables a test passes, and
+/// every other reference-server variable the test process may have is removed.
+#[derive(Debug)]
+pub struct ReferenceServer {
+    child: std::process::Child,
+    addr: std::net::SocketAddr,
+    stderr: Arc<std::sync::Mutex<String>>,
+}
+
+/// The environment variables the reference server reads.
+const REFERENCE_SERVER_VARIABLES: [&str; 6] = [
+    "BIND",
+    "REDIS_URL",
+    "IDEMPOTENCY",
+    "IDEMPOTENCY_METHODS",
+    "IDEMPOTENCY_PREFIX",
+    "WORKERS",
+];
+
+impl ReferenceServer {
+    /// The reference server's executable, built on first use.
+    ///
+    /// # Panics
+    ///
+    /// When cargo cannot build it, with cargo's messages.
+    pub fn executable() -> &'static std::path::Path {
+        static EXECUTABLE: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+        EXECUTABLE.get_or_init(build_reference_server)
+    }
+
+    /// A command that runs the reference server on `127.0.0.1:0` with 2 workers and none of
+    /// the caller's reference-server variables; add `env` to configure it.
+    pub fn command() -> std::process::Command {
+        let mut command = std::process::Command::new(Self::executable());
+        for variable in REFERENCE_SERVER_VARIABLES {
+            command.env_remove(variable);
+        }
+        command.env("BIND", "127.0.0.1:0").env("WORKERS", "2");
+        command
+    }
+
+    /// Starts one with these variables set (on top of [`command`](Self::command)) and waits
+    /// for its `listening on http://ADDR` line.
+    ///
+    /// # Panics
+    ///
+    /// When it exits or stays silent for 30 s instead, with what it wrote on stderr.
+    pub fn start(env: &[(&str, &str)]) -> Self {
+        let mut command = Self::command();
+        command.envs(env.iter().copied());
+        Self::spawn(command)
+    }
+
+    /// Starts `command` (see [`command`](Self::command)) and waits for its
+    /// `listening on http://ADDR` line.
+    ///
+    /// # Panics
+    ///
+    /// When it exits or stays silent for 30 s instead, with what it wrote on stderr.
+    pub fn spawn(mut command: std::process::Command) -> Self {
+        use std::io::{BufRead, Read};
+
+        let mut child = command
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|error| panic!("cannot start the reference server: {error}"));
+        let stderr = Arc::new(std::sync::Mutex::new(String::new()));
+        if let Some(mut pipe) = child.stderr.take() {
+            let stderr = Arc::clone(&stderr);
+            std::thread::spawn(move || {
+                let mut chunk = [0; 4096];
+                while let Ok(read @ 1..) = pipe.read(&mut chunk) {
+                    if let Ok(mut text) = stderr.lock() {
+                        text.push_str(&String::from_utf8_lossy(&chunk[..read]));
+                    }
+                }
+            });
+        }
+        let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+        let stdout = child.stdout.take().expect("stdout is piped");
+        // Reads the address, then drains stdout so the server never blocks on a full pipe.
+        std::thread::spawn(move || {
+            let mut addr_tx = Some(addr_tx);
+            for line in std::io::BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if let Some(addr) = line.trim().strip_prefix("listening on http://")
+                    && let Some(addr_tx) = addr_tx.take()
+                {
+                    let _ = addr_tx.send(addr.to_owned());
+                }
+            }
+        });
+        let addr = addr_rx.recv_timeout(std::time::Duration::from_secs(30));
+        let mut server = Self {
+            child,
+            addr: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+            stderr,
+        };
+        match addr {
+            Ok(addr) => {
+                server.addr = addr.parse().unwrap_or_else(|error| {
+                    panic!("reference server printed a bad address {addr:?}: {error}")
+                });
+                server
+            }
+            Err(_) => {
+                // Give it a moment to finish writing why it stopped.
+                std::thread::sleep(std::time::Duration::from_millis(200));
+                let status = server.child.try_wait().ok().flatten();
+                panic!(
+                    "the reference server did not print `listening on http://ADDR` (exit status: {status:?}); stderr:\n{}",
+                    server.stderr()
+                )
+            }
+        }
+    }
+
+    /// The address it listens on.
+    pub fn addr(&self) -> std::net::SocketAddr {
+        self.addr
+    }
+
+    /// The URL of `path_and_query` on it.
+    pub fn url(&self, path_and_query: &str) -> String {
+        format!("http://{}{path_and_query}", self.addr)
+    }
+
+    /// What it wrote on stderr so far.
+    pub fn stderr(&self) -> String {
+        self.stderr
+            .lock()
+            .map(|text| text.clone())
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for ReferenceServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Runs `cargo build --example reference_server` in the workspace and returns the path of
+/// the executable cargo reports.
+fn build_reference_server() -> std::path::PathBuf {
+    let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the tests package lives in the workspace");
+    let output = std::process::Command::new(env!("CARGO"))
+        .current_dir(workspace)
+        .args(["build", "-p", "idempotency-actix-examples"])
+        .args(["--example", "reference_server"])
+        .arg("--message-format=json-render-diagnostics")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap_or_else(|error| panic!("cannot run cargo to build the reference server: {error}"));
+    if !output.status.success() {
+        panic!(
+            "cargo build --example reference_server failed ({}):\n{}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|message| {
+            message["reason"] == "compiler-artifact"
+                && message["target"]["name"] == "reference_server"
+        })
+        .find_map(|message| message["executable"].as_str().map(std::path::PathBuf::from))
+        .unwrap_or_else(|| {
+            panic!(
+                "cargo built no reference_server executable:\n{}",
+                String::from_utf8_lossy(&output.stderr)
+            )
+        })
+}

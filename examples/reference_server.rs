@@ -1,0 +1,63 @@
+//! The reference server (DESIGN §11): the app that the end-to-end tests, load tests and the
+//! demo drive. Run it with
+//!
+//! ```sh
+//! cargo run --release --example reference_server                                  # in-memory store
+//! REDIS_URL=redis://127.0.0.1:6379 cargo run --release --example reference_server # Redis store
+//! ```
+//!
+//! Environment (an empty variable counts as unset):
+//!
+//! * `BIND` [`127.0.0.1:8080`]: where to listen; port 0 picks a free port.
+//! * `REDIS_URL`: set → the Redis store (bb8 pool); unset → the in-memory store.
+//! * `IDEMPOTENCY` [`on`] or `off`: `off` installs no middleware at all (benchmark baseline).
+//! * `IDEMPOTENCY_METHODS`: e.g. `POST,PATCH`; also protect untagged routes of those methods.
+//! * `IDEMPOTENCY_PREFIX` [`idempotency:`]: prefix of every storage key, so apps or test runs
+//!   sharing one Redis stay apart.
+//! * `WORKERS` [one per core]: the number of Actix workers.
+//!
+//! Once it accepts connections it prints `listening on http://ADDR` (one line per bound
+//! address, with the real port) on stdout. An invalid variable is reported on stderr and
+//! the process exits with status 2; a failure to start (bad `REDIS_URL`, `BIND` in use)
+//! with status 1. The routes are listed in `idempotency_actix_examples::reference_app`.
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use idempotency_actix_examples::reference_app::{self, ServerConfig};
+
+fn main() -> ExitCode {
+    let config = match ServerConfig::from_env() {
+        Ok(config) => config,
+        Err(error) => {
+            eprintln!("reference_server: {error}");
+            return ExitCode::from(2);
+        }
+    };
+    actix_web::rt::System::new().block_on(serve(config))
+}
+
+async fn serve(config: ServerConfig) -> ExitCode {
+    let running = match reference_app::start(&config).await {
+        Ok(running) => running,
+        Err(error) => {
+            eprintln!("reference_server: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    eprintln!("reference_server: {}", running.summary);
+    let mut stdout = std::io::stdout().lock();
+    for addr in &running.addrs {
+        // Whoever started us waits for this line; a closed stdout is their business.
+        let _ = writeln!(stdout, "listening on http://{addr}");
+    }
+    let _ = stdout.flush();
+    drop(stdout);
+    match running.server.await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("reference_server: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}

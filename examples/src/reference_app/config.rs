@@ -1,0 +1,226 @@
+//! [`ServerConfig`]: the reference server's environment variables, checked before it starts.
+
+use std::ffi::OsString;
+use std::num::NonZeroUsize;
+
+use actix_web::http::Method;
+
+/// The methods `IDEMPOTENCY_METHODS` may name: the unsafe ones (safe methods are never
+/// protected, and an unknown name is more likely a typo than an extension method).
+pub const PROTECTABLE_METHODS: [Method; 4] =
+    [Method::POST, Method::PUT, Method::PATCH, Method::DELETE];
+
+/// How the reference server runs, read from its environment.
+///
+/// | variable | meaning | default |
+/// |---|---|---|
+/// | `BIND` | address to listen on; port 0 picks a free port | `127.0.0.1:8080` |
+/// | `REDIS_URL` | Redis store through a bb8 pool | unset: in-memory store |
+/// | `IDEMPOTENCY` | `on`, or `off` for no middleware at all (the benchmark baseline) | `on` |
+/// | `IDEMPOTENCY_METHODS` | comma-separated methods whose untagged routes are protected too, e.g. `POST,PATCH` | none |
+/// | `IDEMPOTENCY_PREFIX` | prefix of every storage key, to keep apps or test runs apart on one Redis | the crate's (`idempotency:`) |
+/// | `WORKERS` | number of Actix workers | Actix's default (one per core) |
+///
+/// An empty variable counts as unset.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerConfig {
+    /// `BIND`.
+    pub bind: String,
+    /// `REDIS_URL`.
+    pub redis_url: Option<String>,
+    /// `IDEMPOTENCY`: whether the middleware is installed at all.
+    pub idempotency: bool,
+    /// `IDEMPOTENCY_METHODS`.
+    pub protect_methods: Vec<Method>,
+    /// `IDEMPOTENCY_PREFIX`.
+    pub key_prefix: Option<String>,
+    /// `WORKERS`.
+    pub workers: Option<NonZeroUsize>,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            bind: "127.0.0.1:8080".to_owned(),
+            redis_url: None,
+            idempotency: true,
+            protect_methods: Vec::new(),
+            key_prefix: None,
+            workers: None,
+        }
+    }
+}
+
+/// An environment variable with a value the reference server does not accept.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    /// The variable.
+    pub variable: &'static str,
+    /// Its value, lossily decoded.
+    pub value: String,
+    /// What it should be.
+    pub expected: String,
+}
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "invalid {}={:?}: expected {}",
+            self.variable, self.value, self.expected
+        )
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+impl ServerConfig {
+    /// Reads the configuration from the process environment.
+    ///
+    /// # Errors
+    ///
+    /// When a variable is set to a value that is not accepted (see the table above).
+    pub fn from_env() -> Result<Self, ConfigError> {
+        Self::from_lookup(|name| std::env::var_os(name))
+    }
+
+    /// Reads the configuration from `lookup` (a variable name to its value, if set).
+    ///
+    /// # Errors
+    ///
+    /// When a variable is set to a value that is not accepted (see the table above).
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<OsString>) -> Result<Self, ConfigError> {
+        let var = |variable: &'static str, expected: &str| -> Result<Option<String>, ConfigError> {
+            match lookup(variable) {
+                None => Ok(None),
+                Some(value) => match value.into_string() {
+                    Ok(value) if value.trim().is_empty() => Ok(None),
+                    Ok(value) => Ok(Some(value.trim().to_owned())),
+                    Err(value) => Err(ConfigError {
+                        variable,
+                        value: value.to_string_lossy().into_owned(),
+                        expected: format!("{expected} (in UTF-8)"),
+                    }),
+                },
+            }
+        };
+        let invalid = |variable: &'static str, value: &str, expected: &str| ConfigError {
+            variable,
+            value: value.to_owned(),
+            expected: expected.to_owned(),
+        };
+        let mut config = Self::default();
+
+        if let Some(bind) = var("BIND", "an address such as 127.0.0.1:8080")? {
+            config.bind = bind;
+        }
+        config.redis_url = var("REDIS_URL", "a Redis URL such as redis://127.0.0.1:6379")?;
+
+        const SWITCH: &str = "on or off";
+        if let Some(value) = var("IDEMPOTENCY", SWITCH)? {
+            config.idempotency = match value.to_ascii_lowercase().as_str() {
+                "on" => true,
+                "off" => false,
+                _ => return Err(invalid("IDEMPOTENCY", &value, SWITCH)),
+            };
+        }
+
+        let methods_expected = format!(
+            "a comma-separated list of {}",
+            PROTECTABLE_METHODS.map(|m| m.to_string()).join(", ")
+        );
+        if let Some(value) = var("IDEMPOTENCY_METHODS", &methods_expected)? {
+            for name in value
+                .split(',')
+                .map(str::trim)
+                .filter(|name| !name.is_empty())
+            {
+                let method = PROTECTABLE_METHODS
+                    .iter()
+                    .find(|method| method.as_str().eq_ignore_ascii_case(name))
+                    .ok_or_else(|| invalid("IDEMPOTENCY_METHODS", &value, &methods_expected))?;
+                if !config.protect_methods.contains(method) {
+                    config.protect_methods.push(method.clone());
+                }
+            }
+        }
+
+        config.key_prefix = var("IDEMPOTENCY_PREFIX", "a key prefix")?;
+
+        const COUNT: &str = "a positive number of workers";
+        if let Some(value) = var("WORKERS", COUNT)? {
+            config.workers = Some(
+                value
+                    .parse()
+                    .map_err(|_| invalid("WORKERS", &value, COUNT))?,
+            );
+        }
+        Ok(config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+
+    fn parse(vars: &[(&str, &str)]) -> Result<ServerConfig, ConfigError> {
+        let vars: HashMap<String, OsString> = vars
+            .iter()
+            .map(|(name, value)| ((*name).to_owned(), OsString::from(value)))
+            .collect();
+        ServerConfig::from_lookup(|name| vars.get(name).cloned())
+    }
+
+    #[test]
+    fn defaults_without_variables() {
+        assert_eq!(parse(&[]), Ok(ServerConfig::default()));
+    }
+
+    #[test]
+    fn reads_every_variable() {
+        let config = parse(&[
+            ("BIND", "127.0.0.1:0"),
+            ("REDIS_URL", "redis://127.0.0.1:6379"),
+            ("IDEMPOTENCY", "OFF"),
+            ("IDEMPOTENCY_METHODS", "post, patch,POST"),
+            ("IDEMPOTENCY_PREFIX", "test:"),
+            ("WORKERS", "2"),
+        ])
+        .expect("valid");
+        assert_eq!(config.bind, "127.0.0.1:0");
+        assert_eq!(config.redis_url.as_deref(), Some("redis://127.0.0.1:6379"));
+        assert!(!config.idempotency);
+        assert_eq!(config.protect_methods, [Method::POST, Method::PATCH]);
+        assert_eq!(config.key_prefix.as_deref(), Some("test:"));
+        assert_eq!(config.workers.map(NonZeroUsize::get), Some(2));
+    }
+
+    #[test]
+    fn empty_counts_as_unset() {
+        assert_eq!(
+            parse(&[("REDIS_URL", ""), ("IDEMPOTENCY", " "), ("WORKERS", "")]),
+            Ok(ServerConfig::default())
+        );
+    }
+
+    #[test]
+    fn refuses_invalid_values_naming_the_variable() {
+        for (variable, value) in [
+            ("IDEMPOTENCY", "maybe"),
+            ("IDEMPOTENCY_METHODS", "POST,GET"),
+            ("IDEMPOTENCY_METHODS", "PSOT"),
+            ("WORKERS", "0"),
+            ("WORKERS", "two"),
+        ] {
+            let error = parse(&[(variable, value)]).expect_err(value);
+            assert_eq!(error.variable, variable);
+            assert!(
+                error
+                    .to_string()
+                    .starts_with(&format!("invalid {variable}="))
+            );
+        }
+    }
+}

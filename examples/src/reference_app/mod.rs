@@ -1,0 +1,195 @@
+//! The reference app: the routes, counters and configuration of the reference server
+//! (DESIGN §11), shared by `examples/reference_server.rs` and `examples/demo.rs`.
+//!
+//! | route | protection | what it does |
+//! |---|---|---|
+//! | `POST /orders` | `#[idempotent]` | JSON `{"item", "qty"}` → 201 `{"id", "item", "qty", "seq"}`, `Location`, `Set-Cookie`; `?delay_ms=N` sleeps |
+//! | `POST /payments` | `#[idempotent(ttl = "2s", required)]` | any JSON → 200 `{"payment_id", "seq"}` |
+//! | `POST /flaky` | `#[idempotent]` | `?status=N` [200] → N `{"seq", "status"}`; `?panic=1` panics |
+//! | `PUT /profile` | `#[idempotent]` | 200 `{"seq"}` |
+//! | `POST /large` | `#[idempotent]` | `?bytes=N` → 200 with N bytes of `application/octet-stream` |
+//! | `POST /untagged` | none (see `IDEMPOTENCY_METHODS`) | 200 `{"seq"}` |
+//! | `GET /stats` | none | the counters: `{"orders", "payments", "flaky", "profile", "large", "untagged"}` |
+//!
+//! Each route but `/stats` counts the runs of its handler; `seq` is the count after this run.
+//! The counters live in one [`Counters`] shared by all workers.
+
+mod config;
+mod routes;
+
+use std::net::SocketAddr;
+
+use actix_web::dev::Server;
+use actix_web::{App, HttpServer, web};
+use idempotency_actix::{Idempotency, RedisPool, RedisStore};
+
+pub use self::config::{ConfigError, PROTECTABLE_METHODS, ServerConfig};
+pub use self::routes::{Counters, MAX_LARGE_BYTES, NewOrder, Stats};
+
+/// The store the reference app runs on.
+#[derive(Clone)]
+enum Store {
+    /// The process-wide in-memory store (`REDIS_URL` unset).
+    Memory,
+    /// Redis through a bb8 pool (`REDIS_URL` set).
+    Redis(RedisPool),
+}
+
+impl Store {
+    fn describe(&self) -> &'static str {
+        match self {
+            Self::Memory => "in-memory store",
+            Self::Redis(_) => "Redis store",
+        }
+    }
+}
+
+/// Why the reference server could not start.
+#[derive(Debug)]
+pub enum StartError {
+    /// `REDIS_URL` is not a Redis URL.
+    RedisUrl(String),
+    /// `BIND` could not be bound.
+    Bind {
+        /// The address asked for.
+        address: String,
+        /// Why binding failed.
+        error: std::io::Error,
+    },
+}
+
+impl std::fmt::Display for StartError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::RedisUrl(error) => write!(f, "invalid REDIS_URL: {error}"),
+            Self::Bind { address, error } => write!(f, "cannot listen on BIND={address}: {error}"),
+        }
+    }
+}
+
+impl std::error::Error for StartError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::RedisUrl(_) => None,
+            Self::Bind { error, .. } => Some(error),
+        }
+    }
+}
+
+/// A reference server that is bound and serving.
+pub struct Running {
+    /// The server: await it to run until it stops, or stop it through its handle.
+    pub server: Server,
+    /// The addresses it listens on (the real port when `BIND` asked for port 0).
+    pub addrs: Vec<SocketAddr>,
+    /// The counters its handlers increment (the same numbers `GET /stats` reports).
+    pub counters: web::Data<Counters>,
+    /// A one-line description of the set-up, for logs: store, protection, prefix, workers.
+    pub summary: String,
+}
+
+/// Binds and starts the reference server for `config`.
+///
+/// Call it inside an Actix system (`#[actix_web::main]`, `actix_web::rt::System`), then
+/// await or spawn [`Running::server`]. With Redis (and idempotency on) it checks the
+/// connection once and warns on stderr when Redis does not answer; the server starts anyway
+/// and answers protected requests with 503 until Redis is up.
+///
+/// # Errors
+///
+/// When `REDIS_URL` is not a Redis URL or `BIND` cannot be bound.
+pub async fn start(config: &ServerConfig) -> Result<Running, StartError> {
+    let store = match &config.redis_url {
+        Some(url) => {
+            let pool =
+                RedisStore::pool(url).map_err(|error| StartError::RedisUrl(error.to_string()))?;
+            // With IDEMPOTENCY=off the URL is still checked, but Redis is never contacted.
+            if config.idempotency {
+                warn_if_unreachable(&pool).await;
+            }
+            Store::Redis(pool)
+        }
+        None => Store::Memory,
+    };
+    let counters = web::Data::new(Counters::default());
+    let summary = summary(config, &store);
+
+    // Two server types: with the middleware, and without any (the benchmark baseline).
+    macro_rules! serve {
+        ($server:expr) => {{
+            let mut server = $server;
+            if let Some(workers) = config.workers {
+                server = server.workers(workers.get());
+            }
+            let server = server
+                .bind(&config.bind)
+                .map_err(|error| StartError::Bind {
+                    address: config.bind.clone(),
+                    error,
+                })?;
+            let addrs = server.addrs();
+            (server.run(), addrs)
+        }};
+    }
+
+    let (server, addrs) = if config.idempotency {
+        let counters = counters.clone();
+        let methods = config.protect_methods.clone();
+        let prefix = config.key_prefix.clone();
+        serve!(HttpServer::new(move || {
+            let mut idempotency = match &store {
+                Store::Memory => Idempotency::memory(),
+                Store::Redis(pool) => Idempotency::redis(pool.clone()),
+            };
+            if let Some(prefix) = &prefix {
+                idempotency = idempotency.key_prefix(prefix.clone());
+            }
+            App::new()
+                .app_data(counters.clone())
+                .wrap(idempotency.protect_methods(methods.clone()))
+                .configure(routes::protected)
+        }))
+    } else {
+        let counters = counters.clone();
+        serve!(HttpServer::new(move || {
+            App::new()
+                .app_data(counters.clone())
+                .configure(routes::unprotected)
+        }))
+    };
+    Ok(Running {
+        server,
+        addrs,
+        counters,
+        summary,
+    })
+}
+
+/// Warns on stderr when Redis does not answer within 2 s (the pool's connection timeout).
+async fn warn_if_unreachable(pool: &RedisPool) {
+    if let Err(error) = pool.get().await {
+        eprintln!(
+            "warning: Redis at REDIS_URL does not answer ({error}); protected requests get 503 until it does"
+        );
+    }
+}
+
+fn summary(config: &ServerConfig, store: &Store) -> String {
+    if !config.idempotency {
+        return "idempotency off (no middleware)".to_owned();
+    }
+    let methods = if config.protect_methods.is_empty() {
+        "tagged routes only".to_owned()
+    } else {
+        let names: Vec<&str> = config.protect_methods.iter().map(|m| m.as_str()).collect();
+        format!("tagged routes and untagged {}", names.join(", "))
+    };
+    let prefix = config.key_prefix.as_deref().unwrap_or("idempotency:");
+    let workers = config
+        .workers
+        .map_or_else(|| "default".to_owned(), |n| n.to_string());
+    format!(
+        "{}, protecting {methods}, key prefix {prefix:?}, workers {workers}",
+        store.describe()
+    )
+}

@@ -1,0 +1,605 @@
+//! The reference server (DESIGN §11) as a real process, driven over HTTP: every route's
+//! contract, concurrency on one instance and across two sharing one Redis, expiry, error
+//! and panic release, oversized responses, `IDEMPOTENCY=off`, `IDEMPOTENCY_METHODS`, and
+//! invalid configuration.
+//!
+//! Each test starts its own servers (see [`ReferenceServer`]) on the Redis at `REDIS_URL`
+//! (default 127.0.0.1:6379) under a key prefix of its own (`IDEMPOTENCY_PREFIX`), and
+//! counts handler runs with `GET /stats`.
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::{Duration, Instant};
+
+use actix_web::http::header::HeaderMap;
+use actix_web::http::{Method, StatusCode};
+use actix_web::web::Bytes;
+use futures_util::future::join_all;
+use idempotency_actix_tests::{
+    ReferenceServer, keys_under, redis_connection, redis_url, unique_prefix,
+};
+use serde_json::{Value, json};
+
+/// One answer of the reference server.
+#[derive(Debug)]
+struct Reply {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Reply {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(|value| value.to_str().unwrap())
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|error| panic!("not JSON ({error}): {:?}", self.body))
+    }
+
+    fn replayed(&self) -> bool {
+        self.header("idempotent-replayed") == Some("true")
+    }
+
+    /// A fresh run of the handler: its status, not a replay.
+    fn assert_executed(&self, status: StatusCode) {
+        assert_eq!(self.status, status, "{self:?}");
+        assert!(
+            !self.replayed(),
+            "expected a fresh run, got a replay: {self:?}"
+        );
+    }
+
+    /// A replay of `original`: same status and body, byte for byte, with the replay header.
+    fn assert_replay_of(&self, original: &Reply) {
+        assert_eq!(self.status, original.status, "{self:?}");
+        assert!(self.replayed(), "expected a replay: {self:?}");
+        assert_eq!(self.body, original.body);
+    }
+
+    fn assert_problem(&self, status: StatusCode) {
+        assert_eq!(self.status, status, "{self:?}");
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json")
+        );
+        assert_eq!(self.json()["status"], status.as_u16());
+    }
+}
+
+fn client() -> awc::Client {
+    awc::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .finish()
+}
+
+/// A fresh key, in the IETF draft's sf-string form.
+fn new_key() -> String {
+    format!("\"{}\"", uuid::Uuid::new_v4())
+}
+
+async fn request(
+    client: &awc::Client,
+    method: Method,
+    url: &str,
+    key: Option<&str>,
+    body: Option<(&str, Bytes)>,
+) -> Reply {
+    let mut request = client.request(method.clone(), url);
+    if let Some(key) = key {
+        request = request.insert_header(("Idempotency-Key", key));
+    }
+    let sent = match body {
+        Some((content_type, body)) => {
+            request
+                .insert_header(("content-type", content_type))
+                .send_body(body)
+                .await
+        }
+        None => request.send().await,
+    };
+    let mut response = sent.unwrap_or_else(|error| panic!("{method} {url}: {error}"));
+    let body = response
+        .body()
+        .limit(16 * 1024 * 1024)
+        .await
+        .unwrap_or_else(|error| panic!("{method} {url}: reading the body: {error}"));
+    Reply {
+        status: response.status(),
+        headers: response.headers().clone(),
+        body,
+    }
+}
+
+async fn post(client: &awc::Client, url: &str, key: Option<&str>) -> Reply {
+    request(client, Method::POST, url, key, None).await
+}
+
+async fn post_json(client: &awc::Client, url: &str, key: Option<&str>, body: &Value) -> Reply {
+    let body = Bytes::from(serde_json::to_vec(body).unwrap());
+    request(
+        client,
+        Method::POST,
+        url,
+        key,
+        Some(("application/json", body)),
+    )
+    .await
+}
+
+/// `GET /stats`, checked to list exactly the six counters.
+async fn stats(client: &awc::Client, server: &ReferenceServer) -> Value {
+    let reply = request(client, Method::GET, &server.url("/stats"), None, None).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    let stats = reply.json();
+    let mut names: Vec<&str> = stats
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(name, count)| {
+            assert!(count.is_u64(), "{name}: {count}");
+            name.as_str()
+        })
+        .collect();
+    names.sort_unstable();
+    assert_eq!(
+        names,
+        [
+            "flaky", "large", "orders", "payments", "profile", "untagged"
+        ]
+    );
+    stats
+}
+
+async fn count(client: &awc::Client, server: &ReferenceServer, counter: &str) -> u64 {
+    stats(client, server).await[counter].as_u64().unwrap()
+}
+
+/// A server on the test Redis under a prefix of its own, plus `env`.
+async fn start_on_redis(test: &str, env: &[(&str, &str)]) -> (ReferenceServer, String) {
+    redis_connection().await; // a clear message when Redis is down
+    let prefix = unique_prefix(test);
+    let url = redis_url();
+    let mut vars = vec![("REDIS_URL", url.as_str()), ("IDEMPOTENCY_PREFIX", &prefix)];
+    vars.extend_from_slice(env);
+    let server = ReferenceServer::start(&vars);
+    (server, prefix)
+}
+
+fn assert_uuid_v4(value: &Value) -> uuid::Uuid {
+    let id = uuid::Uuid::parse_str(value.as_str().unwrap()).unwrap();
+    assert_eq!(id.get_version_num(), 4, "{id}");
+    id
+}
+
+/// The body `/large?bytes=N` answers: byte `i` is `b'a' + i % 26`.
+fn large_body(bytes: usize) -> Vec<u8> {
+    (b'a'..=b'z').cycle().take(bytes).collect()
+}
+
+#[actix_rt::test]
+async fn every_route_answers_as_specified() {
+    let (server, prefix) = start_on_redis("e2e-routes", &[]).await;
+    let client = client();
+
+    // POST /orders: 201, the order with a fresh id and the run's seq, Location, Set-Cookie.
+    let key = new_key();
+    let order = json!({ "item": "book", "qty": 3 });
+    let created = post_json(&client, &server.url("/orders"), Some(&key), &order).await;
+    created.assert_executed(StatusCode::CREATED);
+    let body = created.json();
+    let id = assert_uuid_v4(&body["id"]);
+    assert_eq!(body["item"], "book");
+    assert_eq!(body["qty"], 3);
+    assert_eq!(body["seq"], 1);
+    assert_eq!(body.as_object().unwrap().len(), 4, "{body}");
+    assert_eq!(
+        created.header("location"),
+        Some(format!("/orders/{id}").as_str())
+    );
+    assert_eq!(created.header("set-cookie"), Some("session=new; Path=/"));
+    assert_eq!(created.header("content-type"), Some("application/json"));
+
+    // Its retry: the same answer, without the cookie, marked as a replay.
+    let retry = post_json(&client, &server.url("/orders"), Some(&key), &order).await;
+    retry.assert_replay_of(&created);
+    assert_eq!(retry.header("location"), created.header("location"));
+    assert_eq!(retry.header("set-cookie"), None);
+
+    // Invalid JSON and a wrong shape: 400 from the extractor; the handler does not run.
+    let broken = Bytes::from_static(br#"{"item": "book", "qty":"#);
+    let reply = request(
+        &client,
+        Method::POST,
+        &server.url("/orders"),
+        Some(&new_key()),
+        Some(("application/json", broken)),
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST);
+    let wrong = json!({ "item": 1, "qty": "two" });
+    let reply = post_json(&client, &server.url("/orders"), Some(&new_key()), &wrong).await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST);
+    assert_eq!(count(&client, &server, "orders").await, 1);
+
+    // delay_ms: the handler sleeps that long.
+    let started = Instant::now();
+    let slow = post_json(
+        &client,
+        &server.url("/orders?delay_ms=300"),
+        Some(&new_key()),
+        &order,
+    )
+    .await;
+    slow.assert_executed(StatusCode::CREATED);
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    assert_eq!(slow.json()["seq"], 2);
+
+    // POST /payments: a key is required; 200 with a payment id.
+    let payment = json!({ "amount": 1000, "currency": "EUR" });
+    post_json(&client, &server.url("/payments"), None, &payment)
+        .await
+        .assert_problem(StatusCode::BAD_REQUEST);
+    let key = new_key();
+    let paid = post_json(&client, &server.url("/payments"), Some(&key), &payment).await;
+    paid.assert_executed(StatusCode::OK);
+    assert_uuid_v4(&paid.json()["payment_id"]);
+    assert_eq!(paid.json()["seq"], 1);
+    post_json(&client, &server.url("/payments"), Some(&key), &payment)
+        .await
+        .assert_replay_of(&paid);
+
+    // POST /flaky: 200 by default.
+    let flaky = post(&client, &server.url("/flaky"), Some(&new_key())).await;
+    flaky.assert_executed(StatusCode::OK);
+    assert_eq!(flaky.json(), json!({ "seq": 1, "status": 200 }));
+
+    // PUT /profile: protected too.
+    let key = new_key();
+    let profile = request(
+        &client,
+        Method::PUT,
+        &server.url("/profile"),
+        Some(&key),
+        None,
+    )
+    .await;
+    profile.assert_executed(StatusCode::OK);
+    assert_eq!(profile.json(), json!({ "seq": 1 }));
+    request(
+        &client,
+        Method::PUT,
+        &server.url("/profile"),
+        Some(&key),
+        None,
+    )
+    .await
+    .assert_replay_of(&profile);
+
+    // POST /large: N bytes of octet-stream, replayed byte for byte.
+    let key = new_key();
+    let large = post(&client, &server.url("/large?bytes=5000"), Some(&key)).await;
+    large.assert_executed(StatusCode::OK);
+    assert_eq!(
+        large.header("content-type"),
+        Some("application/octet-stream")
+    );
+    assert_eq!(large.body, large_body(5000));
+    post(&client, &server.url("/large?bytes=5000"), Some(&key))
+        .await
+        .assert_replay_of(&large);
+
+    // POST /untagged: not protected by default, so a retry runs again.
+    let key = new_key();
+    let first = post(&client, &server.url("/untagged"), Some(&key)).await;
+    first.assert_executed(StatusCode::OK);
+    assert_eq!(first.json(), json!({ "seq": 1 }));
+    let second = post(&client, &server.url("/untagged"), Some(&key)).await;
+    second.assert_executed(StatusCode::OK);
+    assert_eq!(second.json(), json!({ "seq": 2 }));
+
+    // GET /stats: how often each handler ran.
+    assert_eq!(
+        stats(&client, &server).await,
+        json!({ "orders": 2, "payments": 1, "flaky": 1, "profile": 1, "large": 1, "untagged": 2 })
+    );
+
+    // The records live under IDEMPOTENCY_PREFIX.
+    let keys = keys_under(&mut redis_connection().await, &prefix).await;
+    assert!(keys.len() >= 5, "{keys:?}");
+}
+
+#[actix_rt::test]
+async fn a_hundred_concurrent_identical_orders_run_once() {
+    let (server, _prefix) = start_on_redis("e2e-concurrent", &[]).await;
+    let client = client();
+    let before = count(&client, &server, "orders").await;
+
+    let key = new_key();
+    let order = json!({ "item": "chair", "qty": 4 });
+    let url = server.url("/orders?delay_ms=500");
+    let replies = join_all((0..100).map(|_| post_json(&client, &url, Some(&key), &order))).await;
+
+    let executed: Vec<&Reply> = replies
+        .iter()
+        .filter(|reply| reply.status == StatusCode::CREATED && !reply.replayed())
+        .collect();
+    assert_eq!(executed.len(), 1, "{replies:?}");
+    for reply in &replies {
+        match reply.status {
+            StatusCode::CONFLICT => assert!(reply.header("retry-after").is_some()),
+            StatusCode::CREATED if reply.replayed() => reply.assert_replay_of(executed[0]),
+            StatusCode::CREATED => {}
+            _ => panic!("unexpected answer: {reply:?}"),
+        }
+    }
+    assert_eq!(count(&client, &server, "orders").await, before + 1);
+
+    post_json(&client, &url, Some(&key), &order)
+        .await
+        .assert_replay_of(executed[0]);
+    assert_eq!(count(&client, &server, "orders").await, before + 1);
+}
+
+#[actix_rt::test]
+async fn payments_run_again_once_their_two_second_ttl_expired() {
+    let (server, _prefix) = start_on_redis("e2e-payments-ttl", &[]).await;
+    let client = client();
+    let key = new_key();
+    let payment = json!({ "amount": 250 });
+    let url = server.url("/payments");
+
+    let first = post_json(&client, &url, Some(&key), &payment).await;
+    first.assert_executed(StatusCode::OK);
+    post_json(&client, &url, Some(&key), &payment)
+        .await
+        .assert_replay_of(&first);
+    assert_eq!(count(&client, &server, "payments").await, 1);
+
+    actix_rt::time::sleep(Duration::from_millis(2600)).await;
+    let after_expiry = post_json(&client, &url, Some(&key), &payment).await;
+    after_expiry.assert_executed(StatusCode::OK);
+    assert_ne!(
+        after_expiry.json()["payment_id"],
+        first.json()["payment_id"]
+    );
+    assert_eq!(count(&client, &server, "payments").await, 2);
+}
+
+#[actix_rt::test]
+async fn flaky_error_responses_are_not_stored() {
+    let (server, _prefix) = start_on_redis("e2e-flaky-500", &[]).await;
+    let client = client();
+    let key = new_key();
+    let url = server.url("/flaky?status=500");
+
+    let first = post(&client, &url, Some(&key)).await;
+    first.assert_executed(StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(first.json(), json!({ "seq": 1, "status": 500 }));
+    let retry = post(&client, &url, Some(&key)).await;
+    retry.assert_executed(StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(retry.json(), json!({ "seq": 2, "status": 500 }));
+    assert_eq!(count(&client, &server, "flaky").await, 2);
+}
+
+#[actix_rt::test]
+async fn flaky_success_statuses_are_stored() {
+    let (server, _prefix) = start_on_redis("e2e-flaky-201", &[]).await;
+    let client = client();
+    let key = new_key();
+    let url = server.url("/flaky?status=201");
+
+    let first = post(&client, &url, Some(&key)).await;
+    first.assert_executed(StatusCode::CREATED);
+    assert_eq!(first.json(), json!({ "seq": 1, "status": 201 }));
+    post(&client, &url, Some(&key))
+        .await
+        .assert_replay_of(&first);
+    assert_eq!(count(&client, &server, "flaky").await, 1);
+}
+
+#[actix_rt::test]
+async fn a_panicking_handler_answers_500_and_releases_its_key() {
+    let (server, _prefix) = start_on_redis("e2e-flaky-panic", &[]).await;
+    let client = client();
+    let key = new_key();
+    let url = server.url("/flaky?panic=1");
+
+    let first = post(&client, &url, Some(&key)).await;
+    first.assert_executed(StatusCode::INTERNAL_SERVER_ERROR);
+    let retry = post(&client, &url, Some(&key)).await;
+    retry.assert_executed(StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(count(&client, &server, "flaky").await, 2);
+
+    // The server keeps serving.
+    post(&client, &server.url("/flaky"), Some(&new_key()))
+        .await
+        .assert_executed(StatusCode::OK);
+}
+
+#[actix_rt::test]
+async fn a_response_over_the_stored_limit_is_sent_whole_and_never_rerun() {
+    let (server, _prefix) = start_on_redis("e2e-large", &[]).await;
+    let client = client();
+    let key = new_key();
+    let bytes = 1024 * 1024 + 4096; // over the 1 MiB stored-body default
+    let url = server.url(&format!("/large?bytes={bytes}"));
+
+    let first = post(&client, &url, Some(&key)).await;
+    first.assert_executed(StatusCode::OK);
+    assert_eq!(first.body.len(), bytes);
+    assert!(first.body == large_body(bytes), "the body's bytes differ");
+
+    let retry = post(&client, &url, Some(&key)).await;
+    assert_eq!(retry.status, StatusCode::OK);
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(retry.header("idempotent-body-omitted"), Some("true"));
+    assert!(retry.body.is_empty());
+    assert_eq!(count(&client, &server, "large").await, 1);
+}
+
+#[actix_rt::test]
+async fn idempotency_off_leaves_every_route_unprotected() {
+    let (server, prefix) = start_on_redis("e2e-off", &[("IDEMPOTENCY", "off")]).await;
+    let client = client();
+    let order = json!({ "item": "book", "qty": 1 });
+    let payment = json!({ "amount": 1 });
+
+    for _ in 0..2 {
+        let key = new_key();
+        for _ in 0..2 {
+            let created = post_json(&client, &server.url("/orders"), Some(&key), &order).await;
+            created.assert_executed(StatusCode::CREATED);
+            post_json(&client, &server.url("/payments"), Some(&key), &payment)
+                .await
+                .assert_executed(StatusCode::OK);
+            post(&client, &server.url("/flaky?status=201"), Some(&key))
+                .await
+                .assert_executed(StatusCode::CREATED);
+            request(
+                &client,
+                Method::PUT,
+                &server.url("/profile"),
+                Some(&key),
+                None,
+            )
+            .await
+            .assert_executed(StatusCode::OK);
+            post(&client, &server.url("/large?bytes=10"), Some(&key))
+                .await
+                .assert_executed(StatusCode::OK);
+            post(&client, &server.url("/untagged"), Some(&key))
+                .await
+                .assert_executed(StatusCode::OK);
+        }
+    }
+    // Not even a key is required.
+    post_json(&client, &server.url("/payments"), None, &payment)
+        .await
+        .assert_executed(StatusCode::OK);
+
+    assert_eq!(
+        stats(&client, &server).await,
+        json!({ "orders": 4, "payments": 5, "flaky": 4, "profile": 4, "large": 4, "untagged": 4 })
+    );
+    let keys = keys_under(&mut redis_connection().await, &prefix).await;
+    assert!(keys.is_empty(), "nothing is stored: {keys:?}");
+}
+
+#[actix_rt::test]
+async fn idempotency_methods_post_protects_untagged_routes() {
+    let (server, _prefix) = start_on_redis("e2e-methods", &[("IDEMPOTENCY_METHODS", "POST")]).await;
+    let client = client();
+    let key = new_key();
+    let url = server.url("/untagged");
+
+    let first = post(&client, &url, Some(&key)).await;
+    first.assert_executed(StatusCode::OK);
+    post(&client, &url, Some(&key))
+        .await
+        .assert_replay_of(&first);
+    assert_eq!(count(&client, &server, "untagged").await, 1);
+
+    // Tagged routes keep their own policy: /payments still requires a key.
+    post_json(&client, &server.url("/payments"), None, &json!({}))
+        .await
+        .assert_problem(StatusCode::BAD_REQUEST);
+}
+
+#[actix_rt::test]
+async fn two_servers_sharing_redis_run_a_handler_once_in_total() {
+    redis_connection().await;
+    let prefix = unique_prefix("e2e-two-servers");
+    let url = redis_url();
+    let env = [("REDIS_URL", url.as_str()), ("IDEMPOTENCY_PREFIX", &prefix)];
+    let servers = [ReferenceServer::start(&env), ReferenceServer::start(&env)];
+    assert_ne!(servers[0].addr(), servers[1].addr());
+    let client = client();
+
+    let key = new_key();
+    let order = json!({ "item": "desk", "qty": 1 });
+    let urls = servers
+        .each_ref()
+        .map(|server| server.url("/orders?delay_ms=500"));
+    let replies =
+        join_all((0..50).map(|i| post_json(&client, &urls[i % 2], Some(&key), &order))).await;
+
+    let executed: Vec<&Reply> = replies
+        .iter()
+        .filter(|reply| reply.status == StatusCode::CREATED && !reply.replayed())
+        .collect();
+    assert_eq!(executed.len(), 1, "{replies:?}");
+    for reply in &replies {
+        match reply.status {
+            StatusCode::CONFLICT => {}
+            StatusCode::CREATED if reply.replayed() => reply.assert_replay_of(executed[0]),
+            StatusCode::CREATED => {}
+            _ => panic!("unexpected answer: {reply:?}"),
+        }
+    }
+    let ran =
+        count(&client, &servers[0], "orders").await + count(&client, &servers[1], "orders").await;
+    assert_eq!(ran, 1);
+
+    // Either server replays it.
+    for url in &urls {
+        post_json(&client, url, Some(&key), &order)
+            .await
+            .assert_replay_of(executed[0]);
+    }
+}
+
+#[actix_rt::test]
+async fn without_redis_url_the_in_memory_store_protects_routes() {
+    let server = ReferenceServer::start(&[]);
+    let client = client();
+    let key = new_key();
+    let order = json!({ "item": "pen", "qty": 10 });
+
+    let first = post_json(&client, &server.url("/orders"), Some(&key), &order).await;
+    first.assert_executed(StatusCode::CREATED);
+    post_json(&client, &server.url("/orders"), Some(&key), &order)
+        .await
+        .assert_replay_of(&first);
+    assert_eq!(count(&client, &server, "orders").await, 1);
+}
+
+#[test]
+fn invalid_configuration_is_refused_with_a_clear_message() {
+    for (variable, value) in [
+        ("IDEMPOTENCY", "maybe"),
+        ("IDEMPOTENCY_METHODS", "POST,FETCH"),
+        ("WORKERS", "zero"),
+        ("REDIS_URL", "not a url"),
+        ("BIND", "not-an-address"),
+    ] {
+        let mut command = ReferenceServer::command();
+        let mut child = command
+            .env(variable, value)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while child.try_wait().unwrap().is_none() {
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("{variable}={value:?}: the server started instead of refusing");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let output = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{variable}={value:?}: {stderr}");
+        assert!(stderr.contains(variable), "{variable}={value:?}: {stderr}");
+        assert!(
+            !stderr.contains("panicked"),
+            "{variable}={value:?}: {stderr}"
+        );
+        assert!(
+            output.stdout.is_empty(),
+            "{variable}={value:?}: printed on stdout"
+        );
+    }
+}
