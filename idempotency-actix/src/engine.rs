@@ -103,12 +103,18 @@ pub(crate) struct Claimed {
 /// An app layer takes the request before routing, so it starts with the app's policy; the
 /// route layer then applies its own: it refuses a body over its limit, shortens or extends
 /// the lease at once, and leaves its policy for the commit (ttl, what is stored).
+///
+/// It carries the store that holds it: a route layer under nested `Idempotency` layers with
+/// different stores renews the lock where it is held.
 pub(crate) struct HeldLock {
     pub(crate) storage_key: StorageKey,
     pub(crate) token: LeaseToken,
     pub(crate) body_len: usize,
     pub(crate) lease: Cell<Duration>,
+    pub(crate) renewed_at: Cell<Instant>,
     pub(crate) route_policy: RefCell<Option<RoutePolicy>>,
+    store: Rc<dyn DynStore>,
+    store_timeout: Duration,
 }
 
 /// The response type every layer produces.
@@ -164,22 +170,38 @@ impl Engine {
         };
         let fingerprint = self.settings.fingerprint.of(&req, &body);
         let body_len = body.len();
-        let storage_key =
-            StorageKey::new(&self.settings.prefix, &self.settings.scope.of(&req), &key);
+        let Some(scope) = self.settings.scope.of(&req) else {
+            return Ok(self.refuse(req, IdempotencyError::MissingScope));
+        };
+        let storage_key = StorageKey::new(&self.settings.prefix, &scope, &key);
         req.set_payload(Payload::from(body));
 
+        let token = LeaseToken::generate();
         let begun = self
-            .begin_or_wait(&storage_key, &fingerprint, &policy)
+            .begin_or_wait(&storage_key, &fingerprint, &token, &policy)
             .await;
+        if begun.is_err() {
+            // A `begin` that timed out may still land; release it (compare-and-delete on our
+            // token) so the key is not blocked for a whole lease.
+            let store = Rc::clone(&self.store);
+            let (key, token) = (storage_key.clone(), token.clone());
+            self.retry_in_background(policy.lease, move || {
+                let (store, key, token) = (Rc::clone(&store), key.clone(), token.clone());
+                async move { store.release(&key, &token).await }
+            });
+        }
         match begun {
-            Ok(BeginOutcome::Acquired(token)) => {
+            Ok(BeginOutcome::Acquired) => {
                 tracing::debug!(key = storage_key.as_str(), "idempotency: executing");
                 let lock = Rc::new(HeldLock {
                     storage_key,
                     token,
                     body_len,
                     lease: Cell::new(policy.lease),
+                    renewed_at: Cell::new(Instant::now()),
                     route_policy: RefCell::new(None),
+                    store: Rc::clone(&self.store),
+                    store_timeout: self.settings.store_timeout,
                 });
                 self.run_and_commit(policy, lock, req, service).await
             }
@@ -228,6 +250,7 @@ impl Engine {
         &self,
         storage_key: &StorageKey,
         fingerprint: &Fingerprint,
+        token: &LeaseToken,
         policy: &Policy,
     ) -> Result<BeginOutcome, StoreError> {
         let deadline = policy
@@ -236,7 +259,10 @@ impl Engine {
         let mut pause = Duration::from_millis(20);
         loop {
             let begun = self
-                .bounded(self.store.begin(storage_key, fingerprint, policy.lease))
+                .bounded(
+                    self.store
+                        .begin(storage_key, fingerprint, token, policy.lease),
+                )
                 .await;
             match (&begun, deadline) {
                 (Ok(BeginOutcome::InFlight), Some(deadline))
@@ -278,12 +304,13 @@ impl Engine {
             key_present: true,
             lock: Some(Rc::clone(&lock)),
         });
+        // The lease is renewed until the response is captured, not just while the handler
+        // runs: a streamed body can take longer than the lease.
+        let work = self.run_and_capture(policy, &lock, req, service);
+        let outcome = while_renewing_lease(work, &lock).await;
         let (storage_key, token) = (&lock.storage_key, &lock.token);
-        let handler = AssertUnwindSafe(async move { service.call(req).await }).catch_unwind();
-        let outcome = self.while_renewing_lease(handler, &lock).await;
-
-        let response = match outcome {
-            Err(_panic) => {
+        match outcome {
+            Handled::Panicked => {
                 tracing::error!(
                     key = storage_key.as_str(),
                     "idempotency: handler panicked; key released"
@@ -292,54 +319,93 @@ impl Engine {
                 // No clone of the request may be held while an app-level layer's inner
                 // service routes it (routing needs it unshared), so the 500 travels as an
                 // error that Actix renders with `IdempotencyError::error_response`.
-                return Err(IdempotencyError::HandlerPanicked.into());
+                Err(IdempotencyError::HandlerPanicked.into())
             }
-            Ok(Err(error)) => {
+            Handled::Failed(error) => {
                 self.release(storage_key, token).await;
-                return Err(error);
+                Err(error)
             }
+            Handled::NotStored(response) => {
+                tracing::debug!(
+                    key = storage_key.as_str(),
+                    status = response.status().as_u16(),
+                    "idempotency: error response; key released"
+                );
+                self.release(storage_key, token).await;
+                Ok(response)
+            }
+            Handled::Stored {
+                response,
+                stored,
+                ttl,
+            } => {
+                self.commit(&lock, stored, ttl).await;
+                response.map_err(|()| IdempotencyError::HandlerPanicked.into())
+            }
+        }
+    }
+
+    /// Runs the handler and captures what is to be stored of its response.
+    async fn run_and_capture<S, B>(
+        &self,
+        policy: Policy,
+        lock: &HeldLock,
+        req: ServiceRequest,
+        service: Rc<S>,
+    ) -> Handled<B>
+    where
+        S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = actix_web::Error>
+            + 'static,
+        B: MessageBody + 'static,
+    {
+        let response = match AssertUnwindSafe(service.call(req)).catch_unwind().await {
+            Err(_panic) => return Handled::Panicked,
+            Ok(Err(error)) => return Handled::Failed(error),
             Ok(Ok(response)) => response,
         };
-
         // An app layer that took the request before routing learns the route's policy only
         // now, from what the route layer left in the shared lock.
         let policy = match lock.route_policy.borrow().as_ref() {
             Some(route) => route.apply_to(&policy),
             None => policy,
         };
-
         if !policy.stores_status(response.status()) {
-            tracing::debug!(
-                key = storage_key.as_str(),
-                status = response.status().as_u16(),
-                "idempotency: error response; key released"
-            );
-            self.release(storage_key, token).await;
-            return Ok(with_handler_body(response));
+            return Handled::NotStored(with_handler_body(response));
         }
 
         let (request, response) = response.into_parts();
         let status = response.status();
         let headers = self.settings.replayed_headers.select(response.headers());
         let (response, body) = response.into_parts();
-        let (body, captured) = capture_body(body, policy.max_stored_body).await;
-        let response = ServiceResponse::new(request, response.set_body(body));
-
-        let stored_body = match captured {
-            Captured::Body(bytes) => Some(bytes),
-            Captured::TooLarge => None,
-            Captured::Failed => {
-                self.release(storage_key, token).await;
-                return Ok(response);
+        let captured = AssertUnwindSafe(capture_body(body, policy.max_stored_body))
+            .catch_unwind()
+            .await;
+        let (response, stored_body) = match captured {
+            Ok((body, Captured::Body(bytes))) => (Ok(response.set_body(body)), Some(bytes)),
+            // The handler ran and said what happened; the client gets all of the body the
+            // handler produces (or its error), and a retry gets the status and headers.
+            Ok((body, Captured::TooLarge | Captured::Failed)) => {
+                (Ok(response.set_body(body)), None)
             }
+            Err(_panic) => (Err(()), None),
         };
-        let stored = StoredResponse {
-            status,
-            headers,
-            body: stored_body,
-        };
+        Handled::Stored {
+            response: response.map(|response| ServiceResponse::new(request, response)),
+            stored: StoredResponse {
+                status,
+                headers,
+                body: stored_body,
+            },
+            ttl: policy.ttl,
+        }
+    }
+
+    /// Commits `stored`; if the store fails, retries in the background (the response goes
+    /// out meanwhile, never held back or lost).
+    async fn commit(&self, lock: &HeldLock, stored: StoredResponse, ttl: Duration) {
+        let (storage_key, token) = (&lock.storage_key, &lock.token);
         match self
-            .bounded(self.store.commit(storage_key, token, &stored, policy.ttl))
+            .bounded(self.store.commit(storage_key, token, &stored, ttl))
             .await
         {
             Ok(true) => tracing::debug!(key = storage_key.as_str(), "idempotency: committed"),
@@ -353,102 +419,118 @@ impl Engine {
                     %error,
                     "idempotency: commit failed; response sent, commit retried in the background"
                 );
-                self.commit_in_background(storage_key.clone(), token.clone(), stored, &policy);
+                let store = Rc::clone(&self.store);
+                let (key, token) = (storage_key.clone(), token.clone());
+                self.retry_in_background(lock.lease.get(), move || {
+                    let (store, key, token, stored) = (
+                        Rc::clone(&store),
+                        key.clone(),
+                        token.clone(),
+                        stored.clone(),
+                    );
+                    async move { store.commit(&key, &token, &stored, ttl).await }
+                });
             }
         }
-        Ok(response)
     }
 
-    /// Retries a failed commit until it lands, the lease is lost, or the lease would have
-    /// expired. Meanwhile the record is in flight (retries get 409), never free, so the
-    /// handler is not run again unless the store stays unreachable past the lease.
-    fn commit_in_background(
-        &self,
-        storage_key: StorageKey,
-        token: LeaseToken,
-        stored: StoredResponse,
-        policy: &Policy,
-    ) {
-        let store = Rc::clone(&self.store);
+    /// Retries `operation` with backoff until it answers (`true` or `false`) or `lease` has
+    /// passed: after that the record it concerns has expired by itself.
+    fn retry_in_background<F, Fut>(&self, lease: Duration, operation: F)
+    where
+        F: Fn() -> Fut + 'static,
+        Fut: Future<Output = Result<bool, StoreError>> + 'static,
+    {
         let timeout = self.settings.store_timeout;
-        let deadline = Instant::now() + policy.lease;
-        let ttl = policy.ttl;
+        let deadline = Instant::now() + lease;
         actix_rt::spawn(async move {
             let mut pause = Duration::from_millis(50);
             while Instant::now() + pause < deadline {
                 actix_rt::time::sleep(pause).await;
-                let commit = store.commit(&storage_key, &token, &stored, ttl);
-                match within(timeout, commit).await {
-                    Ok(true) => {
-                        tracing::info!(
-                            key = storage_key.as_str(),
-                            "idempotency: commit landed on retry"
-                        );
-                        return;
-                    }
-                    Ok(false) => {
-                        tracing::warn!(
-                            key = storage_key.as_str(),
-                            "idempotency: lease lost before the commit landed"
-                        );
+                match within(timeout, operation()).await {
+                    Ok(done) => {
+                        tracing::info!(done, "idempotency: background store operation answered");
                         return;
                     }
                     Err(_) => pause = (pause * 2).min(Duration::from_secs(1)),
                 }
             }
             tracing::error!(
-                key = storage_key.as_str(),
-                "idempotency: commit never landed within the lease; the key frees itself when the lease expires"
+                "idempotency: store unreachable for a whole lease; the record expires by itself"
             );
         });
-    }
-
-    /// Runs `handler` to completion while renewing the lease every third of it (the lease a
-    /// route layer set, once it has).
-    async fn while_renewing_lease<T>(
-        &self,
-        handler: impl Future<Output = T>,
-        lock: &HeldLock,
-    ) -> T {
-        let storage_key = &lock.storage_key;
-        let renewals = async {
-            loop {
-                actix_rt::time::sleep(lock.lease.get() / 3).await;
-                match self.renew(lock).await {
-                    Ok(true) => {}
-                    Ok(false) => {
-                        tracing::warn!(
-                            key = storage_key.as_str(),
-                            "idempotency: lease lost while the handler ran"
-                        );
-                        return;
-                    }
-                    Err(error) => {
-                        tracing::warn!(key = storage_key.as_str(), %error, "idempotency: lease renewal failed; will retry");
-                    }
-                }
-            }
-        };
-        let handler = std::pin::pin!(handler);
-        let renewals = std::pin::pin!(renewals);
-        match select(handler, renewals).await {
-            Either::Left((output, _)) => output,
-            Either::Right(((), handler)) => handler.await,
-        }
-    }
-
-    /// Extends the lease of `lock` to its current length.
-    pub(crate) async fn renew(&self, lock: &HeldLock) -> Result<bool, StoreError> {
-        let renewal = self
-            .store
-            .renew(&lock.storage_key, &lock.token, lock.lease.get());
-        self.bounded(renewal).await
     }
 
     async fn release(&self, storage_key: &StorageKey, token: &LeaseToken) {
         if let Err(error) = self.bounded(self.store.release(storage_key, token)).await {
             tracing::error!(key = storage_key.as_str(), %error, "idempotency: release failed; the key frees itself when its lease expires");
         }
+    }
+}
+
+/// What became of a request whose lock was acquired.
+enum Handled<B> {
+    /// The handler panicked.
+    Panicked,
+    /// The inner service answered an error.
+    Failed(actix_web::Error),
+    /// A response the policy does not store (status >= 400 by default).
+    NotStored(Response<B>),
+    /// A response to store; `response` is `Err` when reading its body panicked.
+    Stored {
+        response: Result<Response<B>, ()>,
+        stored: StoredResponse,
+        ttl: Duration,
+    },
+}
+
+/// Runs `work` to completion while renewing the lease of `lock` every third of it. The
+/// lease is read afresh at every tick, so a route layer that changes it is honoured at once.
+async fn while_renewing_lease<T>(work: impl Future<Output = T>, lock: &HeldLock) -> T {
+    let renewals = async {
+        loop {
+            let lease = lock.lease.get();
+            actix_rt::time::sleep((lease / 3).min(RENEWAL_TICK)).await;
+            if lock.renewed_at.get().elapsed() < lock.lease.get() / 3 {
+                continue;
+            }
+            match lock.renew().await {
+                Ok(true) => {}
+                Ok(false) => {
+                    tracing::warn!(
+                        key = lock.storage_key.as_str(),
+                        "idempotency: lease lost while the handler ran"
+                    );
+                    return;
+                }
+                Err(error) => {
+                    tracing::warn!(key = lock.storage_key.as_str(), %error, "idempotency: lease renewal failed; will retry");
+                }
+            }
+        }
+    };
+    let work = std::pin::pin!(work);
+    let renewals = std::pin::pin!(renewals);
+    match select(work, renewals).await {
+        Either::Left((output, _)) => output,
+        Either::Right(((), work)) => work.await,
+    }
+}
+
+/// How often a running request checks whether its lease is due for renewal.
+const RENEWAL_TICK: Duration = Duration::from_millis(100);
+
+impl HeldLock {
+    /// Extends the lease to its current length, bounded by the store timeout.
+    pub(crate) async fn renew(&self) -> Result<bool, StoreError> {
+        let renewal = self
+            .store
+            .renew(&self.storage_key, &self.token, self.lease.get());
+        let renewed = within(self.store_timeout, renewal).await;
+        if let Ok(true) = renewed {
+            self.renewed_at.set(Instant::now());
+        }
+        renewed
     }
 }
 

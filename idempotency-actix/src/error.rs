@@ -35,6 +35,10 @@ pub enum IdempotencyError {
     /// The key header is malformed or repeated. 400.
     #[error(transparent)]
     InvalidKey(#[from] KeyError),
+    /// The scope of a keyed request (see [`KeyScope`](crate::KeyScope)) cannot be determined:
+    /// its header is missing or repeated, or its function returned `None`. 400.
+    #[error("the request does not say whose idempotency key this is (the scope is missing)")]
+    MissingScope,
     /// The request body of a keyed request is over the limit. 413; the handler did not run.
     #[error("the request body is larger than {limit} bytes, the most a keyed request may send")]
     RequestBodyTooLarge {
@@ -87,6 +91,7 @@ impl IdempotencyError {
         match self {
             Self::MissingKey => ("missing-key", "Idempotency-Key required"),
             Self::InvalidKey(_) => ("invalid-key", "Invalid Idempotency-Key"),
+            Self::MissingScope => ("missing-scope", "Idempotency scope missing"),
             Self::RequestBodyTooLarge { .. } => ("body-too-large", "Request body too large"),
             Self::RequestBodyUnreadable(_) => ("body-unreadable", "Request body unreadable"),
             Self::InFlight { .. } => ("in-flight", "Request in progress"),
@@ -121,9 +126,10 @@ impl IdempotencyError {
 impl ResponseError for IdempotencyError {
     fn status_code(&self) -> StatusCode {
         match self {
-            Self::MissingKey | Self::InvalidKey(_) | Self::RequestBodyUnreadable(_) => {
-                StatusCode::BAD_REQUEST
-            }
+            Self::MissingKey
+            | Self::InvalidKey(_)
+            | Self::MissingScope
+            | Self::RequestBodyUnreadable(_) => StatusCode::BAD_REQUEST,
             Self::RequestBodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::InFlight { .. } => StatusCode::CONFLICT,
             Self::FingerprintMismatch => StatusCode::UNPROCESSABLE_ENTITY,

@@ -65,7 +65,8 @@
 //!
 //! * [`RedisStore`] (`Idempotency::redis(pool)`): a bb8 pool of bb8-redis connections. Two
 //!   round trips for a new key, one for a replay, none for unprotected requests; every
-//!   record is one key, so the same scripts run on Redis Cluster.
+//!   record is one key and every script touches one key, so the protocol is ready for Redis
+//!   Cluster; a cluster backend is not part of this release.
 //! * [`MemoryStore`] (`Idempotency::memory()`): in-process, for development, tests and
 //!   single-instance apps.
 //! * Anything implementing [`IdempotencyStore`] (`Idempotency::new(store)`).
@@ -117,8 +118,8 @@ pub use middleware::{
     IdempotentRouteMiddleware,
 };
 pub use policy::{
-    DEFAULT_LEASE, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_STORED_BODY, DEFAULT_TTL, Policy,
-    RoutePolicy,
+    DEFAULT_LEASE, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_STORED_BODY, DEFAULT_TTL, MAX_DURATION,
+    Policy, RoutePolicy,
 };
 pub use record::{RECORD_VERSION, RecordError, StoredResponse};
 pub use replay::{BODY_OMITTED_HEADER, REPLAYED_HEADER, ReplayedHeaders};

@@ -11,6 +11,20 @@ pub const DEFAULT_MAX_REQUEST_BODY: usize = 1024 * 1024;
 /// The default largest response body that is stored: 1 MiB.
 pub const DEFAULT_MAX_STORED_BODY: usize = 1024 * 1024;
 
+/// The longest ttl, lease or wait a policy accepts: 365 days (as `#[idempotent]` checks at
+/// compile time).
+pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 60 * 60);
+
+/// Checks that `duration` is more than zero and at most [`MAX_DURATION`]: a zero lease would
+/// let duplicates in, an endless ttl overflows expiry arithmetic.
+pub(crate) const fn checked(duration: Duration) -> Duration {
+    assert!(
+        !duration.is_zero() && duration.as_secs() <= MAX_DURATION.as_secs(),
+        "an idempotency ttl, lease, wait or timeout must be more than zero and at most 365 days"
+    );
+    duration
+}
+
 /// The effective policy of one protected request: the app's defaults with the route's
 /// overrides applied.
 ///
@@ -88,16 +102,24 @@ pub struct RoutePolicy {
 
 impl RoutePolicy {
     /// Completed responses of this route are replayed for `ttl`.
+    ///
+    /// # Panics
+    ///
+    /// If `ttl` is zero or over [`MAX_DURATION`] (a configuration mistake).
     #[must_use]
     pub const fn ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = Some(ttl);
+        self.ttl = Some(checked(ttl));
         self
     }
 
     /// In-flight records of this route hold the key for `lease` without renewal.
+    ///
+    /// # Panics
+    ///
+    /// If `lease` is zero or over [`MAX_DURATION`] (a configuration mistake).
     #[must_use]
     pub const fn lease(mut self, lease: Duration) -> Self {
-        self.lease = Some(lease);
+        self.lease = Some(checked(lease));
         self
     }
 
@@ -132,9 +154,13 @@ impl RoutePolicy {
 
     /// A retry that finds its key in flight waits up to `bound` for the first request to
     /// finish and replays its response (409 if it is still running then).
+    ///
+    /// # Panics
+    ///
+    /// If `bound` is zero or over [`MAX_DURATION`] (a configuration mistake).
     #[must_use]
     pub const fn wait_for_completion(mut self, bound: Duration) -> Self {
-        self.wait_for_completion = Some(bound);
+        self.wait_for_completion = Some(checked(bound));
         self
     }
 
@@ -154,5 +180,30 @@ impl RoutePolicy {
     /// Whether this route refuses requests without a key, whatever the app says.
     pub(crate) fn requires_key(&self) -> bool {
         self.required == Some(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[should_panic(expected = "more than zero")]
+    fn a_zero_lease_is_refused() {
+        let _ = RoutePolicy::default().lease(Duration::ZERO);
+    }
+
+    #[test]
+    #[should_panic(expected = "at most 365 days")]
+    fn an_endless_ttl_is_refused() {
+        let _ = RoutePolicy::default().ttl(Duration::MAX);
+    }
+
+    #[test]
+    fn a_year_is_accepted() {
+        let policy = RoutePolicy::default()
+            .ttl(MAX_DURATION)
+            .apply_to(&Policy::default());
+        assert_eq!(policy.ttl, MAX_DURATION);
     }
 }

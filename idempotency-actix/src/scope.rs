@@ -13,8 +13,16 @@ use crate::key::IdempotencyKey;
 /// key (and even the same body) never see each other's responses. The default scope is
 /// empty: one key space for the whole app.
 ///
-/// A scope function returns `None` when the request has no scope value (say, an
-/// unauthenticated request); such requests share the empty scope.
+/// A keyed request whose scope cannot be determined (the header is missing, the function
+/// returns `None`) is refused with a 400 problem, never stored in a shared key space: a
+/// scope that silently fell back to "everyone" would hand one principal's response to
+/// another. Return `Some(String::new())` for requests that may share the global space.
+///
+/// An app-level [`Idempotency`](crate::Idempotency) runs before the middleware registered
+/// after it on the `App` (Actix runs the last `wrap` first): a scope function that reads
+/// what an authentication middleware stores needs that middleware wrapped *after*
+/// `Idempotency` (so it runs first), or the route-level `#[idempotent]`, which runs after
+/// every App middleware.
 ///
 /// # Examples
 ///
@@ -67,18 +75,17 @@ impl KeyScope {
         Self(ScopeSource::Function(Rc::new(scope_of)))
     }
 
-    /// The scope value of `req`; empty when there is none.
-    pub(crate) fn of(&self, req: &ServiceRequest) -> Vec<u8> {
+    /// The scope value of `req`, or `None` when it cannot be determined.
+    pub(crate) fn of(&self, req: &ServiceRequest) -> Option<Vec<u8>> {
         match &self.0 {
-            ScopeSource::Global => Vec::new(),
-            ScopeSource::Header(name) => req
-                .headers()
-                .get(name)
-                .map(|value| value.as_bytes().to_vec())
-                .unwrap_or_default(),
-            ScopeSource::Function(scope_of) => {
-                scope_of(req).map(String::into_bytes).unwrap_or_default()
+            ScopeSource::Global => Some(Vec::new()),
+            ScopeSource::Header(name) => {
+                let mut values = req.headers().get_all(name);
+                let value = values.next()?;
+                // A repeated scope header is ambiguous: refuse it like a missing one.
+                values.next().is_none().then(|| value.as_bytes().to_vec())
             }
+            ScopeSource::Function(scope_of) => scope_of(req).map(String::into_bytes),
         }
     }
 }

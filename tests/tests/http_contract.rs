@@ -563,7 +563,22 @@ async fn scopes_keep_principals_apart(backend: Backend) {
     let a_again = send("a").await;
     assert!(a_again.is_replay());
     assert_eq!(a_again.body, a.body);
-    assert_eq!(h.runs.get(), 2);
+    // Without a tenant the request cannot be scoped: refused, never put in a shared space.
+    let request = h
+        .server
+        .post("/orders")
+        .insert_header(("idempotency-key", key.clone()));
+    let unscoped = h.finish(request.send_body("{}")).await;
+    assert_eq!(
+        unscoped.assert_problem(400),
+        "tag:idempotency-actix,2026:missing-scope"
+    );
+    // Keyless requests need no scope.
+    assert_eq!(
+        h.post("/orders", None, "{}").await.status,
+        StatusCode::CREATED
+    );
+    assert_eq!(h.runs.get(), 3);
 }
 
 macro_rules! contract_suite {

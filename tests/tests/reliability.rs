@@ -59,7 +59,39 @@ impl Setup {
                     .wrap((self.route)())
                     .route(web::post().to(create)),
             )
+            .service(
+                web::resource("/stream")
+                    .wrap((self.route)())
+                    .route(web::post().to(slow_stream)),
+            )
+            .service(
+                web::resource("/broken")
+                    .wrap((self.route)())
+                    .route(web::post().to(broken_stream)),
+            )
     }
+}
+
+/// Answers 200 at once, but the body's only chunk comes after `delay_ms`.
+async fn slow_stream(runs: web::Data<RunCounter>, delay: web::Query<Delay>) -> HttpResponse {
+    let seq = runs.record();
+    let delay = Duration::from_millis(delay.delay_ms.unwrap_or(0));
+    HttpResponse::Ok().streaming(futures_util::stream::once(async move {
+        actix_rt::time::sleep(delay).await;
+        Ok::<_, actix_web::Error>(Bytes::from(format!("run {seq}")))
+    }))
+}
+
+/// Answers 200, but its body fails after the first chunk (the side effect happened).
+async fn broken_stream(runs: web::Data<RunCounter>) -> HttpResponse {
+    runs.record();
+    let chunks: [Result<Bytes, actix_web::Error>; 2] = [
+        Ok(Bytes::from_static(b"part")),
+        Err(actix_web::error::ErrorInternalServerError(
+            "the stream broke",
+        )),
+    ];
+    HttpResponse::Ok().streaming(futures_util::stream::iter(chunks))
 }
 
 fn app_factory(
@@ -137,6 +169,64 @@ async fn a_handler_slower_than_its_lease_is_never_duplicated() {
     let retry = post(&client, &url, "slow").await;
     assert!(retry.replayed);
     assert_eq!(retry.body, first.body);
+    assert_eq!(runs.get(), 1);
+}
+
+#[actix_web::test]
+async fn a_streamed_response_slower_than_its_lease_is_never_duplicated() {
+    let runs = RunCounter::default();
+    let server = serve(app_factory(
+        redis_pool().await,
+        unique_prefix("slow_stream"),
+        runs.clone(),
+        || IdempotentRoute::new().lease(Duration::from_millis(900)),
+        |i| i,
+    ));
+    let client = awc::Client::default();
+    let url = server.url("/stream?delay_ms=3000");
+    let (first, duplicate) = futures_util::future::join(post(&client, &url, "s"), async {
+        // The handler returned at once; its body is still being read, over two leases on.
+        actix_rt::time::sleep(Duration::from_millis(2200)).await;
+        post(&client, &url, "s").await
+    })
+    .await;
+    assert_eq!(first.status, StatusCode::OK);
+    assert_eq!(first.body, "run 1");
+    assert_eq!(duplicate.status, StatusCode::CONFLICT);
+    let retry = post(&client, &url, "s").await;
+    assert!(retry.replayed);
+    assert_eq!(retry.body, "run 1");
+    assert_eq!(runs.get(), 1);
+}
+
+#[actix_web::test]
+async fn a_body_that_fails_after_the_handler_ran_is_never_run_again() {
+    let runs = RunCounter::default();
+    let server = serve(app_factory(
+        redis_pool().await,
+        unique_prefix("broken_body"),
+        runs.clone(),
+        IdempotentRoute::new,
+        |i| i,
+    ));
+    let client = awc::Client::default();
+    let url = server.url("/broken");
+    // The client sees a broken response (the connection fails mid-body)...
+    let first = client
+        .post(&url)
+        .insert_header(("idempotency-key", "b"))
+        .send_body("{}")
+        .await;
+    if let Ok(mut response) = first {
+        assert!(
+            response.body().await.is_err(),
+            "the body must not arrive whole"
+        );
+    }
+    // ...and its retry learns the outcome without charging again.
+    let retry = post(&client, &url, "b").await;
+    assert_eq!(retry.status, StatusCode::OK);
+    assert!(retry.replayed);
     assert_eq!(runs.get(), 1);
 }
 
@@ -360,13 +450,13 @@ async fn assert_stall_is_bounded(command: &'static [&'static str], test: &str) {
 
     // After the stall (2 s) the app serves again by itself.
     actix_rt::time::sleep(Duration::from_millis(2000)).await;
-    let mut recovered = post(&client, &url, "after").await;
-    if recovered.status == StatusCode::CONFLICT {
-        // A `begin` that timed out during the stall ran when Redis woke up; its lease (30 s
-        // by default) holds that key, never a double run. Other keys are free.
-        recovered = post(&client, &url, "after-2").await;
-    }
-    assert_eq!(recovered.status, StatusCode::CREATED, "{command:?}");
+    // The `begin` that timed out ran when Redis woke up; the engine released that orphan
+    // lock in the background, so the client's retry with the same key runs now instead of
+    // meeting 409 for a whole lease.
+    let retried = post(&client, &url, "stalled").await;
+    assert_eq!(retried.status, StatusCode::CREATED, "{command:?}");
+    assert!(!retried.replayed);
+    assert_eq!(runs.get(), 2);
 }
 
 #[actix_web::test]

@@ -46,8 +46,9 @@ async fn acquire(
     body: &[u8],
     lease: Duration,
 ) -> LeaseToken {
-    match store.begin(key, &print(body), lease).await.unwrap() {
-        BeginOutcome::Acquired(token) => token,
+    let token = LeaseToken::generate();
+    match store.begin(key, &print(body), &token, lease).await.unwrap() {
+        BeginOutcome::Acquired => token,
         other => panic!("expected Acquired, got {other:?}"),
     }
 }
@@ -56,7 +57,10 @@ async fn a_new_key_is_acquired_once(store: impl IdempotencyStore, prefix: String
     let key = key(&prefix, "k");
     acquire(&store, &key, b"a", LEASE).await;
     assert_eq!(
-        store.begin(&key, &print(b"a"), LEASE).await.unwrap(),
+        store
+            .begin(&key, &print(b"a"), &LeaseToken::generate(), LEASE)
+            .await
+            .unwrap(),
         BeginOutcome::InFlight
     );
 }
@@ -68,7 +72,10 @@ async fn another_fingerprint_is_a_mismatch_in_flight_and_completed(
     let key = key(&prefix, "k");
     let token = acquire(&store, &key, b"a", LEASE).await;
     assert_eq!(
-        store.begin(&key, &print(b"b"), LEASE).await.unwrap(),
+        store
+            .begin(&key, &print(b"b"), &LeaseToken::generate(), LEASE)
+            .await
+            .unwrap(),
         BeginOutcome::FingerprintMismatch
     );
     assert!(
@@ -78,7 +85,10 @@ async fn another_fingerprint_is_a_mismatch_in_flight_and_completed(
             .unwrap()
     );
     assert_eq!(
-        store.begin(&key, &print(b"b"), LEASE).await.unwrap(),
+        store
+            .begin(&key, &print(b"b"), &LeaseToken::generate(), LEASE)
+            .await
+            .unwrap(),
         BeginOutcome::FingerprintMismatch
     );
 }
@@ -94,7 +104,10 @@ async fn a_committed_response_is_replayed_exactly(store: impl IdempotencyStore, 
     );
     for _ in 0..3 {
         assert_eq!(
-            store.begin(&key, &print(b"a"), LEASE).await.unwrap(),
+            store
+                .begin(&key, &print(b"a"), &LeaseToken::generate(), LEASE)
+                .await
+                .unwrap(),
             BeginOutcome::Completed(response(b"{\"id\":1}"))
         );
     }
@@ -110,9 +123,34 @@ async fn a_record_without_body_is_replayed_without_body(
     omitted.body = None;
     assert!(store.commit(&key, &token, &omitted, TTL).await.unwrap());
     assert_eq!(
-        store.begin(&key, &print(b"a"), LEASE).await.unwrap(),
+        store
+            .begin(&key, &print(b"a"), &LeaseToken::generate(), LEASE)
+            .await
+            .unwrap(),
         BeginOutcome::Completed(omitted)
     );
+}
+
+async fn begin_is_idempotent_for_its_token(store: impl IdempotencyStore, prefix: String) {
+    let key = key(&prefix, "k");
+    let token = acquire(&store, &key, b"a", LEASE).await;
+    // The same token again (a retry after a lost reply) still holds the lock...
+    assert_eq!(
+        store
+            .begin(&key, &print(b"a"), &token, LEASE)
+            .await
+            .unwrap(),
+        BeginOutcome::Acquired
+    );
+    // ...which another token cannot take.
+    assert_eq!(
+        store
+            .begin(&key, &print(b"a"), &LeaseToken::generate(), LEASE)
+            .await
+            .unwrap(),
+        BeginOutcome::InFlight
+    );
+    assert!(store.release(&key, &token).await.unwrap());
 }
 
 async fn keys_are_independent(store: impl IdempotencyStore, prefix: String) {
@@ -136,7 +174,10 @@ async fn a_wrong_token_cannot_commit_renew_or_release(
     assert!(!store.renew(&key, &stranger, LEASE).await.unwrap());
     assert!(!store.release(&key, &stranger).await.unwrap());
     assert_eq!(
-        store.begin(&key, &print(b"a"), LEASE).await.unwrap(),
+        store
+            .begin(&key, &print(b"a"), &LeaseToken::generate(), LEASE)
+            .await
+            .unwrap(),
         BeginOutcome::InFlight
     );
 }
@@ -180,7 +221,10 @@ async fn a_committed_record_cannot_be_released_renewed_or_overwritten(
     let stranger = LeaseToken::generate();
     assert!(!store.commit(&key, &stranger, &second, TTL).await.unwrap());
     assert_eq!(
-        store.begin(&key, &print(b"a"), LEASE).await.unwrap(),
+        store
+            .begin(&key, &print(b"a"), &LeaseToken::generate(), LEASE)
+            .await
+            .unwrap(),
         BeginOutcome::Completed(response(b"first"))
     );
 }
@@ -204,7 +248,10 @@ async fn renewal_keeps_the_lease(store: impl IdempotencyStore, prefix: String) {
     }
     // 1.2 s after the start, one and a half leases: still held.
     assert_eq!(
-        store.begin(&key, &print(b"a"), lease).await.unwrap(),
+        store
+            .begin(&key, &print(b"a"), &LeaseToken::generate(), lease)
+            .await
+            .unwrap(),
         BeginOutcome::InFlight
     );
 }
@@ -232,7 +279,10 @@ async fn a_lost_lease_cannot_overwrite_the_new_holder(
             .unwrap()
     );
     assert_eq!(
-        store.begin(&key, &print(b"a"), LEASE).await.unwrap(),
+        store
+            .begin(&key, &print(b"a"), &LeaseToken::generate(), LEASE)
+            .await
+            .unwrap(),
         BeginOutcome::Completed(response(b"fast"))
     );
 }
@@ -247,7 +297,10 @@ async fn a_completed_record_expires_after_its_ttl(store: impl IdempotencyStore, 
             .unwrap()
     );
     assert!(matches!(
-        store.begin(&key, &print(b"a"), LEASE).await.unwrap(),
+        store
+            .begin(&key, &print(b"a"), &LeaseToken::generate(), LEASE)
+            .await
+            .unwrap(),
         BeginOutcome::Completed(_)
     ));
     actix_rt::time::sleep(Duration::from_millis(800)).await;
@@ -257,12 +310,16 @@ async fn a_completed_record_expires_after_its_ttl(store: impl IdempotencyStore, 
 async fn concurrent_begins_acquire_exactly_once(store: impl IdempotencyStore, prefix: String) {
     let key = key(&prefix, "k");
     let fingerprint = print(b"a");
-    let outcomes =
-        futures_util::future::join_all((0..50).map(|_| store.begin(&key, &fingerprint, LEASE)))
-            .await;
+    let tokens: Vec<LeaseToken> = (0..50).map(|_| LeaseToken::generate()).collect();
+    let outcomes = futures_util::future::join_all(
+        tokens
+            .iter()
+            .map(|token| store.begin(&key, &fingerprint, token, LEASE)),
+    )
+    .await;
     let acquired = outcomes
         .iter()
-        .filter(|outcome| matches!(outcome, Ok(BeginOutcome::Acquired(_))))
+        .filter(|outcome| matches!(outcome, Ok(BeginOutcome::Acquired)))
         .count();
     let in_flight = outcomes
         .iter()
@@ -280,6 +337,7 @@ macro_rules! acceptance_suite {
                 a_committed_response_is_replayed_exactly,
                 a_record_without_body_is_replayed_without_body,
                 keys_are_independent,
+                begin_is_idempotent_for_its_token,
                 a_wrong_token_cannot_commit_renew_or_release,
                 operations_on_a_missing_key_report_false,
                 release_frees_the_key,

@@ -258,6 +258,7 @@ impl IdempotencyStore for BrokenStore {
         &self,
         _: &StorageKey,
         _: &Fingerprint,
+        _: &LeaseToken,
         _: Duration,
     ) -> Result<BeginOutcome, StoreError> {
         Err(StoreError::Protocol("broken on purpose".into()))
@@ -291,10 +292,11 @@ impl IdempotencyStore for SlowStore {
         &self,
         key: &StorageKey,
         fingerprint: &Fingerprint,
+        token: &LeaseToken,
         lease: Duration,
     ) -> Result<BeginOutcome, StoreError> {
         actix_rt::time::sleep(self.delay).await;
-        self.inner.begin(key, fingerprint, lease).await
+        self.inner.begin(key, fingerprint, token, lease).await
     }
     async fn renew(
         &self,
@@ -405,4 +407,107 @@ async fn an_unreachable_redis_is_503_and_a_slow_store_times_out() {
         "the store timeout bounded the wait"
     );
     assert_eq!(runs.get(), 0);
+}
+
+async fn pause_then_continue(
+    req: actix_web::dev::ServiceRequest,
+    next: actix_web::middleware::Next<impl actix_web::body::MessageBody>,
+) -> Result<actix_web::dev::ServiceResponse<impl actix_web::body::MessageBody>, actix_web::Error> {
+    actix_rt::time::sleep(Duration::from_millis(300)).await;
+    next.call(req).await
+}
+
+async fn very_slow_create(runs: web::Data<RunCounter>) -> HttpResponse {
+    let seq = runs.record();
+    actix_rt::time::sleep(Duration::from_millis(2000)).await;
+    HttpResponse::Created().json(serde_json::json!({ "seq": seq }))
+}
+
+#[actix_web::test]
+async fn a_shorter_route_lease_is_renewed_in_time_under_an_app_layer() {
+    let pool = redis_pool().await;
+    let prefix = unique_prefix("route_lease");
+    let runs = RunCounter::default();
+    let server = {
+        let (pool, prefix, runs) = (pool.clone(), prefix.clone(), runs.clone());
+        actix_test::start(move || {
+            App::new()
+                .app_data(web::Data::new(runs.clone()))
+                // Runs after the app layer took the request, before routing: the app's
+                // renewal timer is already running with its own (longer) lease.
+                .wrap(actix_web::middleware::from_fn(pause_then_continue))
+                .wrap(
+                    Idempotency::redis(pool.clone())
+                        .key_prefix(prefix.clone())
+                        .protect_methods([Method::POST])
+                        .lease(Duration::from_secs(3)),
+                )
+                .service(
+                    web::resource("/orders")
+                        .wrap(IdempotentRoute::new().lease(Duration::from_millis(600)))
+                        .route(web::post().to(very_slow_create)),
+                )
+        })
+    };
+    let (first, duplicate) =
+        futures_util::future::join(send(&server, Method::POST, "/orders", Some("k")), async {
+            // Over two route leases after the route was reached.
+            actix_rt::time::sleep(Duration::from_millis(1700)).await;
+            send(&server, Method::POST, "/orders", Some("k")).await
+        })
+        .await;
+    assert_eq!(first.0, StatusCode::CREATED);
+    assert_eq!(duplicate.0, StatusCode::CONFLICT);
+    assert_eq!(runs.get(), 1);
+}
+
+#[actix_web::test]
+async fn a_record_of_another_version_is_never_taken_over() {
+    let pool = redis_pool().await;
+    let prefix = unique_prefix("other_version");
+    let runs = RunCounter::default();
+    let server = {
+        let (pool, prefix, runs) = (pool.clone(), prefix.clone(), runs.clone());
+        actix_test::start(move || {
+            App::new()
+                .app_data(web::Data::new(runs.clone()))
+                .wrap(Idempotency::redis(pool.clone()).key_prefix(prefix.clone()))
+                .service(
+                    web::resource("/orders")
+                        .wrap(IdempotentRoute::new())
+                        .route(web::post().to(create)),
+                )
+        })
+    };
+    // An instance of a future version holds this key (as `send` will ask for it).
+    let key = idempotency_actix::IdempotencyKey::parse(b"rolling").unwrap();
+    let storage_key = StorageKey::new(&prefix, b"", &key);
+    let fingerprint = Fingerprint::compute(&Method::POST, "/orders", "", b"{\"item\":\"x\"}", []);
+    let mut connection = redis_connection().await;
+    let _: () = redis::cmd("HSET")
+        .arg(storage_key.as_str())
+        .arg("v")
+        .arg("99")
+        .arg("f")
+        .arg(fingerprint.as_bytes().as_slice())
+        .arg("s")
+        .arg("i")
+        .arg("t")
+        .arg("another-instance")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("PEXPIRE")
+        .arg(storage_key.as_str())
+        .arg(30_000)
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let (status, _, _) = send(&server, Method::POST, "/orders", Some("rolling")).await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert_eq!(
+        runs.get(),
+        0,
+        "another version's in-flight record is in flight"
+    );
 }

@@ -14,6 +14,7 @@ use actix_web::http::header::HeaderName;
 use super::{IdempotencyFuture, pass_through, process};
 use crate::engine::{Claimed, Engine, EngineHandle, FailMode, Response, Settings, is_safe_method};
 use crate::fingerprint::FingerprintParts;
+use crate::policy::checked;
 use crate::replay::ReplayedHeaders;
 use crate::scope::KeyScope;
 use crate::store::{DynStore, IdempotencyStore, MemoryStore};
@@ -139,9 +140,13 @@ impl Idempotency {
     }
 
     /// How long any store operation may take before it counts as failed (default 2 s).
+    ///
+    /// # Panics
+    ///
+    /// If the duration is zero or over [`MAX_DURATION`](crate::MAX_DURATION).
     #[must_use]
     pub fn store_timeout(mut self, timeout: Duration) -> Self {
-        self.settings.store_timeout = timeout;
+        self.settings.store_timeout = checked(timeout);
         self
     }
 
@@ -154,17 +159,25 @@ impl Idempotency {
 
     /// How long completed responses are replayed, unless a route says otherwise (default
     /// 24 h).
+    ///
+    /// # Panics
+    ///
+    /// If the duration is zero or over [`MAX_DURATION`](crate::MAX_DURATION).
     #[must_use]
     pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.settings.defaults.ttl = ttl;
+        self.settings.defaults.ttl = checked(ttl);
         self
     }
 
     /// How long an in-flight record holds its key without renewal (default 30 s; renewed
     /// every third of it while the handler runs).
+    ///
+    /// # Panics
+    ///
+    /// If the duration is zero or over [`MAX_DURATION`](crate::MAX_DURATION).
     #[must_use]
     pub fn lease(mut self, lease: Duration) -> Self {
-        self.settings.defaults.lease = lease;
+        self.settings.defaults.lease = checked(lease);
         self
     }
 
@@ -192,9 +205,13 @@ impl Idempotency {
     /// A retry that finds its key in flight waits up to `bound` for the first request to
     /// finish and replays its response, instead of answering 409 at once (the default).
     /// The store is polled meanwhile (every 20 ms, backing off to 250 ms).
+    ///
+    /// # Panics
+    ///
+    /// If the duration is zero or over [`MAX_DURATION`](crate::MAX_DURATION).
     #[must_use]
     pub fn wait_for_completion(mut self, bound: Duration) -> Self {
-        self.settings.defaults.wait_for_completion = Some(bound);
+        self.settings.defaults.wait_for_completion = Some(checked(bound));
         self
     }
 

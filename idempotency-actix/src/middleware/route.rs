@@ -64,12 +64,20 @@ impl IdempotentRoute {
     }
 
     /// Completed responses are replayed for `ttl` (the TTL the store holds after commit).
+    ///
+    /// # Panics
+    ///
+    /// If the duration is zero or over [`MAX_DURATION`](crate::MAX_DURATION).
     #[must_use]
     pub fn ttl(self, ttl: Duration) -> Self {
         Self::with_policy(self.policy.ttl(ttl))
     }
 
     /// In-flight records hold the key for `lease` without renewal.
+    ///
+    /// # Panics
+    ///
+    /// If the duration is zero or over [`MAX_DURATION`](crate::MAX_DURATION).
     #[must_use]
     pub fn lease(self, lease: Duration) -> Self {
         Self::with_policy(self.policy.lease(lease))
@@ -101,6 +109,10 @@ impl IdempotentRoute {
 
     /// A retry that finds the key in flight waits up to `bound` for the first request to
     /// finish, then replays its response (409 if it is still running then).
+    ///
+    /// # Panics
+    ///
+    /// If the duration is zero or over [`MAX_DURATION`](crate::MAX_DURATION).
     #[must_use]
     pub fn wait_for_completion(self, bound: Duration) -> Self {
         Self::with_policy(self.policy.wait_for_completion(bound))
@@ -193,7 +205,7 @@ where
                 }
                 let service = Rc::clone(&self.service);
                 Either::Right(Box::pin(async move {
-                    if let Err(error) = engine.renew(&lock).await {
+                    if let Err(error) = lock.renew().await {
                         tracing::warn!(%error, "idempotency: could not apply the route's lease");
                     }
                     service.call(req).await.map(with_handler_body)

@@ -15,9 +15,11 @@ use crate::scope::StorageKey;
 /// same records when each gets a clone. [`Idempotency::memory`](crate::Idempotency::memory)
 /// uses one process-wide instance ([`MemoryStore::shared`]) for that reason.
 ///
-/// Memory is bounded by the live records: expired records are reclaimed by an amortized
-/// sweep (each sweep runs after as many operations as there were records at the last one),
-/// so a steady stream of new keys does not grow the map past what its TTLs keep alive.
+/// Memory is bounded: expired records are reclaimed by an amortized sweep (each sweep runs
+/// after as many operations as there were records at the last one), and the store holds at
+/// most [`max_records`](Self::max_records) live records (100 000 by default): a new key
+/// beyond that is a store error (503 when failing closed) until records expire, never an
+/// eviction of a live record (which would let its handler run again).
 ///
 /// It does not reach other processes: use the Redis store for more than one instance.
 ///
@@ -31,9 +33,22 @@ use crate::scope::StorageKey;
 /// let app_factory = move || App::new().wrap(Idempotency::new(store.clone()));
 /// # let _ = app_factory;
 /// ```
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct MemoryStore {
     inner: Arc<Mutex<Records>>,
+    max_records: usize,
+}
+
+/// The default most records a [`MemoryStore`] holds.
+const DEFAULT_MAX_RECORDS: usize = 100_000;
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self {
+            inner: Arc::default(),
+            max_records: DEFAULT_MAX_RECORDS,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -57,6 +72,13 @@ impl MemoryStore {
     /// An empty store of its own.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// The same store, holding at most `max_records` live records.
+    #[must_use]
+    pub fn max_records(mut self, max_records: usize) -> Self {
+        self.max_records = max_records;
+        self
     }
 
     /// The process-wide store that [`Idempotency::memory`](crate::Idempotency::memory) uses.
@@ -93,6 +115,10 @@ impl Records {
             self.operations_until_sweep -= 1;
             return;
         }
+        self.sweep(now);
+    }
+
+    fn sweep(&mut self, now: Instant) {
         self.by_key.retain(|_, record| record.expires_at > now);
         self.operations_until_sweep = self.by_key.len().max(64);
     }
@@ -111,11 +137,19 @@ impl Records {
     }
 }
 
+/// `now + duration`, saturating far in the future instead of overflowing.
+fn expiry(now: Instant, duration: Duration) -> Instant {
+    now.checked_add(duration)
+        .or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 24 * 60 * 60)))
+        .unwrap_or(now)
+}
+
 impl IdempotencyStore for MemoryStore {
     async fn begin(
         &self,
         key: &StorageKey,
         fingerprint: &Fingerprint,
+        token: &LeaseToken,
         lease: Duration,
     ) -> Result<BeginOutcome, StoreError> {
         let now = Instant::now();
@@ -125,27 +159,34 @@ impl IdempotencyStore for MemoryStore {
             .get(key.as_str())
             .filter(|r| r.expires_at > now)
         {
-            return Ok(if record.fingerprint != *fingerprint {
-                BeginOutcome::FingerprintMismatch
-            } else {
-                match &record.state {
-                    RecordState::InFlight(_) => BeginOutcome::InFlight,
-                    RecordState::Completed(_, response) => {
-                        BeginOutcome::Completed(response.clone())
-                    }
-                }
+            return Ok(match &record.state {
+                RecordState::InFlight(holder) if holder == token => BeginOutcome::Acquired,
+                _ if record.fingerprint != *fingerprint => BeginOutcome::FingerprintMismatch,
+                RecordState::InFlight(_) => BeginOutcome::InFlight,
+                RecordState::Completed(_, response) => BeginOutcome::Completed(response.clone()),
             });
         }
-        let token = LeaseToken::generate();
+        if records.by_key.len() >= self.max_records {
+            records.sweep(now);
+            if records.by_key.len() >= self.max_records {
+                return Err(StoreError::Unavailable(
+                    format!(
+                        "the memory store holds its maximum of {} records",
+                        self.max_records
+                    )
+                    .into(),
+                ));
+            }
+        }
         records.by_key.insert(
             key.as_str().to_owned(),
             Record {
                 fingerprint: *fingerprint,
                 state: RecordState::InFlight(token.clone()),
-                expires_at: now + lease,
+                expires_at: expiry(now, lease),
             },
         );
-        Ok(BeginOutcome::Acquired(token))
+        Ok(BeginOutcome::Acquired)
     }
 
     async fn renew(
@@ -158,7 +199,7 @@ impl IdempotencyStore for MemoryStore {
         let mut records = self.records();
         Ok(records
             .held_by(key, token, now)
-            .map(|record| record.expires_at = now + lease)
+            .map(|record| record.expires_at = expiry(now, lease))
             .is_some())
     }
 
@@ -181,7 +222,7 @@ impl IdempotencyStore for MemoryStore {
         Ok(match &record.state {
             RecordState::InFlight(holder) if holder == token => {
                 record.state = RecordState::Completed(token.clone(), response.clone());
-                record.expires_at = now + ttl;
+                record.expires_at = expiry(now, ttl);
                 true
             }
             // Committing twice with one token succeeds without writing again.
@@ -205,6 +246,7 @@ impl std::fmt::Debug for MemoryStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MemoryStore")
             .field("records", &self.len())
+            .field("max_records", &self.max_records)
             .finish()
     }
 }
@@ -223,7 +265,12 @@ mod tests {
             let key = IdempotencyKey::parse(format!("k{i}").as_bytes()).unwrap();
             let key = StorageKey::new("t:", b"", &key);
             store
-                .begin(&key, &print, Duration::from_millis(1))
+                .begin(
+                    &key,
+                    &print,
+                    &LeaseToken::generate(),
+                    Duration::from_millis(1),
+                )
                 .await
                 .unwrap();
         }

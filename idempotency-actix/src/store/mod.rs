@@ -3,8 +3,9 @@
 //! A store offers the few atomic steps of the protocol, not get/set primitives:
 //!
 //! 1. [`begin`](IdempotencyStore::begin): atomically, either create an in-flight record
-//!    holding a fresh [`LeaseToken`] that expires after the lease, or report the record that
-//!    is there (completed → replay, or a fingerprint mismatch; in flight → conflict).
+//!    holding the caller's fresh [`LeaseToken`] that expires after the lease, or report the
+//!    record that is there (completed → replay, or a fingerprint mismatch; in flight →
+//!    conflict).
 //! 2. [`renew`](IdempotencyStore::renew): extend the lease while the handler still runs, only
 //!    if the token still holds it.
 //! 3. [`commit`](IdempotencyStore::commit): write the completed record with its TTL, only if
@@ -59,9 +60,9 @@ impl LeaseToken {
 /// What [`IdempotencyStore::begin`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum BeginOutcome {
-    /// There was no record; an in-flight record holding this token now exists. Run the
-    /// handler, then commit or release.
-    Acquired(LeaseToken),
+    /// There was no record; an in-flight record holding the caller's token now exists. Run
+    /// the handler, then commit or release.
+    Acquired,
     /// A completed record with the same fingerprint: replay it.
     Completed(StoredResponse),
     /// A record with the same fingerprint is in flight (another request holds the lease).
@@ -100,7 +101,7 @@ pub enum StoreError {
 /// ```
 /// use std::time::Duration;
 /// use idempotency_actix::{BeginOutcome, Fingerprint, IdempotencyKey, IdempotencyStore,
-///     MemoryStore, StorageKey};
+///     LeaseToken, MemoryStore, StorageKey};
 /// use actix_web::http::Method;
 ///
 /// # actix_web::rt::System::new().block_on(async {
@@ -108,21 +109,24 @@ pub enum StoreError {
 /// let key = StorageKey::new("doc:", b"", &IdempotencyKey::parse(b"k").unwrap());
 /// let print = Fingerprint::compute(&Method::POST, "/", "", b"", []);
 /// let lease = Duration::from_secs(30);
-/// let BeginOutcome::Acquired(_token) = store.begin(&key, &print, lease).await.unwrap() else {
-///     panic!("a new key is acquired");
-/// };
-/// assert_eq!(store.begin(&key, &print, lease).await.unwrap(), BeginOutcome::InFlight);
+/// let token = LeaseToken::generate();
+/// let first = store.begin(&key, &print, &token, lease).await.unwrap();
+/// assert_eq!(first, BeginOutcome::Acquired);
+/// let other = LeaseToken::generate();
+/// assert_eq!(store.begin(&key, &print, &other, lease).await.unwrap(), BeginOutcome::InFlight);
 /// # });
 /// ```
 pub trait IdempotencyStore: 'static {
-    /// Creates the in-flight record, or reports the record that exists.
+    /// Creates the in-flight record holding `token`, or reports the record that exists.
     ///
-    /// A store may run `begin` again after a lost reply; an in-flight record that holds the
-    /// token it generated for this call then counts as acquired.
+    /// Idempotent for its token: an in-flight record that already holds `token` (a retry
+    /// after a lost reply) counts as acquired. The caller generates the token, so it can
+    /// release a record that a `begin` it gave up on (a timeout) created after all.
     fn begin(
         &self,
         key: &StorageKey,
         fingerprint: &Fingerprint,
+        token: &LeaseToken,
         lease: Duration,
     ) -> impl Future<Output = Result<BeginOutcome, StoreError>>;
 
@@ -159,6 +163,7 @@ pub(crate) trait DynStore {
         &'a self,
         key: &'a StorageKey,
         fingerprint: &'a Fingerprint,
+        token: &'a LeaseToken,
         lease: Duration,
     ) -> LocalBoxFuture<'a, Result<BeginOutcome, StoreError>>;
 
@@ -189,9 +194,16 @@ impl<T: IdempotencyStore> DynStore for T {
         &'a self,
         key: &'a StorageKey,
         fingerprint: &'a Fingerprint,
+        token: &'a LeaseToken,
         lease: Duration,
     ) -> LocalBoxFuture<'a, Result<BeginOutcome, StoreError>> {
-        Box::pin(IdempotencyStore::begin(self, key, fingerprint, lease))
+        Box::pin(IdempotencyStore::begin(
+            self,
+            key,
+            fingerprint,
+            token,
+            lease,
+        ))
     }
 
     fn renew<'a>(

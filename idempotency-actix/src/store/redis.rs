@@ -15,12 +15,14 @@ use crate::scope::StorageKey;
 pub type RedisPool = bb8::Pool<RedisConnectionManager>;
 
 /// Records in Redis, one hash per key, so every operation touches one key and the same
-/// scripts run on Redis Cluster.
+/// scripts are ready for Redis Cluster (this store itself talks to one Redis server).
 ///
 /// Fields of a record: `v` (format version), `f` (fingerprint, 32 raw bytes), `s` (`i` in
 /// flight, `c` completed), `t` (the lease token of the request that ran), `r` (the encoded
 /// [`StoredResponse`], once completed). The key's expiry is the lease while in flight and
-/// the TTL once completed. A record of another format version is treated as absent.
+/// the TTL once completed. Records are read by their fields whatever their version, so two
+/// versions of an app sharing Redis never take each other's keys; a response this version
+/// cannot decode is a store error (503 when failing closed), never a second run.
 ///
 /// Round trips: a new key costs two (`begin`, `commit`), a replay one; each is one
 /// `EVALSHA` (plus a one-time `SCRIPT LOAD` per script and server). bb8 sends a `PING` on
@@ -51,18 +53,21 @@ pub struct RedisStore {
 // dropped before the reply arrived): a repeated `begin` of the same token re-acquires, a
 // repeated `commit` reports success without writing again, `renew` and `release` compare
 // the token first.
+//
+// A record is read by its fields whatever its `v`: an in-flight record of another version
+// is in flight, a completed one is completed (and its response decoded by the version that
+// can), so instances of two versions during a rolling deploy never take each other's keys.
 
 static BEGIN: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
-local record = redis.call('HMGET', KEYS[1], 'v', 'f', 's', 'r', 't')
-if record[1] == ARGV[1] then
-  if record[3] == 'i' and record[5] == ARGV[3] then return {'acquired'} end
+local record = redis.call('HMGET', KEYS[1], 's', 'f', 'r', 't')
+if record[1] then
+  if record[1] == 'i' and record[4] == ARGV[3] then return {'acquired'} end
   if record[2] ~= ARGV[2] then return {'mismatch'} end
-  if record[3] == 'c' then return {'completed', record[4]} end
+  if record[1] == 'c' then return {'completed', record[3]} end
   return {'in_flight'}
 end
-if record[1] then redis.call('DEL', KEYS[1]) end
 redis.call('HSET', KEYS[1], 'v', ARGV[1], 'f', ARGV[2], 's', 'i', 't', ARGV[3])
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return {'acquired'}
@@ -140,7 +145,11 @@ impl RedisStore {
             // reports it broken; without a PING per checkout it would go back to the pool
             // and fail every later request. Replace it in its pool slot with a fresh one and
             // retry once (every script is safe to run twice).
-            Err(error) if error.is_unrecoverable_error() || error.is_io_error() => {
+            // A timeout is not a dead connection (the reply may still come): no retry.
+            Err(error)
+                if !error.is_timeout()
+                    && (error.is_unrecoverable_error() || error.is_io_error()) =>
+            {
                 tracing::debug!(%error, "idempotency: Redis connection lost; reconnecting");
                 *connection = self
                     .pool
@@ -184,9 +193,9 @@ impl IdempotencyStore for RedisStore {
         &self,
         key: &StorageKey,
         fingerprint: &Fingerprint,
+        token: &LeaseToken,
         lease: Duration,
     ) -> Result<BeginOutcome, StoreError> {
-        let token = LeaseToken::generate();
         let mut invocation = BEGIN.prepare_invoke();
         invocation
             .key(key.as_str())
@@ -199,7 +208,7 @@ impl IdempotencyStore for RedisStore {
             return Err(unexpected(&reply));
         };
         match items.as_slice() {
-            [Value::BulkString(tag)] if tag == b"acquired" => Ok(BeginOutcome::Acquired(token)),
+            [Value::BulkString(tag)] if tag == b"acquired" => Ok(BeginOutcome::Acquired),
             [Value::BulkString(tag)] if tag == b"in_flight" => Ok(BeginOutcome::InFlight),
             [Value::BulkString(tag)] if tag == b"mismatch" => Ok(BeginOutcome::FingerprintMismatch),
             [Value::BulkString(tag), Value::BulkString(record)] if tag == b"completed" => {
