@@ -82,16 +82,25 @@
 //! # Guarantees and limits
 //!
 //! * The handler of a protected request runs while its record holds a lease (30 s by
-//!   default) that is renewed every third of it, so a slow handler is not run twice.
+//!   default) that is renewed every third of it until the response is captured (a streamed
+//!   body may take longer than the lease), so a slow handler is not run twice.
 //! * The commit is fenced by the lease token: a request that lost its lease never
 //!   overwrites another request's record.
 //! * The handler runs on its own task: a client that disconnects does not cancel it, and
 //!   its response is committed for the retry.
 //! * The commit happens before the response is sent, so a retry issued after a response
-//!   arrived always gets the replay.
-//! * If the store fails after the handler ran, the response is still sent (never lost) but
-//!   not stored; the in-flight record then expires with its lease, after which a retry
-//!   runs the handler again. Keep the lease short enough for your retry policy.
+//!   arrived always gets the replay. A response whose status is stored completes its record
+//!   even when its body is too large or fails midway (the replay then has the status and
+//!   headers only): the handler ran, so it never runs again.
+//! * Every store operation is bounded by the store timeout (2 s). If `begin` times out, the
+//!   lock it may still create is released in the background; if the commit fails, the
+//!   response is sent anyway and the commit is retried in the background for up to the
+//!   lease, while retries get 409. Only a store that stays down longer than the lease frees
+//!   the key for a second run.
+//! * A keyed request whose [`KeyScope`] cannot be determined is refused (400), never stored
+//!   in a key space shared with other principals.
+//! * Records of another version of this crate are never taken over: an in-flight one is in
+//!   flight, a completed one this version cannot decode is a store error (503).
 
 #![forbid(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
