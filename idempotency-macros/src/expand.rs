@@ -56,10 +56,19 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     })
 }
 
+/// Methods the runtime never protects (idempotent by definition).
+const SAFE_METHODS: [&str; 4] = ["get", "head", "options", "trace"];
+
+/// The error for a handler whose every route is a safe method.
+const SAFE_ONLY_ERROR: &str = "#[idempotent] has no effect on GET, HEAD, OPTIONS and TRACE \
+     routes: they are idempotent by definition and never protected; put it on a POST, PUT, \
+     PATCH or DELETE route";
+
 /// Adds the route layer to every route attribute in `attrs`.
 fn attach(arguments: &Arguments, attrs: &mut [Attribute]) -> syn::Result<()> {
     let layer = LitStr::new(&route_layer(arguments).to_string(), Span::call_site());
     let mut routed = false;
+    let mut protects_an_unsafe_method = false;
     for attr in attrs.iter_mut() {
         let Some(name) = attr
             .path()
@@ -71,14 +80,16 @@ fn attach(arguments: &Arguments, attrs: &mut [Attribute]) -> syn::Result<()> {
         };
         match name.as_str() {
             // `#[routes]` takes no arguments; the method attributes under it get the layer.
-            "routes" => routed = true,
+            "routes" => {}
             "route" => {
+                add_wrap(attr, &layer)?;
                 routed = true;
-                add_wrap(attr, &layer);
+                protects_an_unsafe_method |= route_has_an_unsafe_method(attr);
             }
             method if METHOD_ATTRIBUTES.contains(&method) => {
+                add_wrap(attr, &layer)?;
                 routed = true;
-                add_wrap(attr, &layer);
+                protects_an_unsafe_method |= !SAFE_METHODS.contains(&method);
             }
             "idempotent" => {
                 return Err(syn::Error::new_spanned(
@@ -89,11 +100,52 @@ fn attach(arguments: &Arguments, attrs: &mut [Attribute]) -> syn::Result<()> {
             _ => {}
         }
     }
-    if routed {
-        Ok(())
-    } else {
-        Err(syn::Error::new(Span::call_site(), ORDER_ERROR))
+    match (routed, protects_an_unsafe_method) {
+        (true, true) => Ok(()),
+        (true, false) => Err(syn::Error::new(Span::call_site(), SAFE_ONLY_ERROR)),
+        (false, _) => Err(syn::Error::new(Span::call_site(), ORDER_ERROR)),
     }
+}
+
+/// Whether a `#[route(.., method = "..")]` names a method that is not safe (or names none,
+/// which Actix does not accept; it reports that itself).
+fn route_has_an_unsafe_method(attr: &Attribute) -> bool {
+    let Meta::List(list) = &attr.meta else {
+        return true;
+    };
+    let tokens: Vec<TokenTree> = flatten(list.tokens.clone());
+    let methods: Vec<String> = tokens
+        .windows(3)
+        .filter_map(|window| match window {
+            [
+                TokenTree::Ident(key),
+                TokenTree::Punct(eq),
+                TokenTree::Literal(value),
+            ] if key == "method" && eq.as_char() == '=' => {
+                syn::parse2::<LitStr>(value.to_token_stream())
+                    .ok()
+                    .map(|method| method.value().to_ascii_lowercase())
+            }
+            _ => None,
+        })
+        .collect();
+    methods.is_empty()
+        || methods
+            .iter()
+            .any(|method| !SAFE_METHODS.contains(&method.as_str()))
+}
+
+/// The tokens with invisible groups (from `macro_rules!` fragments) opened up.
+fn flatten(tokens: TokenStream) -> Vec<TokenTree> {
+    tokens
+        .into_iter()
+        .flat_map(|tree| match tree {
+            TokenTree::Group(group) if group.delimiter() == proc_macro2::Delimiter::None => {
+                flatten(group.stream())
+            }
+            other => vec![other],
+        })
+        .collect()
 }
 
 /// The expression of the route's layer, named by absolute paths through the runtime
@@ -149,27 +201,35 @@ fn route_layer(arguments: &Arguments) -> TokenStream {
 /// stays, outside ours (an auth layer still refuses before any store traffic; a compression
 /// layer compresses replays like fresh responses).
 ///
-/// An attribute that does not start with a path literal is left as it is: Actix reports it.
-fn add_wrap(attr: &mut Attribute, layer: &LitStr) {
+/// The path is everything before the first top-level comma, whatever its tokens: a literal,
+/// or a `macro_rules!` fragment in an invisible group. An attribute without a path is an
+/// error, never a route left unprotected.
+fn add_wrap(attr: &mut Attribute, layer: &LitStr) -> syn::Result<()> {
     let Meta::List(list) = &mut attr.meta else {
-        return;
+        return Err(syn::Error::new_spanned(
+            &*attr,
+            "#[idempotent] found a route attribute without a path; write it as #[post(\"/path\")]",
+        ));
     };
     let mut tokens = list.tokens.clone().into_iter();
-    let Some(path @ TokenTree::Literal(_)) = tokens.next() else {
-        return;
-    };
-    let rest: TokenStream = match tokens.next() {
-        Some(TokenTree::Punct(comma)) if comma.as_char() == ',' => tokens.collect(),
-        None => TokenStream::new(),
-        // Not `"path", ...`: leave it for Actix to report.
-        Some(_) => return,
-    };
+    let path: TokenStream = tokens
+        .by_ref()
+        .take_while(|tree| !matches!(tree, TokenTree::Punct(comma) if comma.as_char() == ','))
+        .collect();
+    if path.is_empty() {
+        return Err(syn::Error::new_spanned(
+            &*attr,
+            "#[idempotent] found a route attribute without a path; write it as #[post(\"/path\")]",
+        ));
+    }
+    let rest: TokenStream = tokens.collect();
     let wrap = quote!(wrap = #layer);
     list.tokens = if rest.is_empty() {
         quote!(#path, #wrap)
     } else {
         quote!(#path, #wrap, #rest)
     };
+    Ok(())
 }
 
 #[cfg(test)]

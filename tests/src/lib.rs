@@ -91,6 +91,25 @@ impl RunCounter {
     pub fn get(&self) -> usize {
         self.0.load(Ordering::SeqCst)
     }
+
+    /// Waits until at least `runs` runs were recorded: an event to wait for instead of a
+    /// fixed sleep, so tests keep their order on a loaded machine.
+    ///
+    /// # Panics
+    ///
+    /// After 10 s without that many runs: a test never hangs.
+    pub async fn wait_for(&self, runs: usize) {
+        for _ in 0..1_000 {
+            if self.get() >= runs {
+                return;
+            }
+            actix_rt::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        panic!(
+            "the handler ran {} times in 10 s, expected {runs}",
+            self.get()
+        );
+    }
 }
 
 /// A `redis-server` of the test's own on a free loopback port, stopped when dropped: for

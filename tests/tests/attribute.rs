@@ -12,7 +12,7 @@ use actix_web::http::header::HeaderMap;
 use actix_web::http::{Method, StatusCode};
 use actix_web::middleware::Next;
 use actix_web::web::{self, Bytes};
-use actix_web::{App, HttpResponse, get, post, route, routes};
+use actix_web::{App, HttpResponse, delete, get, patch, post, route, routes};
 use idempotency_actix::{Idempotency, RedisPool, idempotent};
 use idempotency_actix_tests::{
     RunCounter, keys_under, redis_connection, redis_pool, unique_prefix,
@@ -47,6 +47,38 @@ async fn long_ttl(runs: web::Data<RunCounter>) -> HttpResponse {
 #[post("/payments")]
 async fn required(runs: web::Data<RunCounter>) -> HttpResponse {
     ran(&runs)
+}
+
+// A handler whose path reaches the route attribute through `macro_rules!`.
+macro_rules! generated_handler {
+    ($name:ident, $path:literal) => {
+        #[idempotent(required)]
+        #[post($path)]
+        async fn $name(runs: web::Data<RunCounter>) -> HttpResponse {
+            ran(&runs)
+        }
+    };
+}
+generated_handler!(generated, "/generated");
+
+#[idempotent]
+#[patch("/patched")]
+async fn patched(runs: web::Data<RunCounter>) -> HttpResponse {
+    ran(&runs)
+}
+
+#[idempotent]
+#[delete("/deleted")]
+async fn deleted(runs: web::Data<RunCounter>) -> HttpResponse {
+    ran(&runs)
+}
+
+#[idempotent(wait_for_completion = "10s")]
+#[post("/waiting")]
+async fn waiting(runs: web::Data<RunCounter>) -> HttpResponse {
+    let response = ran(&runs);
+    actix_rt::time::sleep(Duration::from_millis(500)).await;
+    response
 }
 
 #[get("/items")]
@@ -565,9 +597,7 @@ async fn lease_argument_is_the_pttl_of_an_in_flight_record() {
     let key = key();
     let running = h.post("/slow", Some(&key));
     let probe = async {
-        while h.runs.get() == 0 {
-            actix_rt::time::sleep(Duration::from_millis(10)).await;
-        }
+        h.runs.wait_for(1).await;
         let mut redis = redis_connection().await;
         let keys = keys_under(&mut redis, &h.prefix).await;
         assert_eq!(keys.len(), 1);
@@ -696,5 +726,66 @@ async fn the_route_policy_overrides_an_app_that_protects_the_method_too() {
 
     let refused = h.post("/payments", None).await;
     assert_eq!(refused.status, StatusCode::BAD_REQUEST);
+    assert_eq!(h.runs.get(), 1);
+}
+
+#[actix_web::test]
+async fn a_handler_generated_by_macro_rules_is_protected() {
+    let h = Harness::start(
+        "attr_generated",
+        |i| i,
+        |c| {
+            c.service(generated);
+        },
+    )
+    .await;
+    assert_eq!(
+        h.post("/generated", None).await.status,
+        StatusCode::BAD_REQUEST
+    );
+    let key = key();
+    let first = h.post("/generated", Some(&key)).await;
+    let retry = h.post("/generated", Some(&key)).await;
+    assert_replay_of(&first, &retry);
+    assert_eq!(h.runs.get(), 1);
+}
+
+#[actix_web::test]
+async fn patch_and_delete_routes_are_protected() {
+    let h = Harness::start(
+        "attr_patch_delete",
+        |i| i,
+        |c| {
+            c.service(patched).service(deleted);
+        },
+    )
+    .await;
+    for (method, path) in [(Method::PATCH, "/patched"), (Method::DELETE, "/deleted")] {
+        let key = key();
+        let first = h.send(method.clone(), path, Some(&key), "{}").await;
+        let retry = h.send(method, path, Some(&key), "{}").await;
+        assert_replay_of(&first, &retry);
+    }
+    assert_eq!(h.runs.get(), 2);
+}
+
+#[actix_web::test]
+async fn wait_for_completion_argument_replays_instead_of_409() {
+    let h = Harness::start(
+        "attr_wait",
+        |i| i,
+        |c| {
+            c.service(waiting);
+        },
+    )
+    .await;
+    let key = key();
+    let (first, waited) = futures_util::future::join(h.post("/waiting", Some(&key)), async {
+        h.runs.wait_for(1).await;
+        h.post("/waiting", Some(&key)).await
+    })
+    .await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_replay_of(&first, &waited);
     assert_eq!(h.runs.get(), 1);
 }

@@ -26,12 +26,32 @@ async fn on_delete() -> HttpResponse {
     HttpResponse::Ok().finish()
 }
 
-// Safe methods pass through the route layer untouched, but the attribute is accepted.
+// A safe method next to an unsafe one: the GET passes through the route layer untouched.
 #[idempotent]
-#[get("/a")]
-async fn on_get() -> HttpResponse {
+#[actix_web::routes]
+#[get("/both")]
+#[post("/both")]
+async fn get_and_post() -> HttpResponse {
     HttpResponse::Ok().finish()
 }
+
+// A path that reaches the route attribute through `macro_rules!` (an invisible group).
+macro_rules! tagged_handler {
+    ($name:ident, $path:literal, $other:expr) => {
+        #[idempotent(required)]
+        #[post($path)]
+        async fn $name() -> HttpResponse {
+            HttpResponse::Ok().finish()
+        }
+
+        #[idempotent]
+        #[put($other)]
+        async fn with_expr_path() -> HttpResponse {
+            HttpResponse::Ok().finish()
+        }
+    };
+}
+tagged_handler!(from_a_macro, "/generated", "/generated");
 
 #[idempotent(required)]
 #[actix_web::post("/qualified")]
@@ -51,7 +71,7 @@ async fn many_methods() -> HttpResponse {
     "/options",
     name = "with_options",
     wrap = "Logger::default()",
-    wrap = "DefaultHeaders::new().add((\"x-version\", \"1\"))",
+    wrap = "DefaultHeaders::new().add((\"x-version\", \"1\"))"
 )]
 async fn with_options() -> HttpResponse {
     HttpResponse::Ok().finish()
@@ -73,7 +93,9 @@ fn main() {
         .service(on_put)
         .service(on_patch)
         .service(on_delete)
-        .service(on_get)
+        .service(get_and_post)
+        .service(from_a_macro)
+        .service(with_expr_path)
         .service(qualified)
         .service(many_methods)
         .service(with_options)
