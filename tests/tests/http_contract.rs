@@ -363,7 +363,7 @@ async fn a_retry_while_in_flight_is_409_then_replays(backend: Backend) {
     let key = h.key("slow");
     let (first, second) =
         futures_util::future::join(h.post("/orders?delay_ms=600", Some(&key), "{}"), async {
-            actix_rt::time::sleep(Duration::from_millis(150)).await;
+            h.runs.wait_for(1).await;
             h.post("/orders?delay_ms=600", Some(&key), "{}").await
         })
         .await;

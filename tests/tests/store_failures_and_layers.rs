@@ -23,8 +23,9 @@ async fn create(runs: web::Data<RunCounter>) -> HttpResponse {
 }
 
 async fn slow_create(runs: web::Data<RunCounter>) -> HttpResponse {
+    let response = create(runs).await;
     actix_rt::time::sleep(Duration::from_millis(600)).await;
-    create(runs).await
+    response
 }
 
 async fn send(
@@ -150,7 +151,7 @@ async fn app_and_route_layers_together_process_once_with_the_route_ttl() {
     let (reply, lease) = futures_util::future::join(
         send(&server, Method::POST, "/short-lease", Some("lease")),
         async {
-            actix_rt::time::sleep(Duration::from_millis(300)).await;
+            runs.wait_for(1).await;
             let mut connection = redis_connection().await;
             let keys = keys_under(&mut connection, &prefix).await;
             assert_eq!(keys.len(), 1, "{keys:?}");
