@@ -196,13 +196,11 @@ impl PrivateRedis {
             .expect("private redis-server answers")
     }
 
-    /// How many times clients sent each command since the last call, then resets the
-    /// counts.
+    /// How many times each command ran since the last call, then resets the counts.
     ///
-    /// Read from `INFO commandstats`, which also counts the commands a script runs inside
-    /// the server; those (the hash and expiry commands of the store's scripts) are left out,
-    /// as are the `INFO`/`CONFIG` calls this makes and connection handshakes, so what is
-    /// left is round trips.
+    /// Read from `INFO commandstats`, which counts both what clients send and what scripts
+    /// run inside the server (an `EVALSHA` and the hash commands of its script); the
+    /// `INFO`/`CONFIG` calls this makes and connection handshakes are left out.
     pub async fn take_command_counts(&self) -> std::collections::BTreeMap<String, u64> {
         let mut connection = self.connection().await;
         let info: String = redis::cmd("INFO")
@@ -223,7 +221,7 @@ impl PrivateRedis {
             })
             .filter(|(name, _)| {
                 let command = name.split('|').next().unwrap_or_default();
-                !SERVER_SIDE_OR_BOOKKEEPING.contains(&command)
+                !BOOKKEEPING.contains(&command)
             })
             .collect()
     }
@@ -242,11 +240,8 @@ fn spawn_redis_server(port: u16) -> std::process::Child {
         })
 }
 
-/// Commands that the store's scripts run inside Redis (never sent by a client) and those
-/// of test bookkeeping and connection set-up.
-const SERVER_SIDE_OR_BOOKKEEPING: [&str; 10] = [
-    "hmget", "hget", "hset", "hdel", "del", "pexpire", "info", "config", "hello", "client",
-];
+/// Commands of test bookkeeping and connection set-up, left out of the counts.
+const BOOKKEEPING: [&str; 4] = ["info", "config", "hello", "client"];
 
 impl Drop for PrivateRedis {
     fn drop(&mut self) {
