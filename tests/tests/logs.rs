@@ -1,0 +1,134 @@
+//! What the middleware logs (DESIGN §9, issues 3 and 5): a route layer without an App-level
+//! `Idempotency` says what to add, fail-open warns, and key values never reach the log.
+
+#![allow(clippy::unwrap_used)]
+
+use std::io::Write;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use actix_web::http::StatusCode;
+use actix_web::{App, HttpResponse, web};
+use idempotency_actix::{FailMode, Idempotency, IdempotentRoute, MemoryStore, RedisStore};
+
+/// Everything every test in this binary logged, at every level.
+fn log() -> Arc<Mutex<Vec<u8>>> {
+    static LOG: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
+    LOG.get_or_init(|| {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let sink = Arc::clone(&log);
+        tracing_subscriber::fmt()
+            .with_max_level(tracing_subscriber::filter::LevelFilter::TRACE)
+            .with_ansi(false)
+            .with_writer(move || LogWriter(Arc::clone(&sink)))
+            .init();
+        log
+    })
+    .clone()
+}
+
+struct LogWriter(Arc<Mutex<Vec<u8>>>);
+
+impl Write for LogWriter {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn logged() -> String {
+    String::from_utf8_lossy(&log().lock().unwrap()).into_owned()
+}
+
+async fn create() -> HttpResponse {
+    HttpResponse::Created().body("created")
+}
+
+async fn post(server: &actix_test::TestServer, path: &str, key: &str) -> StatusCode {
+    server
+        .post(path)
+        .insert_header(("idempotency-key", key))
+        .send_body("{}")
+        .await
+        .unwrap()
+        .status()
+}
+
+#[actix_web::test]
+async fn a_route_layer_without_app_state_logs_what_is_missing() {
+    log();
+    let server = actix_test::start(|| {
+        App::new().service(
+            web::resource("/unconfigured")
+                .wrap(IdempotentRoute::new())
+                .route(web::post().to(create)),
+        )
+    });
+    assert_eq!(
+        post(&server, "/unconfigured", "k").await,
+        StatusCode::INTERNAL_SERVER_ERROR
+    );
+    let logged = logged();
+    let line = logged
+        .lines()
+        .find(|line| line.contains("/unconfigured"))
+        .unwrap_or_else(|| panic!("nothing logged for the route: {logged}"));
+    assert!(line.contains("ERROR"), "{line}");
+    assert!(
+        line.contains("add .wrap(Idempotency::redis(pool))"),
+        "{line}"
+    );
+}
+
+#[actix_web::test]
+async fn fail_open_runs_the_handler_and_warns() {
+    log();
+    let server = actix_test::start(|| {
+        // Nothing listens on port 1: the store fails at once.
+        let pool = RedisStore::pool("redis://127.0.0.1:1").unwrap();
+        App::new()
+            .wrap(Idempotency::redis(pool).on_store_error(FailMode::Open))
+            .service(
+                web::resource("/open")
+                    .wrap(IdempotentRoute::new())
+                    .route(web::post().to(create)),
+            )
+    });
+    assert_eq!(post(&server, "/open", "k").await, StatusCode::CREATED);
+    let logged = logged();
+    assert!(
+        logged
+            .lines()
+            .any(|line| line.contains("WARN") && line.contains("unprotected (fail-open)")),
+        "no fail-open warning in: {logged}"
+    );
+}
+
+#[actix_web::test]
+async fn key_values_never_reach_the_log() {
+    log();
+    let server = actix_test::start(|| {
+        App::new()
+            .wrap(Idempotency::new(MemoryStore::new()))
+            .service(
+                web::resource("/secret")
+                    .wrap(IdempotentRoute::new())
+                    .route(web::post().to(create)),
+            )
+    });
+    let secret = "customer-4711-card-ending-0042";
+    assert_eq!(post(&server, "/secret", secret).await, StatusCode::CREATED);
+    assert_eq!(post(&server, "/secret", secret).await, StatusCode::CREATED);
+    let logged = logged();
+    assert!(
+        logged.contains("idempotency: replayed"),
+        "debug events are logged: {logged}"
+    );
+    assert!(
+        !logged.contains(secret),
+        "the key value leaked into the log"
+    );
+}
