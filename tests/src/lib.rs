@@ -403,20 +403,44 @@ impl Drop for ReferenceServer {
 /// Runs `cargo build --example reference_server` in the workspace and returns the path of
 /// the executable cargo reports.
 fn build_reference_server() -> std::path::PathBuf {
+    build_example("reference_server")
+}
+
+/// The executable of the example `name` of the examples package, built on first use per
+/// test binary.
+///
+/// # Panics
+///
+/// When cargo cannot build it, with cargo's messages.
+pub fn example_executable(name: &'static str) -> std::path::PathBuf {
+    static BUILT: std::sync::Mutex<Vec<(&str, std::path::PathBuf)>> =
+        std::sync::Mutex::new(Vec::new());
+    let mut built = BUILT
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some((_, path)) = built.iter().find(|(built, _)| *built == name) {
+        return path.clone();
+    }
+    let path = build_example(name);
+    built.push((name, path.clone()));
+    path
+}
+
+fn build_example(name: &str) -> std::path::PathBuf {
     let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("the tests package lives in the workspace");
     let output = std::process::Command::new(env!("CARGO"))
         .current_dir(workspace)
         .args(["build", "-p", "idempotency-actix-examples"])
-        .args(["--example", "reference_server"])
+        .args(["--example", name])
         .arg("--message-format=json-render-diagnostics")
         .stdin(std::process::Stdio::null())
         .output()
         .unwrap_or_else(|error| panic!("cannot run cargo to build the reference server: {error}"));
     if !output.status.success() {
         panic!(
-            "cargo build --example reference_server failed ({}):\n{}",
+            "cargo build --example {name} failed ({}):\n{}",
             output.status,
             String::from_utf8_lossy(&output.stderr)
         );
@@ -425,13 +449,12 @@ fn build_reference_server() -> std::path::PathBuf {
         .lines()
         .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
         .filter(|message| {
-            message["reason"] == "compiler-artifact"
-                && message["target"]["name"] == "reference_server"
+            message["reason"] == "compiler-artifact" && message["target"]["name"] == name
         })
         .find_map(|message| message["executable"].as_str().map(std::path::PathBuf::from))
         .unwrap_or_else(|| {
             panic!(
-                "cargo built no reference_server executable:\n{}",
+                "cargo built no {name} executable:\n{}",
                 String::from_utf8_lossy(&output.stderr)
             )
         })

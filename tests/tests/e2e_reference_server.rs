@@ -532,7 +532,7 @@ async fn two_servers_sharing_redis_run_a_handler_once_in_total() {
     assert_eq!(executed.len(), 1, "{replies:?}");
     for reply in &replies {
         match reply.status {
-            StatusCode::CONFLICT => {}
+            StatusCode::CONFLICT => assert!(reply.header("retry-after").is_some(), "{reply:?}"),
             StatusCode::CREATED if reply.replayed() => reply.assert_replay_of(executed[0]),
             StatusCode::CREATED => {}
             _ => panic!("unexpected answer: {reply:?}"),
