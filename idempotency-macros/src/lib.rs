@@ -19,7 +19,10 @@ use proc_macro::TokenStream;
 /// the same key and the same request (method, path, query, body) gets that response back,
 /// status, headers and body, plus `Idempotent-Replayed: true`, without running the handler.
 /// The store and the defaults come from the `Idempotency` layer on the `App` (or an enclosing
-/// scope); the attribute's arguments override those defaults for this route only.
+/// scope); the attribute's arguments override those defaults for this route only. (If the
+/// `Idempotency` also protects this route's method with `protect_methods`, it takes the
+/// request before routing: `wait_for_completion` and a `max_request_body` larger than the
+/// App's are then the App's; every other argument still applies.)
 ///
 /// ```
 /// use actix_web::{App, HttpResponse, post, web};
