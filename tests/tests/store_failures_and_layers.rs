@@ -43,6 +43,30 @@ async fn send(
     (response.status(), response.headers().clone(), body)
 }
 
+/// A server on the shared Redis under a prefix of its own, with an `Idempotency` adjusted by
+/// `configure` on the App and `services`; returns it with its prefix and handler runs.
+async fn start_on_redis(
+    test: &str,
+    configure: fn(Idempotency) -> Idempotency,
+    services: fn(&mut web::ServiceConfig),
+) -> (actix_test::TestServer, String, RunCounter) {
+    let pool = redis_pool().await;
+    let prefix = unique_prefix(test);
+    let runs = RunCounter::default();
+    let server = {
+        let (prefix, runs) = (prefix.clone(), runs.clone());
+        actix_test::start(move || {
+            App::new()
+                .app_data(web::Data::new(runs.clone()))
+                .wrap(configure(
+                    Idempotency::redis(pool.clone()).key_prefix(prefix.clone()),
+                ))
+                .configure(services)
+        })
+    };
+    (server, prefix, runs)
+}
+
 async fn pttl(key: &str) -> i64 {
     let mut connection = redis_connection().await;
     redis::cmd("PTTL")
@@ -54,27 +78,23 @@ async fn pttl(key: &str) -> i64 {
 
 #[actix_web::test]
 async fn redis_holds_the_ttl_and_never_the_raw_key() {
-    let pool = redis_pool().await;
-    let prefix = unique_prefix("pttl");
-    let runs = RunCounter::default();
-    let server = {
-        let (pool, prefix, runs) = (pool.clone(), prefix.clone(), runs.clone());
-        actix_test::start(move || {
-            App::new()
-                .app_data(web::Data::new(runs.clone()))
-                .wrap(Idempotency::redis(pool.clone()).key_prefix(prefix.clone()))
-                .service(
-                    web::resource("/default")
-                        .wrap(IdempotentRoute::new())
-                        .route(web::post().to(create)),
-                )
-                .service(
-                    web::resource("/short")
-                        .wrap(IdempotentRoute::new().ttl(Duration::from_secs(90)))
-                        .route(web::post().to(create)),
-                )
-        })
-    };
+    let (server, prefix, runs) = start_on_redis(
+        "pttl",
+        |i| i,
+        |c| {
+            c.service(
+                web::resource("/default")
+                    .wrap(IdempotentRoute::new())
+                    .route(web::post().to(create)),
+            )
+            .service(
+                web::resource("/short")
+                    .wrap(IdempotentRoute::new().ttl(Duration::from_secs(90)))
+                    .route(web::post().to(create)),
+            );
+        },
+    )
+    .await;
     let raw_key = format!("raw-key-{}", uuid::Uuid::new_v4());
     let (status, _, _) = send(&server, Method::POST, "/default", Some(&raw_key)).await;
     assert_eq!(status, StatusCode::CREATED);
@@ -112,36 +132,28 @@ async fn redis_holds_the_ttl_and_never_the_raw_key() {
 
 #[actix_web::test]
 async fn app_and_route_layers_together_process_once_with_the_route_ttl() {
-    let pool = redis_pool().await;
-    let prefix = unique_prefix("both_layers");
-    let runs = RunCounter::default();
-    let server = {
-        let (pool, prefix, runs) = (pool.clone(), prefix.clone(), runs.clone());
-        actix_test::start(move || {
-            App::new()
-                .app_data(web::Data::new(runs.clone()))
-                .wrap(
-                    Idempotency::redis(pool.clone())
-                        .key_prefix(prefix.clone())
-                        .protect_methods([Method::POST]),
-                )
-                .service(
-                    web::resource("/orders")
-                        .wrap(IdempotentRoute::new().ttl(Duration::from_secs(90)))
-                        .route(web::post().to(create)),
-                )
-                .service(
-                    web::resource("/small")
-                        .wrap(IdempotentRoute::new().max_request_body(8))
-                        .route(web::post().to(create)),
-                )
-                .service(
-                    web::resource("/short-lease")
-                        .wrap(IdempotentRoute::new().lease(Duration::from_secs(5)))
-                        .route(web::post().to(slow_create)),
-                )
-        })
-    };
+    let (server, prefix, runs) = start_on_redis(
+        "both_layers",
+        |i| i.protect_methods([Method::POST]),
+        |c| {
+            c.service(
+                web::resource("/orders")
+                    .wrap(IdempotentRoute::new().ttl(Duration::from_secs(90)))
+                    .route(web::post().to(create)),
+            )
+            .service(
+                web::resource("/small")
+                    .wrap(IdempotentRoute::new().max_request_body(8))
+                    .route(web::post().to(create)),
+            )
+            .service(
+                web::resource("/short-lease")
+                    .wrap(IdempotentRoute::new().lease(Duration::from_secs(5)))
+                    .route(web::post().to(slow_create)),
+            );
+        },
+    )
+    .await;
     // The route's smaller body limit holds although the app layer read the body first.
     let (status, _, _) = send(&server, Method::POST, "/small", Some("big")).await;
     assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
@@ -464,22 +476,18 @@ async fn a_shorter_route_lease_is_renewed_in_time_under_an_app_layer() {
 
 #[actix_web::test]
 async fn a_record_of_another_version_is_never_taken_over() {
-    let pool = redis_pool().await;
-    let prefix = unique_prefix("other_version");
-    let runs = RunCounter::default();
-    let server = {
-        let (pool, prefix, runs) = (pool.clone(), prefix.clone(), runs.clone());
-        actix_test::start(move || {
-            App::new()
-                .app_data(web::Data::new(runs.clone()))
-                .wrap(Idempotency::redis(pool.clone()).key_prefix(prefix.clone()))
-                .service(
-                    web::resource("/orders")
-                        .wrap(IdempotentRoute::new())
-                        .route(web::post().to(create)),
-                )
-        })
-    };
+    let (server, prefix, runs) = start_on_redis(
+        "other_version",
+        |i| i,
+        |c| {
+            c.service(
+                web::resource("/orders")
+                    .wrap(IdempotentRoute::new())
+                    .route(web::post().to(create)),
+            );
+        },
+    )
+    .await;
     // An instance of a future version holds this key (as `send` will ask for it).
     let key = idempotency_actix::IdempotencyKey::parse(b"rolling").unwrap();
     let storage_key = StorageKey::new(&prefix, b"", &key);
