@@ -164,16 +164,17 @@ impl Engine {
             lock: None,
         });
 
+        // Whose key it is, before a body is read for a request that will be refused anyway.
+        let Some(scope) = self.settings.scope.of(&req) else {
+            return Ok(self.refuse(req, IdempotencyError::MissingScope));
+        };
+        let storage_key = StorageKey::new(&self.settings.prefix, &scope, &key);
         let body = match read_body(&mut req, policy.max_request_body).await {
             Ok(body) => body,
             Err(error) => return Ok(self.refuse(req, error)),
         };
         let fingerprint = self.settings.fingerprint.of(&req, &body);
         let body_len = body.len();
-        let Some(scope) = self.settings.scope.of(&req) else {
-            return Ok(self.refuse(req, IdempotencyError::MissingScope));
-        };
-        let storage_key = StorageKey::new(&self.settings.prefix, &scope, &key);
         req.set_payload(Payload::from(body));
 
         let token = LeaseToken::generate();
