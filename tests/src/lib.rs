@@ -459,3 +459,62 @@ fn build_example(name: &str) -> std::path::PathBuf {
             )
         })
 }
+
+/// One HTTP answer as the tests read it: status, headers and the whole body.
+#[derive(Debug)]
+pub struct Reply {
+    /// The status.
+    pub status: actix_web::http::StatusCode,
+    /// The headers.
+    pub headers: actix_web::http::header::HeaderMap,
+    /// The body bytes.
+    pub body: actix_web::web::Bytes,
+}
+
+impl Reply {
+    /// Reads `response` whole (up to 16 MiB).
+    ///
+    /// # Errors
+    ///
+    /// When the body cannot be read (a connection that broke mid-body).
+    pub async fn read<S>(
+        mut response: awc::ClientResponse<S>,
+    ) -> Result<Self, awc::error::PayloadError>
+    where
+        S: futures_util::Stream<Item = Result<actix_web::web::Bytes, awc::error::PayloadError>>
+            + Unpin,
+    {
+        let body = response.body().limit(16 * 1024 * 1024).await?;
+        Ok(Self {
+            status: response.status(),
+            headers: response.headers().clone(),
+            body,
+        })
+    }
+
+    /// The header `name`, if present.
+    ///
+    /// # Panics
+    ///
+    /// When its value is not visible ASCII.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .get(name)
+            .map(|value| value.to_str().expect("a visible-ASCII header value"))
+    }
+
+    /// The body as JSON.
+    ///
+    /// # Panics
+    ///
+    /// When it is not JSON, with the body.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|error| panic!("not JSON ({error}): {:?}", self.body))
+    }
+
+    /// Whether it carries `Idempotent-Replayed: true`.
+    pub fn is_replay(&self) -> bool {
+        self.header("idempotent-replayed") == Some("true")
+    }
+}

@@ -8,16 +8,15 @@ use std::time::Duration;
 
 use actix_web::body::MessageBody;
 use actix_web::dev::{ServiceRequest, ServiceResponse};
-use actix_web::http::header::HeaderMap;
 use actix_web::http::{Method, StatusCode};
 use actix_web::middleware::Next;
 use actix_web::web::{self, Bytes};
 use actix_web::{App, HttpResponse, delete, get, patch, post, route, routes};
 use idempotency_actix::{Idempotency, RedisPool, idempotent};
 use idempotency_actix_tests::{
-    RunCounter, keys_under, redis_connection, redis_pool, unique_prefix,
+    Reply, RunCounter, keys_under, redis_connection, redis_pool, unique_prefix,
 };
-use serde_json::{Value, json};
+use serde_json::json;
 
 /// A fresh response body per run: a replay is recognisable by carrying an earlier run's.
 fn ran(runs: &RunCounter) -> HttpResponse {
@@ -211,26 +210,6 @@ struct Harness {
     redis: redis::aio::MultiplexedConnection,
 }
 
-struct Reply {
-    status: StatusCode,
-    headers: HeaderMap,
-    body: Bytes,
-}
-
-impl Reply {
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers.get(name).map(|value| value.to_str().unwrap())
-    }
-
-    fn is_replay(&self) -> bool {
-        self.header("idempotent-replayed") == Some("true")
-    }
-
-    fn json(&self) -> Value {
-        serde_json::from_slice(&self.body).unwrap()
-    }
-}
-
 impl Harness {
     /// A server whose App is wrapped in `Idempotency::redis(..)` (adjusted by `configure`)
     /// and registers `services`.
@@ -295,13 +274,9 @@ impl Harness {
         if let Some(key) = key {
             request = request.insert_header(("idempotency-key", key));
         }
-        let mut response = request.send_body(body).await.unwrap();
-        let body = response.body().await.unwrap();
-        Reply {
-            status: response.status(),
-            headers: response.headers().clone(),
-            body,
-        }
+        Reply::read(request.send_body(body).await.unwrap())
+            .await
+            .unwrap()
     }
 
     async fn post(&self, path: &str, key: Option<&str>) -> Reply {

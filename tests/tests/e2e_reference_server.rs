@@ -11,50 +11,36 @@
 
 use std::time::{Duration, Instant};
 
-use actix_web::http::header::HeaderMap;
 use actix_web::http::{Method, StatusCode};
 use actix_web::web::Bytes;
 use futures_util::future::join_all;
 use idempotency_actix_tests::{
-    ReferenceServer, keys_under, redis_connection, redis_url, unique_prefix,
+    ReferenceServer, Reply, keys_under, redis_connection, redis_url, unique_prefix,
 };
 use serde_json::{Value, json};
 
-/// One answer of the reference server.
-#[derive(Debug)]
-struct Reply {
-    status: StatusCode,
-    headers: HeaderMap,
-    body: Bytes,
+/// Assertions on the reference server's answers.
+trait ReplyAssertions {
+    /// A fresh run of the handler: its status, not a replay.
+    fn assert_executed(&self, status: StatusCode);
+    /// A replay of `original`: same status and body, byte for byte, with the replay header.
+    fn assert_replay_of(&self, original: &Reply);
+    /// An RFC 9457 problem with `status`.
+    fn assert_problem(&self, status: StatusCode);
 }
 
-impl Reply {
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers.get(name).map(|value| value.to_str().unwrap())
-    }
-
-    fn json(&self) -> Value {
-        serde_json::from_slice(&self.body)
-            .unwrap_or_else(|error| panic!("not JSON ({error}): {:?}", self.body))
-    }
-
-    fn replayed(&self) -> bool {
-        self.header("idempotent-replayed") == Some("true")
-    }
-
-    /// A fresh run of the handler: its status, not a replay.
+impl ReplyAssertions for Reply {
     fn assert_executed(&self, status: StatusCode) {
         assert_eq!(self.status, status, "{self:?}");
         assert!(
-            !self.replayed(),
+            !self.is_replay(),
             "expected a fresh run, got a replay: {self:?}"
         );
     }
 
-    /// A replay of `original`: same status and body, byte for byte, with the replay header.
     fn assert_replay_of(&self, original: &Reply) {
         assert_eq!(self.status, original.status, "{self:?}");
-        assert!(self.replayed(), "expected a replay: {self:?}");
+        assert!(self.is_replay(), "expected a replay: {self:?}");
         assert_eq!(self.body, original.body);
     }
 
@@ -99,17 +85,10 @@ async fn request(
         }
         None => request.send().await,
     };
-    let mut response = sent.unwrap_or_else(|error| panic!("{method} {url}: {error}"));
-    let body = response
-        .body()
-        .limit(16 * 1024 * 1024)
+    let response = sent.unwrap_or_else(|error| panic!("{method} {url}: {error}"));
+    Reply::read(response)
         .await
-        .unwrap_or_else(|error| panic!("{method} {url}: reading the body: {error}"));
-    Reply {
-        status: response.status(),
-        headers: response.headers().clone(),
-        body,
-    }
+        .unwrap_or_else(|error| panic!("{method} {url}: reading the body: {error}"))
 }
 
 async fn post(client: &awc::Client, url: &str, key: Option<&str>) -> Reply {
@@ -323,13 +302,13 @@ async fn a_hundred_concurrent_identical_orders_run_once() {
 
     let executed: Vec<&Reply> = replies
         .iter()
-        .filter(|reply| reply.status == StatusCode::CREATED && !reply.replayed())
+        .filter(|reply| reply.status == StatusCode::CREATED && !reply.is_replay())
         .collect();
     assert_eq!(executed.len(), 1, "{replies:?}");
     for reply in &replies {
         match reply.status {
             StatusCode::CONFLICT => assert!(reply.header("retry-after").is_some()),
-            StatusCode::CREATED if reply.replayed() => reply.assert_replay_of(executed[0]),
+            StatusCode::CREATED if reply.is_replay() => reply.assert_replay_of(executed[0]),
             StatusCode::CREATED => {}
             _ => panic!("unexpected answer: {reply:?}"),
         }
@@ -433,7 +412,7 @@ async fn a_response_over_the_stored_limit_is_sent_whole_and_never_rerun() {
 
     let retry = post(&client, &url, Some(&key)).await;
     assert_eq!(retry.status, StatusCode::OK);
-    assert!(retry.replayed(), "{retry:?}");
+    assert!(retry.is_replay(), "{retry:?}");
     assert_eq!(retry.header("idempotent-body-omitted"), Some("true"));
     assert!(retry.body.is_empty());
     assert_eq!(count(&client, &server, "large").await, 1);
@@ -527,13 +506,13 @@ async fn two_servers_sharing_redis_run_a_handler_once_in_total() {
 
     let executed: Vec<&Reply> = replies
         .iter()
-        .filter(|reply| reply.status == StatusCode::CREATED && !reply.replayed())
+        .filter(|reply| reply.status == StatusCode::CREATED && !reply.is_replay())
         .collect();
     assert_eq!(executed.len(), 1, "{replies:?}");
     for reply in &replies {
         match reply.status {
             StatusCode::CONFLICT => assert!(reply.header("retry-after").is_some(), "{reply:?}"),
-            StatusCode::CREATED if reply.replayed() => reply.assert_replay_of(executed[0]),
+            StatusCode::CREATED if reply.is_replay() => reply.assert_replay_of(executed[0]),
             StatusCode::CREATED => {}
             _ => panic!("unexpected answer: {reply:?}"),
         }

@@ -12,8 +12,7 @@ use actix_web::web::{self, Bytes};
 use actix_web::{App, HttpRequest, HttpResponse};
 use futures_util::stream;
 use idempotency_actix::{Idempotency, IdempotentRoute, KeyScope, MemoryStore, RedisPool};
-use idempotency_actix_tests::{RunCounter, redis_pool, unique_prefix};
-use serde_json::Value;
+use idempotency_actix_tests::{Reply, RunCounter, redis_pool, unique_prefix};
 
 /// Which store a test server uses; cheap to clone into each worker's app factory.
 #[derive(Clone)]
@@ -165,26 +164,12 @@ fn start(backend: Backend, test: &str, configure: fn(Idempotency) -> Idempotency
     }
 }
 
-struct Reply {
-    status: StatusCode,
-    headers: actix_web::http::header::HeaderMap,
-    body: Bytes,
+trait ProblemAssertion {
+    /// Asserts an RFC 9457 problem with `status`, and returns its `type`.
+    fn assert_problem(&self, status: u16) -> String;
 }
 
-impl Reply {
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers.get(name).map(|value| value.to_str().unwrap())
-    }
-
-    fn json(&self) -> Value {
-        serde_json::from_slice(&self.body).unwrap()
-    }
-
-    fn is_replay(&self) -> bool {
-        self.header("idempotent-replayed") == Some("true")
-    }
-
-    /// Asserts an RFC 9457 problem with `status`, and returns its `type`.
+impl ProblemAssertion for Reply {
     fn assert_problem(&self, status: u16) -> String {
         assert_eq!(self.status.as_u16(), status, "body: {:?}", self.body);
         assert_eq!(
@@ -227,13 +212,7 @@ impl Harness {
     }
 
     async fn finish(&self, sent: awc::SendClientRequest) -> Reply {
-        let mut response = sent.await.unwrap();
-        let body = response.body().limit(16 * 1024 * 1024).await.unwrap();
-        Reply {
-            status: response.status(),
-            headers: response.headers().clone(),
-            body,
-        }
+        Reply::read(sent.await.unwrap()).await.unwrap()
     }
 
     fn key(&self, name: &str) -> String {
