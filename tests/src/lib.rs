@@ -6,12 +6,21 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use idempotency_actix::{RedisPool, RedisStore};
 
-/// How to start Redis, printed whenever a test cannot reach it.
-pub const START_REDIS: &str = "start it with: redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save \"\" --appendonly no (or set REDIS_URL)";
+mod test_redis;
 
-/// The Redis the tests use: `REDIS_URL`, or `redis://127.0.0.1:6379`.
+/// What to do when the test Redis does not answer, printed whenever a test cannot reach it
+/// (with `REDIS_URL` unset the tests start their own server, so this names the variable).
+pub const START_REDIS: &str = "check that REDIS_URL names a running Redis, or unset it: the tests then use 127.0.0.1:6379 or start their own redis-server (apt-get install -y redis-server)";
+
+/// The Redis the tests use: `REDIS_URL` when set; else `redis://127.0.0.1:6379` when a
+/// server answers there; else a private `redis-server` this test process starts for its run
+/// (stopped when the process exits). Decided once per test process.
+///
+/// # Panics
+///
+/// When no server answers and `redis-server` is not installed, with the install hint.
 pub fn redis_url() -> String {
-    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
+    test_redis::url()
 }
 
 /// A plain connection to the test Redis, for inspecting what the store wrote.

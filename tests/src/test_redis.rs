@@ -1,0 +1,99 @@
+//! Which Redis the tests talk to: `REDIS_URL`, else the server on 127.0.0.1:6379, else a
+//! private `redis-server` that this test process starts for its own run.
+//!
+//! A private server is started at most once per test binary, on a free loopback port, and a
+//! small watchdog shell stops it when the test process exits (statics are never dropped, so
+//! the test process itself cannot). Only a missing `redis-server` binary fails the tests,
+//! with the install hint.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// The default Redis address the tests try before starting their own.
+const DEFAULT_ADDR: &str = "127.0.0.1:6379";
+
+/// The Redis URL of this test run, decided once per test process.
+pub(crate) fn url() -> String {
+    static URL: OnceLock<String> = OnceLock::new();
+    URL.get_or_init(|| {
+        if let Ok(url) = std::env::var("REDIS_URL")
+            && !url.is_empty()
+        {
+            return url;
+        }
+        let default: SocketAddr = DEFAULT_ADDR.parse().expect("a valid socket address");
+        if answers_ping(default) {
+            return format!("redis://{DEFAULT_ADDR}");
+        }
+        start_private_server()
+    })
+    .clone()
+}
+
+/// Whether a Redis server answers `PING` at `addr` within a short bound.
+fn answers_ping(addr: SocketAddr) -> bool {
+    let bound = Duration::from_millis(500);
+    let Ok(mut stream) = TcpStream::connect_timeout(&addr, bound) else {
+        return false;
+    };
+    let _ = stream.set_read_timeout(Some(bound));
+    let _ = stream.set_write_timeout(Some(bound));
+    let mut reply = [0u8; 7];
+    stream.write_all(b"PING\r\n").is_ok()
+        && stream.read_exact(&mut reply).is_ok()
+        && &reply == b"+PONG\r\n"
+}
+
+/// Starts a `redis-server` for this test process and answers its URL.
+///
+/// The watchdog shell is never waited for: it outlives this process by design, to stop the
+/// server after it.
+///
+/// # Panics
+///
+/// When `redis-server` is not installed or does not answer within 10 s.
+#[expect(
+    clippy::zombie_processes,
+    reason = "the watchdog outlives the test process"
+)]
+fn start_private_server() -> String {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free loopback port")
+        .port();
+    let probe = Command::new("redis-server").arg("--version").output();
+    if probe.is_err() {
+        panic!(
+            "nothing answers on {DEFAULT_ADDR}, REDIS_URL is unset, and redis-server is not \
+             installed; install it with: apt-get install -y redis-server"
+        );
+    }
+    // The watchdog runs the server and stops it once the test process is gone.
+    let script = format!(
+        "redis-server --port {port} --bind 127.0.0.1 --save '' --appendonly no & server=$!; \
+         while kill -0 {parent} 2>/dev/null; do sleep 0.5; done; kill $server",
+        parent = std::process::id(),
+    );
+    Command::new("sh")
+        .args(["-c", &script])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|error| panic!("cannot start a private redis-server: {error}"));
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        if answers_ping(addr) {
+            eprintln!(
+                "tests: nothing answered on {DEFAULT_ADDR} and REDIS_URL is unset; \
+                 started a private redis-server on port {port} for this run"
+            );
+            return format!("redis://127.0.0.1:{port}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("the private redis-server on port {port} did not answer within 10 s");
+}
