@@ -17,10 +17,12 @@ use actix_web::web::{Bytes, BytesMut};
 use actix_web::{HttpMessage, HttpRequest, ResponseError};
 use futures_util::StreamExt;
 use futures_util::future::{Either, FutureExt, select};
+use tracing::Instrument;
 
 use crate::body::IdempotentBody;
 use crate::error::IdempotencyError;
 use crate::fingerprint::{Fingerprint, FingerprintParts};
+use crate::instrument::{self, LockHeld, Outcome, RequestRecord, StoreOperation, StoreTimer};
 use crate::key::IdempotencyKey;
 use crate::policy::{Policy, RoutePolicy};
 use crate::record::StoredResponse;
@@ -125,6 +127,7 @@ pub(crate) fn with_handler_body<B>(response: ServiceResponse<B>) -> Response<B> 
 }
 
 pub(crate) fn refuse<B>(request: HttpRequest, error: &IdempotencyError) -> Response<B> {
+    instrument::refused(&request.extensions(), error);
     let response = error.error_response();
     ServiceResponse::new(
         request,
@@ -133,8 +136,27 @@ pub(crate) fn refuse<B>(request: HttpRequest, error: &IdempotencyError) -> Respo
 }
 
 impl Engine {
-    /// Processes a protected request under `policy`, calling `service` at most once.
+    /// Processes a protected request under `policy`, calling `service` at most once, in
+    /// the request's span; its outcome is recorded once, when it is done.
     pub(crate) async fn process<S, B>(
+        self: Rc<Self>,
+        policy: Policy,
+        req: ServiceRequest,
+        service: Rc<S>,
+    ) -> Result<Response<B>, actix_web::Error>
+    where
+        S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = actix_web::Error>
+            + 'static,
+        B: MessageBody + 'static,
+    {
+        let record = RequestRecord::start(&req);
+        let span = record.span();
+        let result = self.protect(policy, req, service).instrument(span).await;
+        record.finish(&result);
+        result
+    }
+
+    async fn protect<S, B>(
         self: Rc<Self>,
         policy: Policy,
         mut req: ServiceRequest,
@@ -151,6 +173,7 @@ impl Engine {
                 return Ok(self.refuse(req, IdempotencyError::MissingKey));
             }
             Ok(None) => {
+                instrument::decided(&req.extensions(), Outcome::NoKey);
                 req.extensions_mut().insert(Claimed {
                     key_present: false,
                     lock: None,
@@ -186,7 +209,7 @@ impl Engine {
             // token) so the key is not blocked for a whole lease.
             let store = Rc::clone(&self.store);
             let (key, token) = (storage_key.clone(), token.clone());
-            self.retry_in_background(policy.lease, move || {
+            self.retry_in_background(StoreOperation::Release, policy.lease, move || {
                 let (store, key, token) = (Rc::clone(&store), key.clone(), token.clone());
                 async move { store.release(&key, &token).await }
             });
@@ -194,6 +217,8 @@ impl Engine {
         match begun {
             Ok(BeginOutcome::Acquired) => {
                 tracing::debug!(key = storage_key.as_str(), "idempotency: executing");
+                instrument::decided(&req.extensions(), Outcome::Executed);
+                let _in_flight = LockHeld::enter(&req.extensions());
                 let lock = Rc::new(HeldLock {
                     storage_key,
                     token,
@@ -208,6 +233,7 @@ impl Engine {
             }
             Ok(BeginOutcome::Completed(stored)) => {
                 tracing::debug!(key = storage_key.as_str(), "idempotency: replayed");
+                instrument::decided(&req.extensions(), Outcome::Replayed);
                 let response = replay_response(stored);
                 Ok(req.into_response(response.map_body(|_, body| IdempotentBody::produced(body))))
             }
@@ -229,6 +255,7 @@ impl Engine {
             Err(error) => match self.settings.fail_mode {
                 FailMode::Open => {
                     tracing::warn!(%error, "idempotency store failed; running the handler unprotected (fail-open)");
+                    instrument::decided(&req.extensions(), Outcome::FailOpen);
                     service.call(req).await.map(with_handler_body)
                 }
                 FailMode::Closed => {
@@ -261,6 +288,7 @@ impl Engine {
         loop {
             let begun = self
                 .bounded(
+                    StoreOperation::Begin,
                     self.store
                         .begin(storage_key, fingerprint, token, policy.lease),
                 )
@@ -284,9 +312,10 @@ impl Engine {
     /// Bounds a store operation by the store timeout.
     async fn bounded<T>(
         &self,
+        kind: StoreOperation,
         operation: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
-        within(self.settings.store_timeout, operation).await
+        within(kind, self.settings.store_timeout, operation).await
     }
 
     async fn run_and_commit<S, B>(
@@ -406,7 +435,10 @@ impl Engine {
     async fn commit(&self, lock: &HeldLock, stored: StoredResponse, ttl: Duration) {
         let (storage_key, token) = (&lock.storage_key, &lock.token);
         match self
-            .bounded(self.store.commit(storage_key, token, &stored, ttl))
+            .bounded(
+                StoreOperation::Commit,
+                self.store.commit(storage_key, token, &stored, ttl),
+            )
             .await
         {
             Ok(true) => tracing::debug!(key = storage_key.as_str(), "idempotency: committed"),
@@ -422,7 +454,7 @@ impl Engine {
                 );
                 let store = Rc::clone(&self.store);
                 let (key, token) = (storage_key.clone(), token.clone());
-                self.retry_in_background(lock.lease.get(), move || {
+                self.retry_in_background(StoreOperation::Commit, lock.lease.get(), move || {
                     let (store, key, token, stored) = (
                         Rc::clone(&store),
                         key.clone(),
@@ -437,7 +469,7 @@ impl Engine {
 
     /// Retries `operation` with backoff until it answers (`true` or `false`) or `lease` has
     /// passed: after that the record it concerns has expired by itself.
-    fn retry_in_background<F, Fut>(&self, lease: Duration, operation: F)
+    fn retry_in_background<F, Fut>(&self, kind: StoreOperation, lease: Duration, operation: F)
     where
         F: Fn() -> Fut + 'static,
         Fut: Future<Output = Result<bool, StoreError>> + 'static,
@@ -448,7 +480,8 @@ impl Engine {
             let mut pause = Duration::from_millis(50);
             while Instant::now() + pause < deadline {
                 actix_rt::time::sleep(pause).await;
-                match within(timeout, operation()).await {
+                instrument::background_retry(kind);
+                match within(kind, timeout, operation()).await {
                     Ok(done) => {
                         tracing::info!(done, "idempotency: background store operation answered");
                         return;
@@ -463,7 +496,11 @@ impl Engine {
     }
 
     async fn release(&self, storage_key: &StorageKey, token: &LeaseToken) {
-        if let Err(error) = self.bounded(self.store.release(storage_key, token)).await {
+        let released = self.bounded(
+            StoreOperation::Release,
+            self.store.release(storage_key, token),
+        );
+        if let Err(error) = released.await {
             tracing::error!(key = storage_key.as_str(), %error, "idempotency: release failed; the key frees itself when its lease expires");
         }
     }
@@ -527,7 +564,7 @@ impl HeldLock {
         let renewal = self
             .store
             .renew(&self.storage_key, &self.token, self.lease.get());
-        let renewed = within(self.store_timeout, renewal).await;
+        let renewed = within(StoreOperation::Renew, self.store_timeout, renewal).await;
         if let Ok(true) = renewed {
             self.renewed_at.set(Instant::now());
         }
@@ -535,14 +572,18 @@ impl HeldLock {
     }
 }
 
-/// Runs a store operation for at most `limit`.
+/// Runs a store operation for at most `limit`, timed as `kind`.
 async fn within<T>(
+    kind: StoreOperation,
     limit: Duration,
     operation: impl Future<Output = Result<T, StoreError>>,
 ) -> Result<T, StoreError> {
-    actix_rt::time::timeout(limit, operation)
+    let timer = StoreTimer::start(kind);
+    let result = actix_rt::time::timeout(limit, operation)
         .await
-        .unwrap_or(Err(StoreError::Timeout(limit)))
+        .unwrap_or(Err(StoreError::Timeout(limit)));
+    timer.finish(&result);
+    result
 }
 
 /// Reads the request body, refusing more than `limit` bytes.

@@ -108,6 +108,7 @@ mod body;
 mod engine;
 mod error;
 mod fingerprint;
+mod instrument;
 mod key;
 mod middleware;
 mod policy;
@@ -121,6 +122,9 @@ pub use engine::FailMode;
 pub use error::IdempotencyError;
 pub use fingerprint::{Fingerprint, FingerprintParts};
 pub use idempotency_macros::idempotent;
+pub use instrument::{
+    EvictionSource, Outcome, UNMATCHED_ROUTE, describe_metrics, record_evictions,
+};
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LENGTH};
 pub use middleware::{
     Idempotency, IdempotencyFuture, IdempotencyMiddleware, IdempotentRoute,

@@ -1,0 +1,428 @@
+//! Instrumentation: the one place where what the engine decides becomes tracing fields and,
+//! with the `metrics` feature, metrics. The engine calls it once per outcome and once per
+//! store operation; without the feature the metric calls compile to nothing.
+//!
+//! | metric | type | labels | what |
+//! |---|---|---|---|
+//! | `idempotency_requests_total` | counter | `route`, `outcome` | protected requests, one per request, by what became of it |
+//! | `idempotency_store_operation_duration_seconds` | histogram | `operation`, `result` | how long each store operation took (bounded by the store timeout) |
+//! | `idempotency_requests_in_flight` | gauge | `route` | requests running their handler under a lock right now |
+//! | `idempotency_background_retries_total` | counter | `operation` | store operations retried off the request path |
+//! | `idempotency_evictions_total` | counter | `source` | records evicted to stay within a byte bound |
+//!
+//! Labels take a bounded set of values: `route` is the matched route pattern
+//! (`/orders/{id}`, never the raw path or the key; [`UNMATCHED_ROUTE`] when no route
+//! matches), `outcome` one of [`Outcome::as_str`], `operation` one of `begin`, `renew`,
+//! `commit`, `release`, `result` one of `ok`, `error`, `timeout`, `source` one of
+//! [`EvictionSource::as_str`].
+
+use std::cell::Cell;
+use std::rc::Rc;
+
+use actix_web::HttpMessage;
+use actix_web::dev::{Extensions, ServiceRequest, ServiceResponse};
+use tracing::Span;
+
+use crate::error::IdempotencyError;
+use crate::store::StoreError;
+
+/// The `route` label of a request that matched no route pattern.
+pub const UNMATCHED_ROUTE: &str = "unmatched";
+
+/// What became of one protected request: the `outcome` label of
+/// `idempotency_requests_total` and the `outcome` field of its span.
+///
+/// # Examples
+///
+/// ```
+/// use idempotency_actix::Outcome;
+///
+/// assert_eq!(Outcome::Replayed.as_str(), "replayed");
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// The handler ran under a lock (its response stored, or the key released after an
+    /// error response or a panic).
+    Executed,
+    /// A stored response was replayed.
+    Replayed,
+    /// 409: the key is in flight.
+    Conflict,
+    /// 422: the key was used for another request.
+    Mismatch,
+    /// 400: the key is malformed or repeated.
+    InvalidKey,
+    /// 400: the route requires a key and there is none.
+    MissingKey,
+    /// The request had no key and the route does not require one: the handler ran
+    /// unprotected.
+    NoKey,
+    /// 400: the key's scope could not be determined.
+    MissingScope,
+    /// 400: the request body could not be read.
+    BodyUnreadable,
+    /// 413: the request body is over the limit.
+    TooLarge,
+    /// 503: the store failed or timed out (fail closed).
+    StoreError,
+    /// The store failed or timed out and the handler ran unprotected (fail open).
+    FailOpen,
+    /// 500: a route layer found no `Idempotency` above it.
+    NotConfigured,
+}
+
+impl Outcome {
+    /// Every outcome, for dashboards and tests.
+    pub const ALL: [Self; 13] = [
+        Self::Executed,
+        Self::Replayed,
+        Self::Conflict,
+        Self::Mismatch,
+        Self::InvalidKey,
+        Self::MissingKey,
+        Self::NoKey,
+        Self::MissingScope,
+        Self::BodyUnreadable,
+        Self::TooLarge,
+        Self::StoreError,
+        Self::FailOpen,
+        Self::NotConfigured,
+    ];
+
+    /// The label value: `executed`, `replayed`, `conflict`, `mismatch`, `invalid_key`,
+    /// `missing_key`, `no_key`, `missing_scope`, `body_unreadable`, `too_large`,
+    /// `store_error`, `fail_open` or `not_configured`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Executed => "executed",
+            Self::Replayed => "replayed",
+            Self::Conflict => "conflict",
+            Self::Mismatch => "mismatch",
+            Self::InvalidKey => "invalid_key",
+            Self::MissingKey => "missing_key",
+            Self::NoKey => "no_key",
+            Self::MissingScope => "missing_scope",
+            Self::BodyUnreadable => "body_unreadable",
+            Self::TooLarge => "too_large",
+            Self::StoreError => "store_error",
+            Self::FailOpen => "fail_open",
+            Self::NotConfigured => "not_configured",
+        }
+    }
+
+    /// The outcome of a request refused with `error`, if it was refused rather than run.
+    pub(crate) fn of_refusal(error: &IdempotencyError) -> Option<Self> {
+        Some(match error {
+            IdempotencyError::MissingKey => Self::MissingKey,
+            IdempotencyError::InvalidKey(_) => Self::InvalidKey,
+            IdempotencyError::MissingScope => Self::MissingScope,
+            IdempotencyError::RequestBodyTooLarge { .. } => Self::TooLarge,
+            IdempotencyError::RequestBodyUnreadable(_) => Self::BodyUnreadable,
+            IdempotencyError::InFlight { .. } => Self::Conflict,
+            IdempotencyError::FingerprintMismatch => Self::Mismatch,
+            IdempotencyError::StoreUnavailable { .. } => Self::StoreError,
+            IdempotencyError::NotConfigured => Self::NotConfigured,
+            IdempotencyError::HandlerPanicked => return None,
+        })
+    }
+}
+
+/// A store operation, the `operation` label of the store metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StoreOperation {
+    Begin,
+    Renew,
+    Commit,
+    Release,
+}
+
+impl StoreOperation {
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+    const fn as_str(self) -> &'static str {
+        match self {
+            Self::Begin => "begin",
+            Self::Renew => "renew",
+            Self::Commit => "commit",
+            Self::Release => "release",
+        }
+    }
+}
+
+/// Which bounded cache evicted records: the `source` label of `idempotency_evictions_total`.
+///
+/// # Examples
+///
+/// ```
+/// use idempotency_actix::EvictionSource;
+///
+/// assert_eq!(EvictionSource::MemoryStore.as_str(), "memory_store");
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum EvictionSource {
+    /// The in-memory store, evicting completed records to stay within its bound.
+    MemoryStore,
+    /// The local replay cache in front of a shared store.
+    ReplayCache,
+}
+
+impl EvictionSource {
+    /// The label value: `memory_store` or `replay_cache`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::MemoryStore => "memory_store",
+            Self::ReplayCache => "replay_cache",
+        }
+    }
+}
+
+/// Counts `count` records evicted by `source` in `idempotency_evictions_total`.
+///
+/// Stores and caches that evict records to stay within a bound call this once per
+/// eviction pass. Without the `metrics` feature it does nothing.
+///
+/// # Examples
+///
+/// ```
+/// use idempotency_actix::{EvictionSource, record_evictions};
+///
+/// // A cache that just dropped three replayable responses to make room:
+/// record_evictions(EvictionSource::ReplayCache, 3);
+/// ```
+#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+pub fn record_evictions(source: EvictionSource, count: u64) {
+    #[cfg(feature = "metrics")]
+    {
+        describe_metrics();
+        ::metrics::counter!(names::EVICTIONS, "source" => source.as_str()).increment(count);
+    }
+}
+
+/// Describes every metric of this crate (help text and unit) to the installed recorder.
+///
+/// Called by the middleware once, the first time it records anything; call it yourself
+/// only if you install a recorder after that. Without the `metrics` feature it does
+/// nothing.
+///
+/// # Examples
+///
+/// ```
+/// idempotency_actix::describe_metrics();
+/// ```
+pub fn describe_metrics() {
+    #[cfg(feature = "metrics")]
+    names::describe();
+}
+
+/// Metric names, help texts and units.
+#[cfg(feature = "metrics")]
+mod names {
+    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+
+    pub(super) const REQUESTS: &str = "idempotency_requests_total";
+    pub(super) const STORE_DURATION: &str = "idempotency_store_operation_duration_seconds";
+    pub(super) const IN_FLIGHT: &str = "idempotency_requests_in_flight";
+    pub(super) const BACKGROUND_RETRIES: &str = "idempotency_background_retries_total";
+    pub(super) const EVICTIONS: &str = "idempotency_evictions_total";
+
+    pub(super) fn describe() {
+        describe_counter!(
+            REQUESTS,
+            Unit::Count,
+            "Protected requests by matched route pattern and outcome."
+        );
+        describe_histogram!(
+            STORE_DURATION,
+            Unit::Seconds,
+            "Duration of idempotency store operations (begin, renew, commit, release)."
+        );
+        describe_gauge!(
+            IN_FLIGHT,
+            Unit::Count,
+            "Protected requests running their handler under an idempotency lock."
+        );
+        describe_counter!(
+            BACKGROUND_RETRIES,
+            Unit::Count,
+            "Store operations retried in the background after a failure on the request path."
+        );
+        describe_counter!(
+            EVICTIONS,
+            Unit::Count,
+            "Records evicted from a bounded cache (memory store, replay cache)."
+        );
+    }
+}
+
+/// Describes the metrics to the recorder installed when the first one is recorded.
+#[cfg(feature = "metrics")]
+fn describe_once() {
+    static DESCRIBED: std::sync::Once = std::sync::Once::new();
+    DESCRIBED.call_once(describe_metrics);
+}
+
+/// One protected request, from the engine's first look until its response: its span, its
+/// route label and the outcome decided for it (the last decision wins, so a route layer
+/// that refuses a request an app layer passed on has the last word). Recorded once, when
+/// the request finishes.
+pub(crate) struct RequestRecord {
+    span: Span,
+    state: Rc<RequestState>,
+}
+
+/// What [`RequestRecord`] shares with the layers through the request's extensions.
+struct RequestState {
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+    route: Option<String>,
+    outcome: Cell<Option<Outcome>>,
+}
+
+impl RequestRecord {
+    /// Opens the request's span and makes its outcome cell reachable by later layers.
+    pub(crate) fn start(req: &ServiceRequest) -> Self {
+        let span = tracing::info_span!(
+            "idempotency",
+            http.route = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+            http.response.status_code = tracing::field::Empty,
+        );
+        // The pattern costs a lookup and an allocation: only when someone will read it.
+        let route = (cfg!(feature = "metrics") || !span.is_disabled()).then(|| {
+            req.match_pattern()
+                .unwrap_or_else(|| UNMATCHED_ROUTE.to_owned())
+        });
+        if let Some(route) = &route {
+            span.record("http.route", route.as_str());
+        }
+        let state = Rc::new(RequestState {
+            route,
+            outcome: Cell::new(None),
+        });
+        req.extensions_mut().insert(Rc::clone(&state));
+        Self { span, state }
+    }
+
+    /// The span the request runs in.
+    pub(crate) fn span(&self) -> Span {
+        self.span.clone()
+    }
+
+    /// Records the outcome and the status, once, when the request is done.
+    pub(crate) fn finish<B>(self, result: &Result<ServiceResponse<B>, actix_web::Error>) {
+        let status = match result {
+            Ok(response) => response.status(),
+            Err(error) => error.as_response_error().status_code(),
+        };
+        self.span
+            .record("http.response.status_code", status.as_u16());
+        let Some(outcome) = self.state.outcome.get() else {
+            return;
+        };
+        self.span.record("outcome", outcome.as_str());
+        #[cfg(feature = "metrics")]
+        {
+            describe_once();
+            let route = self.route_label();
+            ::metrics::counter!(names::REQUESTS, "route" => route, "outcome" => outcome.as_str())
+                .increment(1);
+        }
+    }
+
+    #[cfg(feature = "metrics")]
+    fn route_label(&self) -> String {
+        self.state
+            .route
+            .clone()
+            .unwrap_or_else(|| UNMATCHED_ROUTE.to_owned())
+    }
+}
+
+/// Records what became of the request whose extensions these are.
+pub(crate) fn decided(extensions: &Extensions, outcome: Outcome) {
+    if let Some(state) = extensions.get::<Rc<RequestState>>() {
+        state.outcome.set(Some(outcome));
+    }
+}
+
+/// Records the outcome of a request refused with `error`.
+pub(crate) fn refused(extensions: &Extensions, error: &IdempotencyError) {
+    if let Some(outcome) = Outcome::of_refusal(error) {
+        decided(extensions, outcome);
+    }
+}
+
+/// Counts the request in `idempotency_requests_in_flight` until the guard is dropped.
+pub(crate) struct LockHeld {
+    #[cfg(feature = "metrics")]
+    route: String,
+}
+
+impl LockHeld {
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    pub(crate) fn enter(extensions: &Extensions) -> Self {
+        #[cfg(feature = "metrics")]
+        {
+            let route = extensions
+                .get::<Rc<RequestState>>()
+                .and_then(|state| state.route.clone())
+                .unwrap_or_else(|| UNMATCHED_ROUTE.to_owned());
+            ::metrics::gauge!(names::IN_FLIGHT, "route" => route.clone()).increment(1.0);
+            Self { route }
+        }
+        #[cfg(not(feature = "metrics"))]
+        Self {}
+    }
+}
+
+#[cfg(feature = "metrics")]
+impl Drop for LockHeld {
+    fn drop(&mut self) {
+        ::metrics::gauge!(names::IN_FLIGHT, "route" => self.route.clone()).decrement(1.0);
+    }
+}
+
+/// Times one store operation into `idempotency_store_operation_duration_seconds`.
+pub(crate) struct StoreTimer {
+    #[cfg(feature = "metrics")]
+    operation: StoreOperation,
+    #[cfg(feature = "metrics")]
+    started: std::time::Instant,
+}
+
+impl StoreTimer {
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    pub(crate) fn start(operation: StoreOperation) -> Self {
+        Self {
+            #[cfg(feature = "metrics")]
+            operation,
+            #[cfg(feature = "metrics")]
+            started: std::time::Instant::now(),
+        }
+    }
+
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    pub(crate) fn finish<T>(self, result: &Result<T, StoreError>) {
+        #[cfg(feature = "metrics")]
+        {
+            let result = match result {
+                Ok(_) => "ok",
+                Err(StoreError::Timeout(_)) => "timeout",
+                Err(_) => "error",
+            };
+            ::metrics::histogram!(
+                names::STORE_DURATION,
+                "operation" => self.operation.as_str(),
+                "result" => result,
+            )
+            .record(self.started.elapsed().as_secs_f64());
+        }
+    }
+}
+
+/// Counts one background retry of `operation` in `idempotency_background_retries_total`.
+#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+pub(crate) fn background_retry(operation: StoreOperation) {
+    #[cfg(feature = "metrics")]
+    ::metrics::counter!(names::BACKGROUND_RETRIES, "operation" => operation.as_str()).increment(1);
+}
