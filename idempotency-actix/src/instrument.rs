@@ -320,6 +320,7 @@ impl RequestRecord {
             return;
         };
         self.span.record("outcome", outcome.as_str());
+        tracing::debug!(parent: &self.span, "idempotency: request finished");
         #[cfg(feature = "metrics")]
         {
             describe_once();

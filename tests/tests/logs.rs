@@ -132,3 +132,47 @@ async fn key_values_never_reach_the_log() {
         "the key value leaked into the log"
     );
 }
+
+#[actix_web::test]
+async fn each_protected_request_has_a_span_with_route_outcome_and_status() {
+    log();
+    let server = actix_test::start(|| {
+        App::new()
+            .wrap(Idempotency::new(MemoryStore::new()))
+            .service(
+                web::resource("/spans/{id}")
+                    .wrap(IdempotentRoute::new())
+                    .route(web::post().to(create)),
+            )
+    });
+    let secret = "span-key-5e1f0c";
+    assert_eq!(post(&server, "/spans/7", secret).await, StatusCode::CREATED);
+    assert_eq!(post(&server, "/spans/7", secret).await, StatusCode::CREATED);
+    let logged = logged();
+    let finished: Vec<&str> = logged
+        .lines()
+        .filter(|line| line.contains("request finished") && line.contains("/spans/{id}"))
+        .collect();
+    assert!(
+        finished
+            .iter()
+            .any(|line| line.contains("outcome=\"executed\"")
+                && line.contains("http.response.status_code=201")),
+        "no span of the first request in: {logged}"
+    );
+    assert!(
+        finished
+            .iter()
+            .any(|line| line.contains("outcome=\"replayed\"")
+                && line.contains("http.response.status_code=201")),
+        "no span of the replay in: {logged}"
+    );
+    assert!(
+        !logged.contains("/spans/7"),
+        "the raw path is not the route"
+    );
+    assert!(
+        !logged.contains(secret),
+        "the key value leaked into the log"
+    );
+}
