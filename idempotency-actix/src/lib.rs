@@ -111,7 +111,10 @@ mod fingerprint;
 mod instrument;
 mod key;
 mod middleware;
+#[cfg(feature = "utoipa")]
+mod openapi;
 mod policy;
+mod protected_route;
 mod record;
 mod replay;
 mod scope;
@@ -130,10 +133,15 @@ pub use middleware::{
     Idempotency, IdempotencyFuture, IdempotencyMiddleware, IdempotentRoute,
     IdempotentRouteMiddleware,
 };
+#[cfg(feature = "utoipa")]
+pub use openapi::{
+    IdempotencyOpenApi, KEY_PATTERN, PROBLEM_SCHEMA, document_operation, problem_schema,
+};
 pub use policy::{
     DEFAULT_LEASE, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_STORED_BODY, DEFAULT_TTL, MAX_DURATION,
     Policy, RoutePolicy,
 };
+pub use protected_route::ProtectedRoute;
 pub use record::{RECORD_VERSION, RecordError, StoredResponse};
 pub use replay::{BODY_OMITTED_HEADER, REPLAYED_HEADER, ReplayedHeaders};
 pub use scope::{KeyScope, StorageKey};
@@ -146,5 +154,6 @@ pub use store::{RedisPool, RedisStore};
 pub mod __private {
     pub use crate::middleware::IdempotentRoute;
     pub use crate::policy::RoutePolicy;
+    pub use crate::protected_route::ProtectedRoute;
     pub use ::core::time::Duration;
 }

@@ -9,10 +9,11 @@
 //! order error.
 
 use proc_macro2::{Literal, Span, TokenStream, TokenTree};
-use quote::{ToTokens, quote};
+use quote::quote;
 use syn::{Attribute, ItemFn, LitStr, Meta};
 
 use crate::args::{ArgumentList, Arguments};
+use crate::describe::{protected_route, route_methods};
 
 /// The error for a handler without a route attribute below `#[idempotent]`.
 pub(crate) const ORDER_ERROR: &str = "#[idempotent] must be placed above the route attribute \
@@ -20,7 +21,7 @@ pub(crate) const ORDER_ERROR: &str = "#[idempotent] must be placed above the rou
      in idempotency_actix::IdempotentRoute";
 
 /// Actix's single-method route attributes, by the last segment of their path.
-const METHOD_ATTRIBUTES: [&str; 10] = [
+pub(crate) const METHOD_ATTRIBUTES: [&str; 10] = [
     "get", "post", "put", "patch", "delete", "head", "options", "trace", "connect", "query",
 ];
 
@@ -34,9 +35,10 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
         )
     });
     let expanded = match (arguments, handler) {
-        (Ok(arguments), Ok(mut handler)) => {
-            attach(&arguments, &mut handler.attrs).map(|()| handler.into_token_stream())
-        }
+        (Ok(arguments), Ok(mut handler)) => attach(&arguments, &mut handler.attrs).map(|()| {
+            let description = protected_route(&arguments, &handler);
+            quote!(#handler #description)
+        }),
         (Err(mut errors), Ok(mut handler)) => {
             // Report a misplaced attribute too, so both are fixed in one go.
             if let Err(error) = attach(&Arguments::default(), &mut handler.attrs) {
@@ -57,7 +59,7 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
 }
 
 /// Methods the runtime never protects (idempotent by definition).
-const SAFE_METHODS: [&str; 4] = ["get", "head", "options", "trace"];
+pub(crate) const SAFE_METHODS: [&str; 4] = ["get", "head", "options", "trace"];
 
 /// The error for a handler whose every route is a safe method.
 const SAFE_ONLY_ERROR: &str = "#[idempotent] has no effect on GET, HEAD, OPTIONS and TRACE \
@@ -110,25 +112,7 @@ fn attach(arguments: &Arguments, attrs: &mut [Attribute]) -> syn::Result<()> {
 /// Whether a `#[route(.., method = "..")]` names a method that is not safe (or names none,
 /// which Actix does not accept; it reports that itself).
 fn route_has_an_unsafe_method(attr: &Attribute) -> bool {
-    let Meta::List(list) = &attr.meta else {
-        return true;
-    };
-    let tokens: Vec<TokenTree> = flatten(list.tokens.clone());
-    let methods: Vec<String> = tokens
-        .windows(3)
-        .filter_map(|window| match window {
-            [
-                TokenTree::Ident(key),
-                TokenTree::Punct(eq),
-                TokenTree::Literal(value),
-            ] if key == "method" && eq.as_char() == '=' => {
-                syn::parse2::<LitStr>(value.to_token_stream())
-                    .ok()
-                    .map(|method| method.value().to_ascii_lowercase())
-            }
-            _ => None,
-        })
-        .collect();
+    let methods = route_methods(attr);
     methods.is_empty()
         || methods
             .iter()
@@ -136,7 +120,7 @@ fn route_has_an_unsafe_method(attr: &Attribute) -> bool {
 }
 
 /// The tokens with invisible groups (from `macro_rules!` fragments) opened up.
-fn flatten(tokens: TokenStream) -> Vec<TokenTree> {
+pub(crate) fn flatten(tokens: TokenStream) -> Vec<TokenTree> {
     tokens
         .into_iter()
         .flat_map(|tree| match tree {
@@ -320,6 +304,33 @@ mod tests {
             expanded.contains(". max_request_body (10) . max_stored_body (20)"),
             "{expanded}"
         );
+    }
+
+    #[test]
+    fn the_route_is_described_for_documentation() {
+        let expanded = expand(
+            quote!(required),
+            quote!(
+                #[routes]
+                #[post("/a")]
+                #[get("/a")]
+                #[route("/b", method = "PUT", method = "HEAD")]
+                pub async fn handler() -> HttpResponse {
+                    HttpResponse::Ok().finish()
+                }
+            ),
+        );
+        let expected = quote!(
+            pub const IDEMPOTENCY: ::idempotency_actix::__private::ProtectedRoute =
+                ::idempotency_actix::__private::ProtectedRoute::new(
+                    "handler",
+                    &[("post", "/a"), ("put", "/b")],
+                )
+                .required();
+        )
+        .to_string();
+        assert!(expanded.contains("impl handler"), "{expanded}");
+        assert!(expanded.contains(&expected), "{expanded}");
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //! (`::idempotency_actix::__private`).
 
 mod args;
+mod describe;
 mod duration;
 mod expand;
 

@@ -1,0 +1,374 @@
+//! OpenAPI documentation of protected routes (feature `utoipa`): the `Idempotency-Key`
+//! header parameter, the problem responses and the replay headers, added to a
+//! utoipa-generated spec from what `#[idempotent]` says about each route.
+
+use std::borrow::Cow;
+
+use utoipa::Modify;
+use utoipa::openapi::header::HeaderBuilder;
+use utoipa::openapi::path::{Operation, Parameter, ParameterBuilder, ParameterIn, PathItem};
+use utoipa::openapi::response::Response;
+use utoipa::openapi::schema::{ObjectBuilder, SchemaType, Type};
+use utoipa::openapi::{Components, ContentBuilder, OpenApi, RefOr, Required, Schema};
+
+use crate::key::MAX_KEY_LENGTH;
+use crate::protected_route::ProtectedRoute;
+
+/// The name of the RFC 9457 problem schema added to the spec's components.
+pub const PROBLEM_SCHEMA: &str = "IdempotencyProblem";
+
+/// The syntax of a key, as a regular expression: the bare form (visible ASCII but `"`) or
+/// the IETF draft's sf-string form (printable ASCII in quotes, `\"` and `\\` escaped).
+pub const KEY_PATTERN: &str = r#"^(?:[!#-~]+|"(?:[ !#-\[\]-~]|\\["\\])+")$"#;
+
+/// A [`utoipa::Modify`] that documents protected routes in a utoipa-generated spec.
+///
+/// For each [`ProtectedRoute`] (`<handler>::IDEMPOTENCY`, put there by `#[idempotent]`),
+/// the operation whose `operationId` is the handler's name (utoipa's default), or else the
+/// operation at each of its `(method, path)`, gets:
+///
+/// * the `Idempotency-Key` header parameter, required if the route requires a key, with
+///   its syntax ([`KEY_PATTERN`]) and its maximum length (255);
+/// * the problem responses 400, 409 (with `Retry-After`), 413, 422 and 503 (with
+///   `Retry-After`), `application/problem+json` with the [`PROBLEM_SCHEMA`] schema (RFC
+///   9457: `type`, `title`, `status`, `detail`);
+/// * the `Idempotent-Replayed` and `Idempotent-Body-Omitted` headers on the responses the
+///   operation already documents (a replay repeats them).
+///
+/// Operations already documented are left as they are: a parameter of the same name is not
+/// added twice, and a response the handler documents for one of these statuses keeps its
+/// description and gains the problem content.
+///
+/// # Examples
+///
+/// One line per spec, listing the protected handlers:
+///
+/// ```
+/// use actix_web::{HttpResponse, post};
+/// use idempotency_actix::{IdempotencyOpenApi, idempotent};
+/// use utoipa::OpenApi;
+///
+/// #[idempotent(required)]
+/// #[utoipa::path(post, path = "/payments", responses((status = 200, description = "Paid")))]
+/// #[post("/payments")]
+/// async fn pay() -> HttpResponse {
+///     HttpResponse::Ok().finish()
+/// }
+///
+/// const IDEMPOTENCY: IdempotencyOpenApi = IdempotencyOpenApi::new(&[pay::IDEMPOTENCY]);
+///
+/// #[derive(OpenApi)]
+/// #[openapi(paths(pay), modifiers(&IDEMPOTENCY))]
+/// struct ApiDoc;
+///
+/// let spec = ApiDoc::openapi();
+/// let operation = spec.paths.paths["/payments"].post.as_ref().unwrap();
+/// let key = &operation.parameters.as_ref().unwrap()[0];
+/// assert_eq!(key.name, "Idempotency-Key");
+/// assert!(operation.responses.responses.contains_key("409"));
+/// ```
+#[derive(Debug, Clone)]
+pub struct IdempotencyOpenApi {
+    routes: Cow<'static, [ProtectedRoute]>,
+    header: &'static str,
+    keys_required: bool,
+}
+
+impl IdempotencyOpenApi {
+    /// Documents `routes`.
+    pub const fn new(routes: &'static [ProtectedRoute]) -> Self {
+        Self {
+            routes: Cow::Borrowed(routes),
+            header: "Idempotency-Key",
+            keys_required: false,
+        }
+    }
+
+    /// Documents routes known only at run time.
+    pub fn from_routes(routes: impl IntoIterator<Item = ProtectedRoute>) -> Self {
+        Self {
+            routes: routes.into_iter().collect(),
+            ..Self::new(&[])
+        }
+    }
+
+    /// The key header's name, if the app sets another one with
+    /// [`Idempotency::header`](crate::Idempotency::header).
+    #[must_use]
+    pub const fn header(mut self, name: &'static str) -> Self {
+        self.header = name;
+        self
+    }
+
+    /// Documents the key as required on every route, for an app that calls
+    /// [`Idempotency::require_key`](crate::Idempotency::require_key).
+    #[must_use]
+    pub const fn keys_required(mut self) -> Self {
+        self.keys_required = true;
+        self
+    }
+
+    /// Documents the routes in `openapi` (what [`Modify::modify`] does).
+    pub fn apply(&self, openapi: &mut OpenApi) {
+        let components = openapi.components.get_or_insert_with(Components::new);
+        components
+            .schemas
+            .entry(PROBLEM_SCHEMA.to_owned())
+            .or_insert_with(problem_schema);
+        for route in self.routes.iter() {
+            let required = self.keys_required || route.requires_key();
+            let mut found = false;
+            for item in openapi.paths.paths.values_mut() {
+                for operation in operations(item) {
+                    if operation.operation_id.as_deref() == Some(route.handler()) {
+                        document_operation(operation, self.header, required);
+                        found = true;
+                    }
+                }
+            }
+            if found {
+                continue;
+            }
+            for (method, path) in route.routes() {
+                let operation = openapi
+                    .paths
+                    .paths
+                    .get_mut(*path)
+                    .and_then(|item| operation_for(item, method));
+                if let Some(operation) = operation {
+                    document_operation(operation, self.header, required);
+                }
+            }
+        }
+    }
+}
+
+impl Modify for IdempotencyOpenApi {
+    fn modify(&self, openapi: &mut OpenApi) {
+        self.apply(openapi);
+    }
+}
+
+/// Documents one operation: the key header parameter `header` (required or not), the
+/// problem responses, and the replay headers on the responses it already has.
+///
+/// The problem responses refer to `#/components/schemas/IdempotencyProblem`
+/// ([`PROBLEM_SCHEMA`]); [`IdempotencyOpenApi`] adds it to the spec, or add
+/// [`problem_schema`] yourself.
+///
+/// # Examples
+///
+/// ```
+/// use idempotency_actix::document_operation;
+/// use utoipa::openapi::path::Operation;
+///
+/// let mut operation = Operation::new();
+/// document_operation(&mut operation, "Idempotency-Key", true);
+/// assert!(operation.responses.responses.contains_key("422"));
+/// ```
+pub fn document_operation(operation: &mut Operation, header: &str, required: bool) {
+    for response in operation.responses.responses.values_mut() {
+        if let RefOr::T(response) = response {
+            add_replay_headers(response);
+        }
+    }
+    let parameters = operation.parameters.get_or_insert_with(Vec::new);
+    if !parameters
+        .iter()
+        .any(|parameter| parameter.name.eq_ignore_ascii_case(header))
+    {
+        parameters.push(key_parameter(header, required));
+    }
+    for problem in PROBLEMS {
+        let response = operation
+            .responses
+            .responses
+            .entry(problem.status.to_owned())
+            .or_insert_with(|| RefOr::T(Response::new(problem.description)));
+        if let RefOr::T(response) = response {
+            add_problem(response, &problem);
+        }
+    }
+}
+
+/// The RFC 9457 problem document the middleware answers with: `type` (a tag URI naming the
+/// problem), `title`, `status` and `detail`, all present.
+pub fn problem_schema() -> RefOr<Schema> {
+    let string = |description: &str| {
+        ObjectBuilder::new()
+            .schema_type(SchemaType::Type(Type::String))
+            .description(Some(description))
+    };
+    ObjectBuilder::new()
+        .schema_type(SchemaType::Type(Type::Object))
+        .description(Some(
+            "An RFC 9457 problem document (application/problem+json).",
+        ))
+        .property(
+            "type",
+            string("A URI naming the problem, e.g. tag:idempotency-actix,2026:in-flight."),
+        )
+        .property("title", string("A short summary of the problem."))
+        .property(
+            "status",
+            ObjectBuilder::new()
+                .schema_type(SchemaType::Type(Type::Integer))
+                .description(Some("The HTTP status code.")),
+        )
+        .property("detail", string("What happened to this request."))
+        .required("type")
+        .required("title")
+        .required("status")
+        .required("detail")
+        .into()
+}
+
+/// One problem response the middleware may answer.
+struct Problem {
+    status: &'static str,
+    description: &'static str,
+    retry_after: bool,
+}
+
+const PROBLEMS: [Problem; 5] = [
+    Problem {
+        status: "400",
+        description: "The Idempotency-Key header is malformed or repeated, or missing where \
+                      the route requires it.",
+        retry_after: false,
+    },
+    Problem {
+        status: "409",
+        description: "A request with this Idempotency-Key is still being processed; retry \
+                      after Retry-After seconds.",
+        retry_after: true,
+    },
+    Problem {
+        status: "413",
+        description: "The body of a request with an Idempotency-Key is over the limit.",
+        retry_after: false,
+    },
+    Problem {
+        status: "422",
+        description: "This Idempotency-Key was used before with a different request.",
+        retry_after: false,
+    },
+    Problem {
+        status: "503",
+        description: "The idempotency store is unavailable; the request was not processed. \
+                      Retry after Retry-After seconds with the same key.",
+        retry_after: true,
+    },
+];
+
+fn add_problem(response: &mut Response, problem: &Problem) {
+    response
+        .content
+        .entry("application/problem+json".to_owned())
+        .or_insert_with(|| {
+            ContentBuilder::new()
+                .schema(Some(RefOr::Ref(utoipa::openapi::Ref::from_schema_name(
+                    PROBLEM_SCHEMA,
+                ))))
+                .build()
+        });
+    if problem.retry_after {
+        response
+            .headers
+            .entry("Retry-After".to_owned())
+            .or_insert_with(|| {
+                HeaderBuilder::new()
+                    .schema(
+                        ObjectBuilder::new()
+                            .schema_type(SchemaType::Type(Type::Integer))
+                            .minimum(Some(1)),
+                    )
+                    .description(Some("Seconds to wait before retrying with the same key."))
+                    .build()
+            });
+    }
+}
+
+fn add_replay_headers(response: &mut Response) {
+    let flag = |description: &str| {
+        HeaderBuilder::new()
+            .schema(
+                ObjectBuilder::new()
+                    .schema_type(SchemaType::Type(Type::String))
+                    .enum_values(Some(["true"])),
+            )
+            .description(Some(description))
+            .build()
+    };
+    response
+        .headers
+        .entry(REPLAYED_HEADER_NAME.to_owned()).or_insert_with(|| {
+        flag("`true` when this response is the stored response of an earlier request with the same Idempotency-Key, replayed without running the handler again.")
+    });
+    response
+        .headers
+        .entry(BODY_OMITTED_HEADER_NAME.to_owned())
+        .or_insert_with(|| {
+            flag("`true` on a replay whose body was too large to store: the status and headers are replayed, the body is empty.")
+        });
+}
+
+/// The replay headers as documented (their canonical capitalisation).
+const REPLAYED_HEADER_NAME: &str = "Idempotent-Replayed";
+const BODY_OMITTED_HEADER_NAME: &str = "Idempotent-Body-Omitted";
+
+fn key_parameter(header: &str, required: bool) -> Parameter {
+    ParameterBuilder::new()
+        .name(header)
+        .parameter_in(ParameterIn::Header)
+        .required(if required {
+            Required::True
+        } else {
+            Required::False
+        })
+        .description(Some(format!(
+            "A key chosen by the client (a random UUID is best) that makes retries of this \
+             request safe: the first request with a key runs, every retry with the same key \
+             and the same request gets the stored response back. The IETF draft's \
+             sf-string form (`\"abc\"`) or the bare form (`abc`); 1 to {MAX_KEY_LENGTH} \
+             printable ASCII characters."
+        )))
+        .schema(Some(
+            ObjectBuilder::new()
+                .schema_type(SchemaType::Type(Type::String))
+                .min_length(Some(1))
+                .max_length(Some(MAX_KEY_LENGTH))
+                .pattern(Some(KEY_PATTERN)),
+        ))
+        .example(Some(serde_json::Value::String(
+            "\"8e03978e-40d5-43e8-bc93-6894a57f9324\"".to_owned(),
+        )))
+        .build()
+}
+
+/// The operations of a path item, for every method OpenAPI knows.
+fn operations(item: &mut PathItem) -> impl Iterator<Item = &mut Operation> {
+    [
+        &mut item.post,
+        &mut item.put,
+        &mut item.patch,
+        &mut item.delete,
+        &mut item.get,
+        &mut item.head,
+        &mut item.options,
+        &mut item.trace,
+    ]
+    .into_iter()
+    .filter_map(Option::as_mut)
+}
+
+/// The operation of `item` for `method` (lower case), if it is one the middleware protects.
+fn operation_for<'a>(item: &'a mut PathItem, method: &str) -> Option<&'a mut Operation> {
+    match method {
+        "post" => item.post.as_mut(),
+        "put" => item.put.as_mut(),
+        "patch" => item.patch.as_mut(),
+        "delete" => item.delete.as_mut(),
+        _ => None,
+    }
+}
