@@ -10,11 +10,15 @@
 //! | `POST /large` | `#[idempotent]` | `?bytes=N` → 200 with N bytes of `application/octet-stream` |
 //! | `POST /untagged` | none (see `IDEMPOTENCY_METHODS`) | 200 `{"seq"}` |
 //! | `GET /stats` | none | the counters: `{"orders", "payments", "flaky", "profile", "large", "untagged"}` |
+//! | `GET /metrics` | none | the middleware's metrics, Prometheus text format |
+//! | `GET /openapi.json` | none | the OpenAPI 3.1 document of every route here |
 //!
 //! Each route but `/stats` counts the runs of its handler; `seq` is the count after this run.
 //! The counters live in one [`Counters`] shared by all workers.
 
 mod config;
+mod metrics;
+mod openapi;
 mod routes;
 
 use std::net::SocketAddr;
@@ -24,7 +28,9 @@ use actix_web::{App, HttpServer, web};
 use idempotency_actix::{Idempotency, RedisPool, RedisStore};
 
 pub use self::config::{ConfigError, PROTECTABLE_METHODS, ServerConfig};
-pub use self::routes::{Counters, MAX_LARGE_BYTES, NewOrder, Stats};
+pub use self::routes::{
+    Counters, FlakyAnswer, MAX_DELAY_MS, MAX_LARGE_BYTES, NewOrder, Order, Payment, Seq, Stats,
+};
 
 /// The store the reference app runs on.
 #[derive(Clone)]
@@ -113,6 +119,8 @@ pub async fn start(config: &ServerConfig) -> Result<Running, StartError> {
     };
     let counters = web::Data::new(Counters::default());
     let summary = summary(config, &store);
+    let spec = openapi::document(config);
+    metrics::handle();
 
     // Two server types: with the middleware, and without any (the benchmark baseline).
     macro_rules! serve {
@@ -133,7 +141,7 @@ pub async fn start(config: &ServerConfig) -> Result<Running, StartError> {
     }
 
     let (server, addrs) = if config.idempotency {
-        let counters = counters.clone();
+        let (counters, spec) = (counters.clone(), spec.clone());
         let methods = config.protect_methods.clone();
         let prefix = config.key_prefix.clone();
         serve!(HttpServer::new(move || {
@@ -146,6 +154,7 @@ pub async fn start(config: &ServerConfig) -> Result<Running, StartError> {
             }
             App::new()
                 .app_data(counters.clone())
+                .app_data(spec.clone())
                 .wrap(idempotency.protect_methods(methods.clone()))
                 .configure(routes::protected)
         }))
@@ -154,6 +163,7 @@ pub async fn start(config: &ServerConfig) -> Result<Running, StartError> {
         serve!(HttpServer::new(move || {
             App::new()
                 .app_data(counters.clone())
+                .app_data(spec.clone())
                 .configure(routes::unprotected)
         }))
     };

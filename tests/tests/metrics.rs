@@ -1,0 +1,370 @@
+//! The metrics (issue 11): each outcome moves `idempotency_requests_total` for its route
+//! pattern, store operations are timed, the in-flight gauge comes back to zero, and
+//! background retries are counted. A debugging recorder is installed for the test binary;
+//! each test uses its own route patterns, and the tests take turns (a snapshot drains the
+//! histograms).
+
+#![allow(clippy::unwrap_used)]
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use actix_web::http::StatusCode;
+use actix_web::{App, HttpResponse, web};
+use idempotency_actix::{FailMode, Idempotency, IdempotentRoute, MemoryStore, Outcome, RedisStore};
+use idempotency_actix_tests::{Reply, RunCounter};
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+
+/// Held by each test for its whole run.
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn snapshotter() -> &'static Snapshotter {
+    static SNAPSHOTTER: OnceLock<Snapshotter> = OnceLock::new();
+    SNAPSHOTTER.get_or_init(|| {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        recorder.install().unwrap();
+        snapshotter
+    })
+}
+
+type Labels = Vec<(String, String)>;
+
+/// Every counter and gauge now: (name, labels sorted, value). A snapshot reports counters
+/// as increments since the last one (and drains histograms), so counters are summed here.
+fn metrics() -> Vec<(String, Labels, DebugValue)> {
+    static TOTALS: std::sync::Mutex<Vec<(String, Labels, u64)>> = std::sync::Mutex::new(Vec::new());
+    let mut totals = TOTALS.lock().unwrap();
+    let mut gauges = Vec::new();
+    for (key, _, _, value) in snapshotter().snapshot().into_vec() {
+        let (_, key) = key.into_parts();
+        let mut labels: Labels = key
+            .labels()
+            .map(|label| (label.key().to_owned(), label.value().to_owned()))
+            .collect();
+        labels.sort();
+        let name = key.name().to_owned();
+        match value {
+            DebugValue::Counter(increment) => {
+                let known = totals
+                    .iter_mut()
+                    .find(|(n, l, _)| *n == name && *l == labels);
+                match known {
+                    Some((_, _, total)) => *total += increment,
+                    None => totals.push((name, labels, increment)),
+                }
+            }
+            gauge @ DebugValue::Gauge(_) => gauges.push((name, labels, gauge)),
+            DebugValue::Histogram(_) => {}
+        }
+    }
+    totals
+        .iter()
+        .map(|(name, labels, total)| (name.clone(), labels.clone(), DebugValue::Counter(*total)))
+        .chain(gauges)
+        .collect()
+}
+
+fn labels(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    let mut labels: Vec<(String, String)> = pairs
+        .iter()
+        .map(|(key, value)| ((*key).to_owned(), (*value).to_owned()))
+        .collect();
+    labels.sort();
+    labels
+}
+
+/// `idempotency_requests_total{route, outcome}` now.
+fn requests(route: &str, outcome: Outcome) -> u64 {
+    let wanted = labels(&[("route", route), ("outcome", outcome.as_str())]);
+    metrics()
+        .into_iter()
+        .find_map(|(name, labels, value)| match value {
+            DebugValue::Counter(count)
+                if name == "idempotency_requests_total" && labels == wanted =>
+            {
+                Some(count)
+            }
+            _ => None,
+        })
+        .unwrap_or(0)
+}
+
+/// Every outcome counted for `route`, outcome by outcome.
+fn outcomes_of(route: &str) -> Vec<(String, u64)> {
+    let mut outcomes: Vec<(String, u64)> = metrics()
+        .into_iter()
+        .filter_map(|(name, labels, value)| {
+            let outcome = labels
+                .iter()
+                .find(|(key, _)| key == "outcome")
+                .map(|(_, outcome)| outcome.clone())?;
+            let on_route = labels
+                .iter()
+                .any(|(key, value)| key == "route" && value == route);
+            match value {
+                DebugValue::Counter(count) if name == "idempotency_requests_total" && on_route => {
+                    Some((outcome, count))
+                }
+                _ => None,
+            }
+        })
+        .collect();
+    outcomes.sort();
+    outcomes
+}
+
+fn gauge(name: &str, route: &str) -> Option<f64> {
+    let wanted = labels(&[("route", route)]);
+    metrics()
+        .into_iter()
+        .find_map(|(found, labels, value)| match value {
+            DebugValue::Gauge(value) if found == name && labels == wanted => {
+                Some(value.into_inner())
+            }
+            _ => None,
+        })
+}
+
+fn counter(name: &str, pairs: &[(&str, &str)]) -> u64 {
+    let wanted = labels(pairs);
+    metrics()
+        .into_iter()
+        .find_map(|(found, labels, value)| match value {
+            DebugValue::Counter(count) if found == name && labels == wanted => Some(count),
+            _ => None,
+        })
+        .unwrap_or(0)
+}
+
+async fn send(
+    server: &actix_test::TestServer,
+    path: &str,
+    key: Option<&str>,
+    body: &'static str,
+) -> Reply {
+    let mut request = server.post(path);
+    if let Some(key) = key {
+        request = request.insert_header(("idempotency-key", key));
+    }
+    Reply::read(request.send_body(body).await.unwrap())
+        .await
+        .unwrap()
+}
+
+/// A resource at `pattern` that counts its runs, sleeping `?ms=N` first.
+fn counted(
+    pattern: &str,
+    runs: RunCounter,
+    route: IdempotentRoute,
+) -> impl actix_web::dev::HttpServiceFactory + use<> {
+    web::resource(pattern).wrap(route).route(web::post().to(
+        move |query: web::Query<std::collections::HashMap<String, u64>>| {
+            let runs = runs.clone();
+            async move {
+                runs.record();
+                if let Some(ms) = query.get("ms") {
+                    actix_rt::time::sleep(Duration::from_millis(*ms)).await;
+                }
+                HttpResponse::Created().body("made")
+            }
+        },
+    ))
+}
+
+#[actix_web::test]
+async fn every_outcome_is_counted_once_under_its_route_pattern() {
+    let _turn = one_at_a_time();
+    snapshotter();
+    let runs = RunCounter::default();
+    let server = actix_test::start({
+        let runs = runs.clone();
+        move || {
+            App::new()
+                .wrap(Idempotency::new(MemoryStore::new()).max_request_body(16))
+                .service(counted(
+                    "/m/orders/{id}",
+                    runs.clone(),
+                    IdempotentRoute::new(),
+                ))
+                .service(counted(
+                    "/m/payments",
+                    runs.clone(),
+                    IdempotentRoute::new().required(),
+                ))
+        }
+    });
+    let route = "/m/orders/{id}";
+
+    assert_eq!(
+        send(&server, "/m/orders/1", Some("a"), "{}").await.status,
+        201
+    );
+    assert_eq!(requests(route, Outcome::Executed), 1);
+
+    let replay = send(&server, "/m/orders/1", Some("a"), "{}").await;
+    assert!(replay.is_replay());
+    assert_eq!(requests(route, Outcome::Replayed), 1);
+
+    let reused = send(&server, "/m/orders/1", Some("a"), "{\"other\":1}").await;
+    assert_eq!(reused.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(requests(route, Outcome::Mismatch), 1);
+
+    let invalid = send(&server, "/m/orders/2", Some("\"unbalanced"), "{}").await;
+    assert_eq!(invalid.status, StatusCode::BAD_REQUEST);
+    assert_eq!(requests(route, Outcome::InvalidKey), 1);
+
+    let large = send(&server, "/m/orders/3", Some("b"), "0123456789abcdefXYZ").await;
+    assert_eq!(large.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(requests(route, Outcome::TooLarge), 1);
+
+    assert_eq!(send(&server, "/m/orders/4", None, "{}").await.status, 201);
+    assert_eq!(requests(route, Outcome::NoKey), 1);
+
+    let missing = send(&server, "/m/payments", None, "{}").await;
+    assert_eq!(missing.status, StatusCode::BAD_REQUEST);
+    assert_eq!(requests("/m/payments", Outcome::MissingKey), 1);
+
+    // The first request holds the lock while a duplicate comes in.
+    let slow = send(&server, "/m/orders/5?ms=600", Some("c"), "{}");
+    let duplicate = async {
+        runs.wait_for(3).await;
+        assert_eq!(
+            gauge("idempotency_requests_in_flight", route),
+            Some(1.0),
+            "the first request is under its lock"
+        );
+        send(&server, "/m/orders/5?ms=600", Some("c"), "{}").await
+    };
+    let (first, second) = futures_util::future::join(slow, duplicate).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(second.status, StatusCode::CONFLICT);
+    assert_eq!(requests(route, Outcome::Conflict), 1);
+    assert_eq!(gauge("idempotency_requests_in_flight", route), Some(0.0));
+
+    assert_eq!(runs.get(), 3, "two runs under a lock, one keyless run");
+    assert_eq!(
+        outcomes_of(route),
+        [
+            ("conflict".to_owned(), 1),
+            ("executed".to_owned(), 2),
+            ("invalid_key".to_owned(), 1),
+            ("mismatch".to_owned(), 1),
+            ("no_key".to_owned(), 1),
+            ("replayed".to_owned(), 1),
+            ("too_large".to_owned(), 1),
+        ],
+        "each request counted once, under its pattern, never its raw path"
+    );
+    assert!(outcomes_of("/m/orders/1").is_empty());
+}
+
+#[actix_web::test]
+async fn store_failures_are_counted_by_fail_mode_and_retried_in_the_background() {
+    let _turn = one_at_a_time();
+    snapshotter();
+    let server = actix_test::start(|| {
+        // Nothing listens on port 1: every store operation fails at once.
+        let pool = RedisStore::pool("redis://127.0.0.1:1").unwrap();
+        let closed = Idempotency::redis(pool.clone());
+        let open = Idempotency::redis(pool).on_store_error(FailMode::Open);
+        App::new()
+            .service(web::scope("/closed").wrap(closed).service(counted(
+                "/order",
+                RunCounter::default(),
+                IdempotentRoute::new(),
+            )))
+            .service(web::scope("/open").wrap(open).service(counted(
+                "/order",
+                RunCounter::default(),
+                IdempotentRoute::new(),
+            )))
+    });
+    let retries_before = counter(
+        "idempotency_background_retries_total",
+        &[("operation", "release")],
+    );
+    let closed = send(&server, "/closed/order", Some("k"), "{}").await;
+    assert_eq!(closed.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(requests("/closed/order", Outcome::StoreError), 1);
+    let open = send(&server, "/open/order", Some("k"), "{}").await;
+    assert_eq!(open.status, StatusCode::CREATED);
+    assert_eq!(requests("/open/order", Outcome::FailOpen), 1);
+
+    // A failed begin is released in the background, retried until the store answers.
+    for _ in 0..500 {
+        let retries = counter(
+            "idempotency_background_retries_total",
+            &[("operation", "release")],
+        );
+        if retries > retries_before {
+            return;
+        }
+        actix_rt::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("no background retry was counted in 5 s");
+}
+
+#[actix_web::test]
+async fn store_operations_are_timed_by_operation() {
+    let _turn = one_at_a_time();
+    let snapshotter = snapshotter();
+    snapshotter.snapshot(); // drains what earlier tests timed
+    let server = actix_test::start(|| {
+        App::new()
+            .wrap(Idempotency::new(MemoryStore::new()))
+            .service(counted(
+                "/timed",
+                RunCounter::default(),
+                IdempotentRoute::new(),
+            ))
+            .service(
+                web::resource("/timed-error")
+                    .wrap(IdempotentRoute::new())
+                    .route(web::post().to(|| async { HttpResponse::BadRequest().finish() })),
+            )
+    });
+    assert_eq!(send(&server, "/timed", Some("t"), "{}").await.status, 201);
+    assert_eq!(
+        send(&server, "/timed-error", Some("u"), "{}").await.status,
+        400
+    );
+    // A begin and a commit for the first request, a begin and a release for the second.
+    let mut seen = std::collections::BTreeSet::new();
+    for (key, unit, _, value) in snapshotter.snapshot().into_vec() {
+        let (_, key) = key.into_parts();
+        if key.name() != "idempotency_store_operation_duration_seconds" {
+            continue;
+        }
+        assert_eq!(unit, Some(metrics::Unit::Seconds));
+        let DebugValue::Histogram(samples) = value else {
+            panic!("not a histogram: {value:?}");
+        };
+        let labels: Vec<(String, String)> = key
+            .labels()
+            .map(|label| (label.key().to_owned(), label.value().to_owned()))
+            .collect();
+        if !samples.is_empty() {
+            assert!(
+                labels.contains(&("result".to_owned(), "ok".to_owned())),
+                "{labels:?}"
+            );
+            let operation = labels
+                .iter()
+                .find(|(name, _)| name == "operation")
+                .map(|(_, operation)| operation.clone())
+                .unwrap();
+            assert!(samples.iter().all(|seconds| seconds.into_inner() >= 0.0));
+            seen.insert((operation, samples.len()));
+        }
+    }
+    let expected: std::collections::BTreeSet<(String, usize)> =
+        [("begin", 2), ("commit", 1), ("release", 1)]
+            .into_iter()
+            .map(|(operation, count)| (operation.to_owned(), count))
+            .collect();
+    assert_eq!(seen, expected);
+}
