@@ -331,7 +331,8 @@ fn key_parameter(header: &str, required: bool) -> Parameter {
              request safe: the first request with a key runs, every retry with the same key \
              and the same request gets the stored response back. The IETF draft's \
              sf-string form (`\"abc\"`) or the bare form (`abc`); 1 to {MAX_KEY_LENGTH} \
-             printable ASCII characters."
+             printable ASCII characters. A key belongs to one request: sent again with \
+             another method, path, query or body it gets 422."
         )))
         .schema(Some(
             ObjectBuilder::new()
@@ -340,9 +341,6 @@ fn key_parameter(header: &str, required: bool) -> Parameter {
                 .max_length(Some(MAX_KEY_LENGTH))
                 .pattern(Some(KEY_PATTERN)),
         ))
-        .example(Some(serde_json::Value::String(
-            "\"8e03978e-40d5-43e8-bc93-6894a57f9324\"".to_owned(),
-        )))
         .build()
 }
 

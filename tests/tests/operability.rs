@@ -1,0 +1,292 @@
+//! The reference server's operability routes (issue 11), over HTTP against the real
+//! process: `GET /openapi.json` is a valid OpenAPI 3.1 document of every route of DESIGN
+//! §11 with the idempotency header and answers on the protected ones and real body shapes,
+//! and `GET /metrics` shows the middleware's metrics in the Prometheus text format.
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use actix_web::http::StatusCode;
+use idempotency_actix_tests::{ReferenceServer, Reply};
+use serde_json::{Value, json};
+
+fn client() -> awc::Client {
+    awc::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .finish()
+}
+
+async fn get(server: &ReferenceServer, path: &str) -> Reply {
+    Reply::read(client().get(server.url(path)).send().await.unwrap())
+        .await
+        .unwrap()
+}
+
+async fn post_json(server: &ReferenceServer, path: &str, key: Option<&str>, body: &Value) -> Reply {
+    let mut request = client().post(server.url(path));
+    if let Some(key) = key {
+        request = request.insert_header(("idempotency-key", key));
+    }
+    Reply::read(request.send_json(body).await.unwrap())
+        .await
+        .unwrap()
+}
+
+/// Every route of DESIGN §11 (without the PostgreSQL-only ledger), and whether
+/// `#[idempotent]` protects it: `None` unprotected, `Some(required)`.
+const ROUTES: [(&str, &str, Option<bool>); 9] = [
+    ("post", "/orders", Some(false)),
+    ("post", "/payments", Some(true)),
+    ("post", "/flaky", Some(false)),
+    ("put", "/profile", Some(false)),
+    ("post", "/large", Some(false)),
+    ("post", "/untagged", None),
+    ("get", "/stats", None),
+    ("get", "/metrics", None),
+    ("get", "/openapi.json", None),
+];
+
+const PROBLEM_REF: &str = "#/components/schemas/IdempotencyProblem";
+
+/// The served document, checked to be a valid OpenAPI 3.1 document whose references all
+/// resolve.
+async fn spec(server: &ReferenceServer) -> Value {
+    let reply = get(server, "/openapi.json").await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(reply.header("content-type"), Some("application/json"));
+    let text = std::str::from_utf8(&reply.body).unwrap();
+    let parsed = oas3::from_json(text).unwrap_or_else(|error| panic!("not OpenAPI: {error}"));
+    let version = parsed.validate_version().unwrap();
+    assert_eq!((version.major, version.minor), (3, 1));
+    for (path, method, operation) in parsed.operations() {
+        let mut bodies: Vec<_> = operation
+            .request_body
+            .iter()
+            .map(|body| body.resolve(&parsed).unwrap().content)
+            .collect();
+        for response in operation
+            .responses
+            .iter()
+            .flat_map(|responses| responses.values())
+        {
+            bodies.push(response.resolve(&parsed).unwrap().content);
+        }
+        for content in bodies.iter().flat_map(|content| content.values()) {
+            content
+                .schema(&parsed)
+                .unwrap_or_else(|error| panic!("{method} {path}: {error}"));
+        }
+    }
+    reply.json()
+}
+
+fn operation<'a>(spec: &'a Value, method: &str, path: &str) -> &'a Value {
+    let operation = &spec["paths"][path][method];
+    assert!(operation.is_object(), "{method} {path} is not documented");
+    operation
+}
+
+fn key_parameter<'a>(operation: &'a Value) -> Option<&'a Value> {
+    operation["parameters"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|parameter| parameter["name"] == "Idempotency-Key")
+}
+
+#[actix_web::test]
+async fn the_spec_documents_every_route_and_the_idempotency_contract() {
+    let server = ReferenceServer::start(&[]);
+    let spec = spec(&server).await;
+
+    let documented: usize = spec["paths"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|item| item.as_object().unwrap().len())
+        .sum();
+    assert_eq!(documented, ROUTES.len(), "exactly the routes of §11");
+
+    for (method, path, protection) in ROUTES {
+        let operation = operation(&spec, method, path);
+        let Some(required) = protection else {
+            assert!(
+                key_parameter(operation).is_none(),
+                "{method} {path} is not protected"
+            );
+            continue;
+        };
+        let key = key_parameter(operation).unwrap_or_else(|| panic!("{method} {path}: no key"));
+        assert_eq!(key["in"], "header");
+        assert_eq!(key["required"], required, "{method} {path}");
+        assert_eq!(key["schema"]["type"], "string");
+        assert_eq!(key["schema"]["maxLength"], 255);
+        assert_eq!(key["schema"]["minLength"], 1);
+        assert_eq!(key["schema"]["pattern"], idempotency_actix::KEY_PATTERN);
+
+        let responses = operation["responses"].as_object().unwrap();
+        for status in ["400", "409", "413", "422", "503"] {
+            let problem = &responses[status]["content"]["application/problem+json"];
+            assert_eq!(
+                problem["schema"]["$ref"], PROBLEM_REF,
+                "{method} {path} {status}"
+            );
+        }
+        for status in ["409", "503"] {
+            let retry_after = &responses[status]["headers"]["Retry-After"];
+            assert_eq!(
+                retry_after["schema"]["type"], "integer",
+                "{method} {path} {status}"
+            );
+        }
+        let success = responses
+            .iter()
+            .find(|(status, _)| status.starts_with('2'))
+            .map(|(_, response)| response)
+            .unwrap();
+        assert_eq!(
+            success["headers"]["Idempotent-Replayed"]["schema"]["enum"],
+            json!(["true"]),
+            "{method} {path}"
+        );
+    }
+
+    let problem = &spec["components"]["schemas"]["IdempotencyProblem"];
+    assert_eq!(
+        problem["required"],
+        json!(["type", "title", "status", "detail"])
+    );
+}
+
+#[actix_web::test]
+async fn the_documented_shapes_are_the_real_ones() {
+    let server = ReferenceServer::start(&[]);
+    let spec = spec(&server).await;
+    let schema = |name: &str| spec["components"]["schemas"][name].clone();
+    let properties = |schema: &Value| {
+        let mut names: Vec<String> = schema["properties"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .cloned()
+            .collect();
+        names.sort();
+        names
+    };
+    let keys = |value: &Value| {
+        let mut names: Vec<String> = value.as_object().unwrap().keys().cloned().collect();
+        names.sort();
+        names
+    };
+
+    let orders = operation(&spec, "post", "/orders");
+    assert_eq!(
+        orders["requestBody"]["content"]["application/json"]["schema"]["$ref"],
+        "#/components/schemas/NewOrder"
+    );
+    assert_eq!(properties(&schema("NewOrder")), ["item", "qty"]);
+    let created = &orders["responses"]["201"];
+    assert_eq!(
+        created["content"]["application/json"]["schema"]["$ref"],
+        "#/components/schemas/Order"
+    );
+    assert!(created["headers"]["Location"].is_object());
+    let key = format!("\"{}\"", uuid::Uuid::new_v4());
+    let order = post_json(
+        &server,
+        "/orders",
+        Some(&key),
+        &json!({"item": "book", "qty": 1}),
+    )
+    .await;
+    assert_eq!(order.status, StatusCode::CREATED);
+    assert_eq!(keys(&order.json()), properties(&schema("Order")));
+
+    let payment = post_json(&server, "/payments", None, &json!({})).await;
+    assert_eq!(payment.status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        payment.header("content-type"),
+        Some("application/problem+json")
+    );
+    assert_eq!(keys(&payment.json()), ["detail", "status", "title", "type"]);
+    let key = format!("\"{}\"", uuid::Uuid::new_v4());
+    let payment = post_json(&server, "/payments", Some(&key), &json!({"any": ["json"]})).await;
+    assert_eq!(payment.status, StatusCode::OK);
+    assert_eq!(keys(&payment.json()), properties(&schema("Payment")));
+
+    let stats = get(&server, "/stats").await;
+    let documented = &operation(&spec, "get", "/stats")["responses"]["200"];
+    assert_eq!(
+        documented["content"]["application/json"]["schema"]["$ref"],
+        "#/components/schemas/Stats"
+    );
+    assert_eq!(keys(&stats.json()), properties(&schema("Stats")));
+}
+
+#[actix_web::test]
+async fn untagged_routes_are_documented_as_protected_when_their_method_is() {
+    let server = ReferenceServer::start(&[("IDEMPOTENCY_METHODS", "POST")]);
+    let spec = spec(&server).await;
+    let key = key_parameter(operation(&spec, "post", "/untagged")).unwrap();
+    assert_eq!(key["required"], false);
+
+    let baseline = ReferenceServer::start(&[("IDEMPOTENCY", "off")]);
+    let spec = self::spec(&baseline).await;
+    assert!(key_parameter(operation(&spec, "post", "/orders")).is_none());
+}
+
+#[actix_web::test]
+async fn metrics_are_served_in_the_prometheus_text_format() {
+    let server = ReferenceServer::start(&[]);
+    let key = format!("\"{}\"", uuid::Uuid::new_v4());
+    let order = json!({"item": "lamp", "qty": 2});
+    assert_eq!(
+        post_json(&server, "/orders", Some(&key), &order)
+            .await
+            .status,
+        201
+    );
+    assert!(
+        post_json(&server, "/orders", Some(&key), &order)
+            .await
+            .is_replay()
+    );
+    let reused = post_json(
+        &server,
+        "/orders",
+        Some(&key),
+        &json!({"item": "x", "qty": 1}),
+    )
+    .await;
+    assert_eq!(reused.status, StatusCode::UNPROCESSABLE_ENTITY);
+
+    let reply = get(&server, "/metrics").await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert!(
+        reply
+            .header("content-type")
+            .unwrap()
+            .starts_with("text/plain")
+    );
+    let text = std::str::from_utf8(&reply.body).unwrap();
+    for line in [
+        "# TYPE idempotency_requests_total counter",
+        "idempotency_requests_total{route=\"/orders\",outcome=\"executed\"} 1",
+        "idempotency_requests_total{route=\"/orders\",outcome=\"replayed\"} 1",
+        "idempotency_requests_total{route=\"/orders\",outcome=\"mismatch\"} 1",
+        "# TYPE idempotency_store_operation_duration_seconds histogram",
+        "idempotency_store_operation_duration_seconds_count{operation=\"begin\",result=\"ok\"} 3",
+        "idempotency_store_operation_duration_seconds_count{operation=\"commit\",result=\"ok\"} 1",
+        "idempotency_requests_in_flight{route=\"/orders\"} 0",
+    ] {
+        assert!(
+            text.lines().any(|found| found == line),
+            "no {line:?} in:\n{text}"
+        );
+    }
+    assert!(
+        !text.contains(&key[1..37]),
+        "the key never reaches the metrics"
+    );
+}
