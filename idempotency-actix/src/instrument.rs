@@ -68,13 +68,11 @@ pub enum Outcome {
     StoreError,
     /// The store failed or timed out and the handler ran unprotected (fail open).
     FailOpen,
-    /// 500: a route layer found no `Idempotency` above it.
-    NotConfigured,
 }
 
 impl Outcome {
     /// Every outcome, for dashboards and tests.
-    pub const ALL: [Self; 13] = [
+    pub const ALL: [Self; 12] = [
         Self::Executed,
         Self::Replayed,
         Self::Conflict,
@@ -87,12 +85,11 @@ impl Outcome {
         Self::TooLarge,
         Self::StoreError,
         Self::FailOpen,
-        Self::NotConfigured,
     ];
 
     /// The label value: `executed`, `replayed`, `conflict`, `mismatch`, `invalid_key`,
     /// `missing_key`, `no_key`, `missing_scope`, `body_unreadable`, `too_large`,
-    /// `store_error`, `fail_open` or `not_configured`.
+    /// `store_error` or `fail_open`.
     pub const fn as_str(self) -> &'static str {
         match self {
             Self::Executed => "executed",
@@ -107,7 +104,6 @@ impl Outcome {
             Self::TooLarge => "too_large",
             Self::StoreError => "store_error",
             Self::FailOpen => "fail_open",
-            Self::NotConfigured => "not_configured",
         }
     }
 
@@ -122,8 +118,9 @@ impl Outcome {
             IdempotencyError::InFlight { .. } => Self::Conflict,
             IdempotencyError::FingerprintMismatch => Self::Mismatch,
             IdempotencyError::StoreUnavailable { .. } => Self::StoreError,
-            IdempotencyError::NotConfigured => Self::NotConfigured,
-            IdempotencyError::HandlerPanicked => return None,
+            // A panic is the outcome of an executed request; a route layer without an
+            // `Idempotency` above it has no request record to count in (it logs an error).
+            IdempotencyError::HandlerPanicked | IdempotencyError::NotConfigured => return None,
         })
     }
 }

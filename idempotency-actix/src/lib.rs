@@ -79,6 +79,44 @@
 //! headers ([`ReplayedHeaders`]: never `Set-Cookie`, `Date`, hop-by-hop or framing headers)
 //! and the body as raw bytes.
 //!
+//! # Observability
+//!
+//! * **Tracing:** each protected request runs in one `idempotency` span with the fields
+//!   `http.route` (the route pattern), `outcome` ([`Outcome`]) and
+//!   `http.response.status_code`. Key values are never logged; the storage key (a digest)
+//!   appears in DEBUG events only.
+//! * **Metrics** (feature `metrics`): through the `metrics` facade, with no exporter in
+//!   this crate: `idempotency_requests_total{route, outcome}`,
+//!   `idempotency_store_operation_duration_seconds{operation, result}`,
+//!   `idempotency_requests_in_flight{route}`,
+//!   `idempotency_background_retries_total{operation}` and
+//!   `idempotency_evictions_total{source}` ([`record_evictions`]). Labels have bounded
+//!   values: `route` is the matched pattern, never the raw path or the key.
+//! * **OpenAPI** (feature `utoipa`): `#[idempotent]` describes its route as
+//!   `<handler>::IDEMPOTENCY` ([`ProtectedRoute`]); `IdempotencyOpenApi`, a
+//!   `utoipa::Modify`, adds the `Idempotency-Key` header parameter, the 400, 409, 413, 422
+//!   and 503 problem responses and the `Idempotent-Replayed` header to those operations.
+//!
+//! ```
+//! # #[cfg(feature = "utoipa")] {
+//! use actix_web::{HttpResponse, post};
+//! use idempotency_actix::{IdempotencyOpenApi, idempotent};
+//!
+//! #[idempotent]
+//! #[utoipa::path(post, path = "/orders", responses((status = 201, description = "Created")))]
+//! #[post("/orders")]
+//! async fn create_order() -> HttpResponse {
+//!     HttpResponse::Created().finish()
+//! }
+//!
+//! const IDEMPOTENCY: IdempotencyOpenApi = IdempotencyOpenApi::new(&[create_order::IDEMPOTENCY]);
+//!
+//! #[derive(utoipa::OpenApi)]
+//! #[openapi(paths(create_order), modifiers(&IDEMPOTENCY))]
+//! struct ApiDoc;
+//! # }
+//! ```
+//!
 //! # Guarantees and limits
 //!
 //! * The handler of a protected request runs while its record holds a lease (30 s by
