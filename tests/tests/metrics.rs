@@ -5,6 +5,9 @@
 //! histograms).
 
 #![allow(clippy::unwrap_used)]
+// Each test holds its turn for its whole run on its own runtime thread: the lock only makes
+// the other tests of this binary wait.
+#![allow(clippy::await_holding_lock)]
 
 use std::sync::OnceLock;
 use std::time::Duration;

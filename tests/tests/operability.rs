@@ -87,7 +87,7 @@ fn operation<'a>(spec: &'a Value, method: &str, path: &str) -> &'a Value {
     operation
 }
 
-fn key_parameter<'a>(operation: &'a Value) -> Option<&'a Value> {
+fn key_parameter(operation: &Value) -> Option<&Value> {
     operation["parameters"]
         .as_array()
         .into_iter()

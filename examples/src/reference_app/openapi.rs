@@ -48,8 +48,7 @@ pub(super) fn document(config: &ServerConfig) -> web::Data<SpecJson> {
     if config.idempotency {
         let untagged = config
             .protect_methods
-            .iter()
-            .any(|method| method == actix_web::http::Method::POST)
+            .contains(&actix_web::http::Method::POST)
             .then_some(ProtectedRoute::new("untagged", &[("post", "/untagged")]));
         IdempotencyOpenApi::from_routes(TAGGED.into_iter().chain(untagged)).apply(&mut spec);
     }
