@@ -146,6 +146,7 @@ mod body;
 mod engine;
 mod error;
 mod fingerprint;
+mod inspect;
 mod instrument;
 mod key;
 mod middleware;
@@ -163,6 +164,7 @@ pub use engine::FailMode;
 pub use error::IdempotencyError;
 pub use fingerprint::{Fingerprint, FingerprintParts};
 pub use idempotency_macros::idempotent;
+pub use inspect::{InspectionError, Inspector};
 pub use instrument::{
     EvictionSource, Outcome, UNMATCHED_ROUTE, describe_metrics, record_evictions,
 };
@@ -183,7 +185,10 @@ pub use protected_route::ProtectedRoute;
 pub use record::{RECORD_VERSION, RecordError, StoredResponse};
 pub use replay::{BODY_OMITTED_HEADER, REPLAYED_HEADER, ReplayedHeaders};
 pub use scope::{KeyScope, StorageKey};
-pub use store::{BeginOutcome, IdempotencyStore, LeaseToken, MemoryStore, StoreError};
+pub use store::{
+    BeginOutcome, Deletion, IdempotencyStore, LeaseToken, MemoryStore, RecordSnapshot, RecordState,
+    StoreError,
+};
 #[cfg(feature = "redis")]
 pub use store::{RedisPool, RedisStore};
 

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use super::{BeginOutcome, IdempotencyStore, LeaseToken, StoreError};
+use super::{BeginOutcome, Deletion, IdempotencyStore, LeaseToken, RecordSnapshot, StoreError};
 use crate::fingerprint::Fingerprint;
 use crate::record::StoredResponse;
 use crate::scope::StorageKey;
@@ -239,6 +239,46 @@ impl IdempotencyStore for MemoryStore {
             records.by_key.remove(key.as_str());
         }
         Ok(held)
+    }
+
+    async fn inspect(
+        &self,
+        key: &StorageKey,
+        with_body: bool,
+    ) -> Result<Option<RecordSnapshot>, StoreError> {
+        let now = Instant::now();
+        let records = self.records();
+        let Some(record) = records
+            .by_key
+            .get(key.as_str())
+            .filter(|r| r.expires_at > now)
+        else {
+            return Ok(None);
+        };
+        let expires_in = Some(record.expires_at - now);
+        Ok(Some(match &record.state {
+            RecordState::InFlight(_) => RecordSnapshot::in_flight(expires_in),
+            RecordState::Completed(_, response) => {
+                RecordSnapshot::completed(response.clone(), expires_in, with_body)
+            }
+        }))
+    }
+
+    async fn delete(&self, key: &StorageKey, force: bool) -> Result<Deletion, StoreError> {
+        let now = Instant::now();
+        let mut records = self.records();
+        let Some(record) = records
+            .by_key
+            .get(key.as_str())
+            .filter(|r| r.expires_at > now)
+        else {
+            return Ok(Deletion::NotFound);
+        };
+        if matches!(record.state, RecordState::InFlight(_)) && !force {
+            return Ok(Deletion::InFlight);
+        }
+        records.by_key.remove(key.as_str());
+        Ok(Deletion::Deleted)
     }
 }
 

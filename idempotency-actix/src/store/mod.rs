@@ -25,9 +25,12 @@ use crate::fingerprint::Fingerprint;
 use crate::record::{RecordError, StoredResponse};
 use crate::scope::StorageKey;
 
+mod inspection;
 mod memory;
 #[cfg(feature = "redis")]
 mod redis;
+
+pub use self::inspection::{Deletion, RecordSnapshot, RecordState};
 
 pub use self::memory::MemoryStore;
 #[cfg(feature = "redis")]
@@ -88,6 +91,11 @@ pub enum StoreError {
     /// The store answered something the protocol does not allow.
     #[error("store protocol error: {0}")]
     Protocol(String),
+    /// The store does not offer this operation (an [`IdempotencyStore`] that keeps the
+    /// default [`inspect`](IdempotencyStore::inspect) or
+    /// [`delete`](IdempotencyStore::delete)).
+    #[error("this store does not support {0}")]
+    Unsupported(&'static str),
 }
 
 /// The storage trait: the atomic steps of the idempotency protocol.
@@ -155,6 +163,36 @@ pub trait IdempotencyStore: 'static {
         key: &StorageKey,
         token: &LeaseToken,
     ) -> impl Future<Output = Result<bool, StoreError>>;
+
+    /// The record under `key` as it is now, for support and operations (see
+    /// [`Inspector`](crate::Inspector)): its state, expiry and stored status and headers,
+    /// and the stored body only if `with_body`. `None` when there is no live record.
+    ///
+    /// Not part of the request path. Every store of this crate implements it; the default
+    /// answers [`StoreError::Unsupported`].
+    fn inspect(
+        &self,
+        key: &StorageKey,
+        with_body: bool,
+    ) -> impl Future<Output = Result<Option<RecordSnapshot>, StoreError>> {
+        let _ = (key, with_body);
+        std::future::ready(Err(StoreError::Unsupported("inspection")))
+    }
+
+    /// Deletes the record under `key` in one atomic step: a completed record always, an
+    /// in-flight one only if `force` (otherwise it answers [`Deletion::InFlight`] and
+    /// changes nothing).
+    ///
+    /// Not part of the request path. Every store of this crate implements it; the default
+    /// answers [`StoreError::Unsupported`].
+    fn delete(
+        &self,
+        key: &StorageKey,
+        force: bool,
+    ) -> impl Future<Output = Result<Deletion, StoreError>> {
+        let _ = (key, force);
+        std::future::ready(Err(StoreError::Unsupported("deletion")))
+    }
 }
 
 /// The object-safe form of [`IdempotencyStore`] the middleware keeps behind an `Rc`.

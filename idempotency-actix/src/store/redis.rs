@@ -6,7 +6,7 @@ use std::time::Duration;
 use bb8_redis::RedisConnectionManager;
 use redis::{Script, Value};
 
-use super::{BeginOutcome, IdempotencyStore, LeaseToken, StoreError};
+use super::{BeginOutcome, Deletion, IdempotencyStore, LeaseToken, RecordSnapshot, StoreError};
 use crate::fingerprint::Fingerprint;
 use crate::record::{RECORD_VERSION, StoredResponse};
 use crate::scope::StorageKey;
@@ -104,6 +104,31 @@ static RELEASE: LazyLock<Script> = LazyLock::new(|| {
         r"
 local record = redis.call('HMGET', KEYS[1], 's', 't')
 if record[1] ~= 'i' or record[2] ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+return 1
+",
+    )
+});
+
+/// Inspection (not on the request path): the state, the stored response and the
+/// remaining time to live, read in one atomic step.
+static INSPECT: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+local record = redis.call('HMGET', KEYS[1], 's', 'r')
+if not record[1] then return {} end
+return {record[1], record[2] or '', redis.call('PTTL', KEYS[1])}
+",
+    )
+});
+
+/// Deletion by hand: 1 deleted, 0 not found, 2 in flight and not forced (nothing deleted).
+static DELETE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+local state = redis.call('HGET', KEYS[1], 's')
+if not state then return 0 end
+if state == 'i' and ARGV[1] ~= '1' then return 2 end
 redis.call('DEL', KEYS[1])
 return 1
 ",
@@ -252,5 +277,51 @@ impl IdempotencyStore for RedisStore {
         let mut invocation = RELEASE.prepare_invoke();
         invocation.key(key.as_str()).arg(token.as_str());
         self.run_flag(&invocation).await
+    }
+
+    async fn inspect(
+        &self,
+        key: &StorageKey,
+        with_body: bool,
+    ) -> Result<Option<RecordSnapshot>, StoreError> {
+        let mut invocation = INSPECT.prepare_invoke();
+        invocation.key(key.as_str());
+        let reply = self.run(&invocation).await?;
+        let Value::Array(items) = &reply else {
+            return Err(unexpected(&reply));
+        };
+        let expires_in = |millis: i64| u64::try_from(millis).ok().map(Duration::from_millis);
+        match items.as_slice() {
+            [] => Ok(None),
+            [Value::BulkString(state), _, Value::Int(ttl)] if state == b"i" => {
+                Ok(Some(RecordSnapshot::in_flight(expires_in(*ttl))))
+            }
+            [
+                Value::BulkString(state),
+                Value::BulkString(record),
+                Value::Int(ttl),
+            ] if state == b"c" => {
+                let response = StoredResponse::decode(record)?;
+                Ok(Some(RecordSnapshot::completed(
+                    response,
+                    expires_in(*ttl),
+                    with_body,
+                )))
+            }
+            _ => Err(unexpected(&reply)),
+        }
+    }
+
+    async fn delete(&self, key: &StorageKey, force: bool) -> Result<Deletion, StoreError> {
+        let mut invocation = DELETE.prepare_invoke();
+        invocation
+            .key(key.as_str())
+            .arg(if force { "1" } else { "0" });
+        match self.run(&invocation).await? {
+            Value::Int(1) => Ok(Deletion::Deleted),
+            Value::Int(0) => Ok(Deletion::NotFound),
+            Value::Int(2) => Ok(Deletion::InFlight),
+            other => Err(unexpected(&other)),
+        }
     }
 }

@@ -1,0 +1,151 @@
+//! [`Inspector`]: look up or delete one record by (scope, key), for support and operations.
+
+use crate::key::{IdempotencyKey, KeyError};
+use crate::scope::StorageKey;
+use crate::store::{Deletion, IdempotencyStore, RecordSnapshot, StoreError};
+
+/// Looks up and deletes single records by the key a client sent and its scope, on any
+/// store: what support staff need to see why a retry got a replay, a 409 or a 422, or to let
+/// a client run a request again.
+///
+/// Give it the store and the key prefix the app uses
+/// ([`Idempotency::key_prefix`](crate::Idempotency::key_prefix), `idempotency:` by
+/// default). The scope is what the app's [`KeyScope`](crate::KeyScope) takes from the
+/// request (a header's value, the function's answer), empty for the global scope. The key
+/// is the header's value, in either form (`"abc"` or `abc`).
+///
+/// Deleting a completed record makes the next request with its key run the handler again.
+/// Deleting an in-flight record is refused ([`Deletion::InFlight`]) unless forced: its
+/// handler may still be running, and a retry would run it a second time (its own commit
+/// then fails the fencing check and its response is not stored).
+///
+/// # Examples
+///
+/// ```
+/// use idempotency_actix::{Deletion, Inspector, MemoryStore, RecordState};
+///
+/// # actix_web::rt::System::new().block_on(async {
+/// let store = MemoryStore::new();
+/// // ... the app ran with `Idempotency::new(store.clone())` ...
+/// let inspector = Inspector::new(store);
+/// match inspector.lookup(b"", "\"order-1\"").await.unwrap() {
+///     Some(record) if record.state == RecordState::Completed => {
+///         println!("replays {:?}, {:?} more", record.status, record.expires_in);
+///     }
+///     Some(_) => println!("still running"),
+///     None => println!("no record: the next request runs the handler"),
+/// }
+/// assert_eq!(inspector.delete(b"", "order-1").await.unwrap(), Deletion::NotFound);
+/// # });
+/// ```
+#[derive(Debug, Clone)]
+pub struct Inspector<S> {
+    store: S,
+    prefix: String,
+}
+
+/// Why an [`Inspector`] could not answer.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum InspectionError {
+    /// The key is not a valid idempotency key.
+    #[error(transparent)]
+    InvalidKey(#[from] KeyError),
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl<S: IdempotencyStore> Inspector<S> {
+    /// An inspector of `store` under the default key prefix, `idempotency:`.
+    pub fn new(store: S) -> Self {
+        Self {
+            store,
+            prefix: "idempotency:".to_owned(),
+        }
+    }
+
+    /// The key prefix the app uses, if not the default.
+    #[must_use]
+    pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// Where the record of `key` in `scope` is stored.
+    ///
+    /// # Errors
+    ///
+    /// When `key` is not a valid idempotency key.
+    pub fn storage_key(&self, scope: &[u8], key: &str) -> Result<StorageKey, KeyError> {
+        let key = IdempotencyKey::parse(key.as_bytes())?;
+        Ok(StorageKey::new(&self.prefix, scope, &key))
+    }
+
+    /// The record of `key` in `scope`: its state, expiry, stored status and headers and the
+    /// body's size, without the body. `None` when there is none.
+    ///
+    /// # Errors
+    ///
+    /// When `key` is invalid or the store fails.
+    pub async fn lookup(
+        &self,
+        scope: &[u8],
+        key: &str,
+    ) -> Result<Option<RecordSnapshot>, InspectionError> {
+        self.inspect(scope, key, false).await
+    }
+
+    /// The record of `key` in `scope`, with the stored body.
+    ///
+    /// # Errors
+    ///
+    /// When `key` is invalid or the store fails.
+    pub async fn lookup_with_body(
+        &self,
+        scope: &[u8],
+        key: &str,
+    ) -> Result<Option<RecordSnapshot>, InspectionError> {
+        self.inspect(scope, key, true).await
+    }
+
+    /// Deletes the completed record of `key` in `scope`; an in-flight one is left alone
+    /// and reported as [`Deletion::InFlight`].
+    ///
+    /// # Errors
+    ///
+    /// When `key` is invalid or the store fails.
+    pub async fn delete(&self, scope: &[u8], key: &str) -> Result<Deletion, InspectionError> {
+        self.remove(scope, key, false).await
+    }
+
+    /// Deletes the record of `key` in `scope`, even in flight (see the type's docs for
+    /// what that risks).
+    ///
+    /// # Errors
+    ///
+    /// When `key` is invalid or the store fails.
+    pub async fn force_delete(&self, scope: &[u8], key: &str) -> Result<Deletion, InspectionError> {
+        self.remove(scope, key, true).await
+    }
+
+    async fn inspect(
+        &self,
+        scope: &[u8],
+        key: &str,
+        with_body: bool,
+    ) -> Result<Option<RecordSnapshot>, InspectionError> {
+        let key = self.storage_key(scope, key)?;
+        Ok(self.store.inspect(&key, with_body).await?)
+    }
+
+    async fn remove(
+        &self,
+        scope: &[u8],
+        key: &str,
+        force: bool,
+    ) -> Result<Deletion, InspectionError> {
+        let key = self.storage_key(scope, key)?;
+        Ok(self.store.delete(&key, force).await?)
+    }
+}

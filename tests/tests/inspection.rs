@@ -1,0 +1,271 @@
+//! Inspection (issue 11 item 4): look up and delete one record by (scope, key), on every
+//! store. Each test runs once per backend, like the acceptance suite; the last one goes
+//! through a real app and shows what deleting a record does for the next request.
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use actix_web::http::{Method, StatusCode, header::HeaderName, header::HeaderValue};
+use actix_web::web::Bytes;
+use actix_web::{App, HttpResponse, web};
+use idempotency_actix::{
+    BeginOutcome, Deletion, Fingerprint, Idempotency, IdempotencyStore, IdempotentRoute,
+    InspectionError, Inspector, LeaseToken, RecordState, StoredResponse,
+};
+use idempotency_actix_tests::{Reply, RunCounter};
+
+const LEASE: Duration = Duration::from_secs(30);
+const TTL: Duration = Duration::from_secs(600);
+
+fn print() -> Fingerprint {
+    Fingerprint::compute(&Method::POST, "/orders", "", b"{}", [])
+}
+
+fn response() -> StoredResponse {
+    StoredResponse {
+        status: StatusCode::CREATED,
+        headers: vec![(
+            HeaderName::from_static("location"),
+            HeaderValue::from_static("/orders/1"),
+        )],
+        body: Some(Bytes::from_static(b"{\"id\":1}")),
+    }
+}
+
+/// Begins `key` in `scope` (and commits it when `complete`) the way the middleware does.
+async fn record<S: IdempotencyStore>(
+    inspector: &Inspector<S>,
+    store: &S,
+    scope: &[u8],
+    key: &str,
+    complete: bool,
+) -> LeaseToken {
+    let storage_key = inspector.storage_key(scope, key).unwrap();
+    let token = LeaseToken::generate();
+    let begun = store.begin(&storage_key, &print(), &token, LEASE).await;
+    assert_eq!(begun.unwrap(), BeginOutcome::Acquired);
+    if complete {
+        let committed = store.commit(&storage_key, &token, &response(), TTL).await;
+        assert!(committed.unwrap());
+    }
+    token
+}
+
+async fn begin_again<S: IdempotencyStore>(
+    inspector: &Inspector<S>,
+    store: &S,
+    key: &str,
+) -> BeginOutcome {
+    let storage_key = inspector.storage_key(b"", key).unwrap();
+    let token = LeaseToken::generate();
+    store
+        .begin(&storage_key, &print(), &token, LEASE)
+        .await
+        .unwrap()
+}
+
+async fn a_missing_record_is_not_found<S: IdempotencyStore + Clone>(store: S, prefix: String) {
+    let inspector = Inspector::new(store).key_prefix(prefix);
+    assert_eq!(inspector.lookup(b"", "nothing").await.unwrap(), None);
+    assert_eq!(
+        inspector.delete(b"", "nothing").await.unwrap(),
+        Deletion::NotFound
+    );
+    assert_eq!(
+        inspector.force_delete(b"", "nothing").await.unwrap(),
+        Deletion::NotFound
+    );
+}
+
+async fn a_completed_record_shows_its_response_and_the_body_only_when_asked<
+    S: IdempotencyStore + Clone,
+>(
+    store: S,
+    prefix: String,
+) {
+    let inspector = Inspector::new(store.clone()).key_prefix(prefix);
+    record(&inspector, &store, b"", "order-1", true).await;
+
+    // Both forms of the key name the same record.
+    let found = inspector.lookup(b"", "\"order-1\"").await.unwrap().unwrap();
+    assert_eq!(found.state, RecordState::Completed);
+    assert_eq!(found.status, Some(StatusCode::CREATED));
+    assert_eq!(found.headers, response().headers);
+    assert_eq!(found.body_size, Some(8));
+    assert_eq!(found.body, None, "the body only when asked");
+    let expires_in = found.expires_in.unwrap();
+    assert!(expires_in <= TTL && expires_in > TTL - Duration::from_secs(60));
+
+    let with_body = inspector.lookup_with_body(b"", "order-1").await.unwrap();
+    assert_eq!(
+        with_body.unwrap().body,
+        Some(Bytes::from_static(b"{\"id\":1}"))
+    );
+}
+
+async fn an_in_flight_record_is_deleted_only_when_forced<S: IdempotencyStore + Clone>(
+    store: S,
+    prefix: String,
+) {
+    let inspector = Inspector::new(store.clone()).key_prefix(prefix);
+    record(&inspector, &store, b"", "running", false).await;
+
+    let found = inspector.lookup(b"", "running").await.unwrap().unwrap();
+    assert_eq!(found.state, RecordState::InFlight);
+    assert_eq!((found.status, found.body_size), (None, None));
+    assert!(found.expires_in.unwrap() <= LEASE);
+
+    assert_eq!(
+        inspector.delete(b"", "running").await.unwrap(),
+        Deletion::InFlight
+    );
+    assert_eq!(
+        begin_again(&inspector, &store, "running").await,
+        BeginOutcome::InFlight,
+        "a refused deletion changes nothing"
+    );
+    assert_eq!(
+        inspector.force_delete(b"", "running").await.unwrap(),
+        Deletion::Deleted
+    );
+    assert_eq!(inspector.lookup(b"", "running").await.unwrap(), None);
+    assert_eq!(
+        begin_again(&inspector, &store, "running").await,
+        BeginOutcome::Acquired
+    );
+}
+
+async fn deleting_a_completed_record_lets_the_key_run_again<S: IdempotencyStore + Clone>(
+    store: S,
+    prefix: String,
+) {
+    let inspector = Inspector::new(store.clone()).key_prefix(prefix);
+    record(&inspector, &store, b"", "done", true).await;
+    assert!(matches!(
+        begin_again(&inspector, &store, "done").await,
+        BeginOutcome::Completed(_)
+    ));
+    assert_eq!(
+        inspector.delete(b"", "done").await.unwrap(),
+        Deletion::Deleted
+    );
+    assert_eq!(inspector.lookup(b"", "done").await.unwrap(), None);
+    assert_eq!(
+        begin_again(&inspector, &store, "done").await,
+        BeginOutcome::Acquired
+    );
+}
+
+async fn scopes_are_kept_apart<S: IdempotencyStore + Clone>(store: S, prefix: String) {
+    let inspector = Inspector::new(store.clone()).key_prefix(prefix);
+    record(&inspector, &store, b"tenant-a", "shared", true).await;
+    assert!(
+        inspector
+            .lookup(b"tenant-a", "shared")
+            .await
+            .unwrap()
+            .is_some()
+    );
+    assert_eq!(inspector.lookup(b"tenant-b", "shared").await.unwrap(), None);
+    assert_eq!(
+        inspector.delete(b"tenant-b", "shared").await.unwrap(),
+        Deletion::NotFound
+    );
+    assert!(
+        inspector
+            .lookup(b"tenant-a", "shared")
+            .await
+            .unwrap()
+            .is_some()
+    );
+}
+
+async fn an_invalid_key_is_an_error<S: IdempotencyStore + Clone>(store: S, prefix: String) {
+    let inspector = Inspector::new(store).key_prefix(prefix);
+    let error = inspector.lookup(b"", "\"unbalanced").await.unwrap_err();
+    assert!(matches!(error, InspectionError::InvalidKey(_)), "{error}");
+}
+
+/// Through a real app: a completed request is seen, and after its record is deleted the
+/// same request runs the handler again.
+async fn a_deleted_record_lets_the_app_run_the_handler_again<S: IdempotencyStore + Clone + Send>(
+    store: S,
+    prefix: String,
+) {
+    let runs = RunCounter::default();
+    let server = actix_test::start({
+        let (store, prefix, runs) = (store.clone(), prefix.clone(), runs.clone());
+        move || {
+            let runs = runs.clone();
+            App::new()
+                .wrap(Idempotency::new(store.clone()).key_prefix(prefix.clone()))
+                .service(web::resource("/orders").wrap(IdempotentRoute::new()).route(
+                    web::post().to(move || {
+                        let run = runs.record();
+                        async move { HttpResponse::Created().body(format!("run {run}")) }
+                    }),
+                ))
+        }
+    });
+    let send = || async {
+        let request = server
+            .post("/orders")
+            .insert_header(("idempotency-key", "\"support-1\""));
+        Reply::read(request.send_body("{}").await.unwrap())
+            .await
+            .unwrap()
+    };
+    assert_eq!(send().await.body, "run 1");
+    assert!(send().await.is_replay());
+
+    let inspector = Inspector::new(store).key_prefix(prefix);
+    let found = inspector.lookup_with_body(b"", "support-1").await.unwrap();
+    let found = found.unwrap();
+    assert_eq!(found.state, RecordState::Completed);
+    assert_eq!(found.status, Some(StatusCode::CREATED));
+    assert_eq!(found.body.as_deref(), Some(&b"run 1"[..]));
+
+    assert_eq!(
+        inspector.delete(b"", "support-1").await.unwrap(),
+        Deletion::Deleted
+    );
+    let again = send().await;
+    assert_eq!(
+        (again.status, again.is_replay()),
+        (StatusCode::CREATED, false)
+    );
+    assert_eq!(again.body, "run 2");
+    assert_eq!(runs.get(), 2);
+}
+
+macro_rules! inspection_suite {
+    ($backend:ident, $make_store:expr) => {
+        mod $backend {
+            inspection_suite!(@tests $make_store;
+                a_missing_record_is_not_found,
+                a_completed_record_shows_its_response_and_the_body_only_when_asked,
+                an_in_flight_record_is_deleted_only_when_forced,
+                deleting_a_completed_record_lets_the_key_run_again,
+                scopes_are_kept_apart,
+                an_invalid_key_is_an_error,
+                a_deleted_record_lets_the_app_run_the_handler_again,
+            );
+        }
+    };
+    (@tests $make_store:expr; $($test:ident),* $(,)?) => {
+        $(
+            #[actix_web::test]
+            async fn $test() {
+                let prefix = idempotency_actix_tests::unique_prefix(stringify!($test));
+                super::$test($make_store, prefix).await;
+            }
+        )*
+    };
+}
+
+inspection_suite!(memory, idempotency_actix::MemoryStore::new());
+inspection_suite!(
+    redis,
+    idempotency_actix::RedisStore::new(idempotency_actix_tests::redis_pool().await)
+);
