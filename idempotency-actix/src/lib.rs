@@ -117,6 +117,9 @@
 //! # }
 //! ```
 //!
+//! * **Inspection:** [`Inspector`] looks up and deletes one record by (scope, key) on any
+//!   store, for support and operations; an in-flight record is deleted only when forced.
+//!
 //! # Guarantees and limits
 //!
 //! * The handler of a protected request runs while its record holds a lease (30 s by
