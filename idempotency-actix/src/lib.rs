@@ -96,6 +96,8 @@
 //!   `<handler>::IDEMPOTENCY` ([`ProtectedRoute`]); `IdempotencyOpenApi`, a
 //!   `utoipa::Modify`, adds the `Idempotency-Key` header parameter, the 400, 409, 413, 422
 //!   and 503 problem responses and the `Idempotent-Replayed` header to those operations.
+//! * **Inspection:** [`Inspector`] looks up and deletes one record by (scope, key) on any
+//!   store, for support and operations; an in-flight record is deleted only when forced.
 //!
 //! ```
 //! # #[cfg(feature = "utoipa")] {
@@ -116,9 +118,6 @@
 //! struct ApiDoc;
 //! # }
 //! ```
-//!
-//! * **Inspection:** [`Inspector`] looks up and deletes one record by (scope, key) on any
-//!   store, for support and operations; an in-flight record is deleted only when forced.
 //!
 //! # Guarantees and limits
 //!
