@@ -44,15 +44,21 @@ impl Entry {
     }
 }
 
+/// What the allocator adds to each heap allocation on average (its bookkeeping and the
+/// rounding up to a size class).
+const ALLOCATION_OVERHEAD: usize = 32;
+
 /// The fixed cost of every entry: its slot in the shard's map (key and entry), its slot in an
-/// expiry index, and the shared key's reference counts. Hash tables and B-tree nodes are never
-/// full, so both slots are counted twice.
+/// expiry index, and the shared key's reference counts, plus the allocations of the shared key
+/// and of the token. Hash tables and B-tree nodes are never full, so both slots are counted
+/// twice.
 const ENTRY_OVERHEAD: usize = 2 * size_of::<(Arc<str>, Entry)>()
     + 2 * size_of::<(ExpiryKey, Arc<str>)>()
-    + 2 * size_of::<usize>();
+    + 2 * size_of::<usize>()
+    + 2 * ALLOCATION_OVERHEAD;
 
 /// The fixed cost of each stored header beside its name and value bytes.
-const HEADER_OVERHEAD: usize = size_of::<(HeaderName, HeaderValue)>();
+const HEADER_OVERHEAD: usize = size_of::<(HeaderName, HeaderValue)>() + ALLOCATION_OVERHEAD;
 
 /// The bytes an in-flight record under `key` held by `token` is charged.
 pub(super) fn in_flight_bytes(key: &str, token: &LeaseToken) -> usize {
@@ -60,13 +66,16 @@ pub(super) fn in_flight_bytes(key: &str, token: &LeaseToken) -> usize {
 }
 
 /// The bytes a completed record under `key` is charged: the in-flight cost plus every stored
-/// header and the body.
+/// header and the body, each with its allocation.
 pub(super) fn completed_bytes(key: &str, token: &LeaseToken, response: &StoredResponse) -> usize {
     let headers: usize = response
         .headers
         .iter()
         .map(|(name, value)| HEADER_OVERHEAD + name.as_str().len() + value.len())
         .sum();
-    let body = response.body.as_ref().map_or(0, |body| body.len());
-    in_flight_bytes(key, token) + headers + body
+    let body = response
+        .body
+        .as_ref()
+        .map_or(0, |body| ALLOCATION_OVERHEAD + body.len());
+    in_flight_bytes(key, token) + ALLOCATION_OVERHEAD + headers + body
 }
