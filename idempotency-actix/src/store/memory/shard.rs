@@ -86,6 +86,12 @@ impl Shard {
             self.remove(key);
         }
         let bytes = entry::in_flight_bytes(key, token);
+        // In-flight records may take half the budget: the other half is room for them to
+        // complete, so a shard full of them can always commit.
+        self.reclaim_expired_in_flight(now);
+        if self.in_flight_bytes + bytes > self.max_bytes / 2 {
+            return Err(Full);
+        }
         self.make_room(bytes, now)?;
         let key: Arc<str> = Arc::from(key);
         let seq = self.next_seq();
@@ -205,11 +211,7 @@ impl Shard {
         if self.used_bytes + extra <= self.max_bytes {
             return Ok(());
         }
-        // Expired in-flight records are not in flight any more: reclaim them all before
-        // deciding. Each is reclaimed once, so this stays amortized O(log n).
-        while let Some(key) = pop_expired(&mut self.in_flight, now) {
-            self.forget(&key);
-        }
+        self.reclaim_expired_in_flight(now);
         if self.in_flight_bytes + extra > self.max_bytes {
             return Err(Full);
         }
@@ -223,6 +225,15 @@ impl Shard {
             self.forget(&key);
         }
         Ok(())
+    }
+
+    /// Reclaims every expired in-flight record: they are not in flight any more, and must
+    /// not count as such when deciding whether there is room. Each is reclaimed once, so this
+    /// stays amortized O(log n).
+    fn reclaim_expired_in_flight(&mut self, now: Instant) {
+        while let Some(key) = pop_expired(&mut self.in_flight, now) {
+            self.forget(&key);
+        }
     }
 
     /// Reclaims a few expired records from the front of each index.

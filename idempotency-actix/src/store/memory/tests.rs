@@ -104,14 +104,14 @@ async fn eviction_takes_the_completed_record_soonest_to_expire() {
 
 #[actix_web::test]
 async fn in_flight_records_are_never_evicted_and_a_full_store_recovers() {
-    let store = one_shard(2_000);
+    let store = one_shard(4_000);
     let mut held = Vec::new();
     let refused = loop {
         match begin(&store, &format!("held{}", held.len()), LONG).await {
             Ok(token) => held.push(token),
             Err(error) => break error,
         }
-        assert!(held.len() < 100, "a 2 000-byte store never fills");
+        assert!(held.len() < 100, "a 4 000-byte store never fills");
     };
     assert!(matches!(refused, StoreError::Unavailable(_)), "{refused}");
     assert!(held.len() >= 2);
@@ -127,6 +127,23 @@ async fn in_flight_records_are_never_evicted_and_a_full_store_recovers() {
     begin(&store, "after-release", LONG).await.unwrap();
     assert!(begin(&store, "one-too-many", LONG).await.is_err());
     assert_eq!(store.evictions(), 0);
+    assert!(consistent(&store));
+}
+
+#[actix_web::test]
+async fn a_store_full_of_in_flight_records_can_complete_them_all() {
+    let store = one_shard(4_000);
+    let mut held = Vec::new();
+    while let Ok(token) = begin(&store, &format!("held{}", held.len()), LONG).await {
+        held.push(token);
+    }
+    for (i, token) in held.iter().enumerate() {
+        let committed = store
+            .commit(&key(&format!("held{i}")), token, &response(100), LONG)
+            .await;
+        assert!(committed.unwrap(), "held{i} committed");
+    }
+    assert!(store.used_bytes() <= store.max_bytes());
     assert!(consistent(&store));
 }
 
