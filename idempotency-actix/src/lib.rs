@@ -68,7 +68,9 @@
 //!   record is one key and every script touches one key, so the protocol is ready for Redis
 //!   Cluster; a cluster backend is not part of this release.
 //! * [`MemoryStore`] (`Idempotency::memory()`): in-process, for development, tests and
-//!   single-instance apps.
+//!   single-instance apps; bounded by bytes (64 MiB by default,
+//!   [`Idempotency::memory_with`] to change it). When full it evicts completed records,
+//!   never in-flight ones: an evicted key's idempotency window ends early.
 //! * Anything implementing [`IdempotencyStore`] (`Idempotency::new(store)`).
 //!
 //! # What is stored
@@ -133,7 +135,9 @@ pub use policy::{
 pub use record::{RECORD_VERSION, RecordError, StoredResponse};
 pub use replay::{BODY_OMITTED_HEADER, REPLAYED_HEADER, ReplayedHeaders};
 pub use scope::{KeyScope, StorageKey};
-pub use store::{BeginOutcome, IdempotencyStore, LeaseToken, MemoryStore, StoreError};
+pub use store::{
+    BeginOutcome, IdempotencyStore, LeaseToken, MemoryStore, MemoryStoreBuilder, StoreError,
+};
 #[cfg(feature = "redis")]
 pub use store::{RedisPool, RedisStore};
 

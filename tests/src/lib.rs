@@ -6,7 +6,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use idempotency_actix::{RedisPool, RedisStore};
 
+mod flood;
 mod test_redis;
+
+pub use flood::FloodServer;
 
 /// What to do when the test Redis does not answer, printed whenever a test cannot reach it
 /// (with `REDIS_URL` unset the tests start their own server, so this names the variable).
@@ -121,12 +124,37 @@ impl RunCounter {
     }
 }
 
+/// A gate that handlers wait at until the test opens it: an event to wait for instead of a
+/// fixed sleep, so a request stays in flight exactly as long as the test needs.
+#[derive(Debug, Clone, Default)]
+pub struct Gate(Arc<std::sync::atomic::AtomicBool>);
+
+impl Gate {
+    /// Lets every waiting and later handler through.
+    pub fn open(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+
+    /// Waits until the gate is open, or 30 s at most, so a failing test never leaves a
+    /// handler hanging.
+    pub async fn wait(&self) {
+        for _ in 0..3_000 {
+            if self.0.load(Ordering::SeqCst) {
+                return;
+            }
+            actix_rt::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    }
+}
+
 /// A `redis-server` of the test's own on a free loopback port, stopped when dropped: for
 /// tests that count commands, or stop, pause or restart Redis (never the shared server).
 #[derive(Debug)]
 pub struct PrivateRedis {
     child: std::process::Child,
     port: u16,
+    /// Configuration arguments given on top of the defaults, kept for restarts.
+    extra_args: Vec<String>,
 }
 
 impl PrivateRedis {
@@ -136,13 +164,26 @@ impl PrivateRedis {
     ///
     /// When `redis-server` is not installed or does not start within 10 s.
     pub async fn start() -> Self {
+        Self::start_with_args(&[]).await
+    }
+
+    /// Starts one with these `redis-server` arguments on top of the defaults (e.g.
+    /// `["--maxmemory", "4mb", "--maxmemory-policy", "volatile-lru"]`), kept on restarts,
+    /// and waits until it answers `PING`.
+    ///
+    /// # Panics
+    ///
+    /// When `redis-server` is not installed or does not start within 10 s.
+    pub async fn start_with_args(extra_args: &[&str]) -> Self {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|listener| listener.local_addr())
             .expect("a free loopback port")
             .port();
+        let extra_args: Vec<String> = extra_args.iter().map(|&arg| arg.to_owned()).collect();
         let server = Self {
-            child: spawn_redis_server(port),
+            child: spawn_redis_server(port, &extra_args),
             port,
+            extra_args,
         };
         server.wait_until_it_answers().await;
         server
@@ -157,7 +198,7 @@ impl PrivateRedis {
     /// Starts it again on the same port, empty, and waits until it answers.
     pub async fn restart(&mut self) {
         self.stop();
-        self.child = spawn_redis_server(self.port);
+        self.child = spawn_redis_server(self.port, &self.extra_args);
         self.wait_until_it_answers().await;
     }
 
@@ -205,6 +246,24 @@ impl PrivateRedis {
             .expect("private redis-server answers")
     }
 
+    /// The value of `field` in its `INFO` output (e.g. `evicted_keys`, `used_memory`).
+    ///
+    /// # Panics
+    ///
+    /// When it does not answer or has no such field.
+    pub async fn info_field(&self, field: &str) -> String {
+        let mut connection = self.connection().await;
+        let info: String = redis::cmd("INFO")
+            .query_async(&mut connection)
+            .await
+            .expect("INFO");
+        info.lines()
+            .find_map(|line| line.strip_prefix(field)?.strip_prefix(':'))
+            .unwrap_or_else(|| panic!("INFO has no field {field}"))
+            .trim()
+            .to_owned()
+    }
+
     /// How many times each command ran since the last call, then resets the counts.
     ///
     /// Read from `INFO commandstats`, which counts both what clients send and what scripts
@@ -236,12 +295,13 @@ impl PrivateRedis {
     }
 }
 
-fn spawn_redis_server(port: u16) -> std::process::Child {
+fn spawn_redis_server(port: u16, extra_args: &[String]) -> std::process::Child {
     std::process::Command::new("redis-server")
         .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
         .args(["--save", "", "--appendonly", "no"])
         // DEBUG SLEEP simulates a stalled server in the fault-injection tests.
         .args(["--enable-debug-command", "yes"])
+        .args(extra_args)
         .stdout(std::process::Stdio::null())
         .spawn()
         .unwrap_or_else(|error| {

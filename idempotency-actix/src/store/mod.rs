@@ -29,7 +29,7 @@ mod memory;
 #[cfg(feature = "redis")]
 mod redis;
 
-pub use self::memory::MemoryStore;
+pub use self::memory::{MemoryStore, MemoryStoreBuilder};
 #[cfg(feature = "redis")]
 pub use self::redis::{RedisPool, RedisStore};
 
