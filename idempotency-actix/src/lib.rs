@@ -115,6 +115,8 @@ mod record;
 mod replay;
 mod scope;
 mod store;
+#[cfg(feature = "postgres")]
+mod transaction;
 
 pub use body::IdempotentBody;
 pub use engine::FailMode;
@@ -134,8 +136,12 @@ pub use record::{RECORD_VERSION, RecordError, StoredResponse};
 pub use replay::{BODY_OMITTED_HEADER, REPLAYED_HEADER, ReplayedHeaders};
 pub use scope::{KeyScope, StorageKey};
 pub use store::{BeginOutcome, IdempotencyStore, LeaseToken, MemoryStore, StoreError};
+#[cfg(feature = "postgres")]
+pub use store::{DEFAULT_TABLE, EXPIRY_BATCH, PostgresPool, PostgresStore, TableNameError};
 #[cfg(feature = "redis")]
 pub use store::{RedisPool, RedisStore};
+#[cfg(feature = "postgres")]
+pub use transaction::IdempotentTransaction;
 
 /// What `#[idempotent]`'s generated code calls. Not public API: may change in any release.
 #[doc(hidden)]
