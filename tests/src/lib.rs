@@ -386,6 +386,24 @@ impl ReferenceServer {
         format!("http://{}{path_and_query}", self.addr)
     }
 
+    /// Waits up to 10 s for it to exit by itself (it aborted, say); its exit status, or
+    /// `None` if it is still running.
+    pub fn wait_for_exit(&mut self) -> Option<std::process::ExitStatus> {
+        for _ in 0..200 {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        None
+    }
+
+    /// Kills it at once (SIGKILL: like a crash, nothing is flushed or finished).
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
     /// What it wrote on stderr so far.
     pub fn stderr(&self) -> String {
         self.stderr
