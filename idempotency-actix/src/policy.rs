@@ -64,9 +64,9 @@ pub struct Policy {
     /// default).
     pub wait_for_completion: Option<Duration>,
     /// Whether the record is claimed inside a database transaction that the handler writes
-    /// through ([`IdempotentTransaction`](crate::IdempotentTransaction)), committed together
+    /// through (`IdempotentTransaction`), committed together
     /// with the stored response (needs the `postgres` feature and a
-    /// [`PostgresStore`](crate::PostgresStore)).
+    /// `PostgresStore`).
     pub transactional: bool,
 }
 
@@ -173,9 +173,9 @@ impl RoutePolicy {
 
     /// This route is transactional: its record is claimed inside a database transaction
     /// that the handler writes through with
-    /// [`IdempotentTransaction`](crate::IdempotentTransaction); the handler's writes and its
+    /// `IdempotentTransaction`; the handler's writes and its
     /// stored response commit together, or neither does. Needs the `postgres` feature and
-    /// [`Idempotency::postgres`](crate::Idempotency); on any other store the route answers
+    /// `Idempotency::postgres`; on any other store the route answers
     /// 503 and logs why.
     #[must_use]
     pub const fn transactional(mut self) -> Self {

@@ -137,7 +137,7 @@ impl ServerConfig {
         if let [_, (second, Some(value)), ..] = set.as_slice() {
             let names: Vec<&str> = set.iter().map(|(name, _)| *name).collect();
             return Err(invalid(
-                *second,
+                second,
                 value,
                 &format!(
                     "at most one store variable, but {} are set",

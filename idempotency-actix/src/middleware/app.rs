@@ -77,8 +77,8 @@ impl Idempotency {
     }
 
     /// Idempotency on PostgreSQL: durable records, and the store of transactional routes
-    /// (see [`PostgresStore`](crate::PostgresStore) and
-    /// [`IdempotentTransaction`](crate::IdempotentTransaction)).
+    /// (see `PostgresStore` and
+    /// `IdempotentTransaction`).
     #[cfg(feature = "postgres")]
     pub fn postgres(store: crate::store::PostgresStore) -> Self {
         Self::new(store)

@@ -119,7 +119,7 @@ impl IdempotentRoute {
     }
 
     /// The route is transactional: the handler writes through an
-    /// [`IdempotentTransaction`](crate::IdempotentTransaction) that commits together with
+    /// `IdempotentTransaction` that commits together with
     /// the stored response (see [`RoutePolicy::transactional`]).
     #[must_use]
     pub fn transactional(self) -> Self {
