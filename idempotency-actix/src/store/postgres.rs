@@ -214,9 +214,10 @@ impl Statements {
                  SELECT 1 / (SELECT count(*) FROM done)::int"
             ),
             // $1 batch size. Rows locked by a running statement or transaction are skipped.
+            // `now()` (not the volatile `clock_timestamp()`) so the expiry index is used.
             delete_expired: format!(
                 "DELETE FROM {t} WHERE key IN (
-                     SELECT key FROM {t} WHERE expires_at < clock_timestamp()
+                     SELECT key FROM {t} WHERE expires_at < now()
                      ORDER BY expires_at LIMIT $1
                      FOR UPDATE SKIP LOCKED
                  )"
