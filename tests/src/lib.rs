@@ -574,6 +574,7 @@ impl TestDatabase {
             &uuid::Uuid::new_v4().simple().to_string()[..12]
         );
         let admin = admin_connection().await;
+        drop_leftovers(&admin).await;
         admin
             .batch_execute(&format!("CREATE DATABASE \"{name}\""))
             .await
@@ -624,6 +625,33 @@ impl Drop for TestDatabase {
         .join();
         if !matches!(dropped, Ok(Ok(()))) {
             eprintln!("could not drop the test database {}", self.name);
+        }
+    }
+}
+
+/// Drops the test databases of test processes that are gone (killed before they could drop
+/// their own), so none pile up.
+async fn drop_leftovers(admin: &tokio_postgres::Client) {
+    let Ok(rows) = admin
+        .query(
+            "SELECT datname FROM pg_database WHERE datname LIKE 'idempotency\\_test\\_%'",
+            &[],
+        )
+        .await
+    else {
+        return;
+    };
+    for name in rows.iter().map(|row| row.get::<_, String>(0)) {
+        let pid = name
+            .split('_')
+            .nth(2)
+            .and_then(|pid| pid.parse::<u32>().ok());
+        let gone = pid.is_some_and(|pid| !std::path::Path::new(&format!("/proc/{pid}")).exists());
+        if gone {
+            // Another process may be dropping it at the same time: either one does.
+            let _ = admin
+                .batch_execute(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
+                .await;
         }
     }
 }

@@ -23,35 +23,29 @@ use idempotency_actix_tests::{Reply, RunCounter, TestDatabase, redis_pool, uniqu
 enum Backend {
     Memory(MemoryStore),
     Redis(RedisPool),
-    /// The store and the database it lives in, dropped with the last clone.
-    Postgres {
-        store: PostgresStore,
-        _database: std::sync::Arc<TestDatabase>,
-    },
+    Postgres(PostgresStore),
 }
 
 impl Backend {
-    async fn memory() -> Self {
-        Self::Memory(MemoryStore::new())
+    // Each comes with the database it lives in, if any, which the test keeps until it ends.
+    async fn memory() -> (Self, Option<TestDatabase>) {
+        (Self::Memory(MemoryStore::new()), None)
     }
 
-    async fn redis() -> Self {
-        Self::Redis(redis_pool().await)
+    async fn redis() -> (Self, Option<TestDatabase>) {
+        (Self::Redis(redis_pool().await), None)
     }
 
-    async fn postgres() -> Self {
+    async fn postgres() -> (Self, Option<TestDatabase>) {
         let database = TestDatabase::create().await;
-        Self::Postgres {
-            store: database.store().await,
-            _database: std::sync::Arc::new(database),
-        }
+        (Self::Postgres(database.store().await), Some(database))
     }
 
     fn idempotency(&self, prefix: &str) -> Idempotency {
         let idempotency = match self {
             Self::Memory(store) => Idempotency::new(store.clone()),
             Self::Redis(pool) => Idempotency::redis(pool.clone()),
-            Self::Postgres { store, .. } => Idempotency::postgres(store.clone()),
+            Self::Postgres(store) => Idempotency::postgres(store.clone()),
         };
         idempotency.key_prefix(prefix)
     }
@@ -584,7 +578,8 @@ macro_rules! contract_suite {
             $(
                 #[actix_web::test]
                 async fn $test() {
-                    super::$test(super::Backend::$backend().await).await;
+                    let (backend, _database) = super::Backend::$backend().await;
+                    super::$test(backend).await;
                 }
             )*
         }
