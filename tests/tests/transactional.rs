@@ -134,6 +134,15 @@ async fn start(connections: u32) -> Harness {
                         .route(web::post().to(by_hand)),
                 )
                 .service(
+                    web::resource("/ledger-waits")
+                        .wrap(
+                            IdempotentRoute::new()
+                                .transactional()
+                                .wait_for_completion(Duration::from_secs(10)),
+                        )
+                        .route(web::post().to(by_hand)),
+                )
+                .service(
                     web::resource("/not-transactional")
                         .wrap(IdempotentRoute::new())
                         .route(web::post().to(by_hand)),
@@ -272,6 +281,32 @@ async fn a_duplicate_in_flight_gets_409_at_once_without_holding_a_connection() {
     assert!(replay.is_replay());
     assert_eq!(replay.body, first.body);
     assert_eq!((h.runs.get(), h.ledger_rows().await), (2, 2));
+}
+
+#[actix_web::test]
+async fn a_duplicate_can_wait_for_the_commit_and_replay_it() {
+    let h = start(4).await;
+    let send = || {
+        let request = h
+            .server
+            .post("/ledger-waits?hold=1")
+            .insert_header(("idempotency-key", "k"));
+        actix_rt::spawn(async move { Reply::read(request.send().await.unwrap()).await })
+    };
+    let first = send();
+    h.runs.wait_for(1).await;
+    let duplicate = send();
+    // The duplicate waits (polling the committed state) while the first holds its
+    // transaction open at the gate.
+    actix_rt::time::sleep(Duration::from_millis(300)).await;
+    assert!(!duplicate.is_finished());
+    h.gate.open();
+    let first = first.await.unwrap().unwrap();
+    let duplicate = duplicate.await.unwrap().unwrap();
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(duplicate.is_replay(), "{duplicate:?}");
+    assert_eq!(duplicate.body, first.body);
+    assert_eq!((h.runs.get(), h.ledger_rows().await), (1, 1));
 }
 
 #[actix_web::test]
