@@ -22,7 +22,7 @@ use actix_web::dev::{Payload, Service, ServiceRequest, ServiceResponse};
 use actix_web::{FromRequest, HttpMessage, HttpRequest};
 use futures_util::FutureExt;
 
-use crate::engine::{Engine, Handled, HeldLock, Response, refuse, with_handler_body};
+use crate::engine::{Claimed, Engine, Handled, HeldLock, Response, refuse, with_handler_body};
 use crate::error::IdempotencyError;
 use crate::fingerprint::Fingerprint;
 use crate::policy::Policy;
@@ -241,6 +241,10 @@ impl Engine {
             + 'static,
         B: MessageBody + 'static,
     {
+        req.extensions_mut().insert(Claimed {
+            key_present: true,
+            lock: Some(Rc::clone(&lock)),
+        });
         let slot = TransactionSlot::offer(&req, transaction);
         let outcome = self.run_and_capture(policy, &lock, req, service).await;
         let transaction = slot.take_back();

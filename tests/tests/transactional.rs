@@ -40,6 +40,7 @@ struct Knobs {
     status: Option<u16>,
     panic: Option<u8>,
     hold: Option<u8>,
+    poison: Option<u8>,
 }
 
 /// Inserts one ledger row through the request's transaction, then answers `status`
@@ -64,6 +65,10 @@ async fn book(
     }
     if knobs.panic == Some(1) {
         panic!("the handler panics after its insert");
+    }
+    if knobs.poison == Some(1) {
+        // A failed statement whose error the handler ignores: the transaction is aborted.
+        let _ = transaction.execute("SELECT 1 / 0", &[]).await;
     }
     HttpResponse::build(StatusCode::from_u16(knobs.status.unwrap_or(201)).unwrap())
         .json(serde_json::json!({ "entry_id": entry_id, "seq": seq }))
@@ -245,6 +250,23 @@ async fn a_panic_rolls_back_and_frees_the_key() {
     assert_eq!(retry.status, StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(h.runs.get(), 2);
     assert_eq!(h.ledger_rows().await, 0);
+}
+
+#[actix_web::test]
+async fn a_transaction_that_cannot_commit_is_503_and_leaves_nothing() {
+    let h = start(4).await;
+    let refused = h.post("/ledger?poison=1", Some("k")).await;
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        refused.json()["type"],
+        "tag:idempotency-actix,2026:store-unavailable"
+    );
+    assert!(refused.header("retry-after").is_some());
+    // Neither the handler's insert nor a record: the retry runs again.
+    assert_eq!((h.ledger_rows().await, h.records().await), (0, 0));
+    let retry = h.post("/ledger", Some("k")).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!((h.runs.get(), h.ledger_rows().await), (2, 1));
 }
 
 #[actix_web::test]
