@@ -76,6 +76,14 @@ impl Idempotency {
         Self::new(crate::store::RedisStore::new(pool))
     }
 
+    /// Idempotency on PostgreSQL: durable records, and the store of transactional routes
+    /// (see `PostgresStore` and
+    /// `IdempotentTransaction`).
+    #[cfg(feature = "postgres")]
+    pub fn postgres(store: crate::store::PostgresStore) -> Self {
+        Self::new(store)
+    }
+
     /// Idempotency on the process-wide in-memory store ([`MemoryStore::shared`]): for
     /// development, tests and single-instance apps. Every worker (and every app in the
     /// process) that uses it shares one store.
