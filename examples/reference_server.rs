@@ -4,12 +4,16 @@
 //! ```sh
 //! cargo run --release --example reference_server                                  # in-memory store
 //! REDIS_URL=redis://127.0.0.1:6379 cargo run --release --example reference_server # Redis store
+//! DATABASE_URL=postgres://postgres@127.0.0.1/postgres cargo run --release --example reference_server
 //! ```
 //!
 //! Environment (an empty variable counts as unset):
 //!
 //! * `BIND` [`127.0.0.1:8080`]: where to listen; port 0 picks a free port.
 //! * `REDIS_URL`: set → the Redis store (bb8 pool); unset → the in-memory store.
+//! * `DATABASE_URL`: set → the PostgreSQL store (its table migrated at start) and the
+//!   `/ledger` routes (table `ledger`, created at start). At most one of `REDIS_URL`,
+//!   `REDIS_CLUSTER_URLS` and `DATABASE_URL` may be set.
 //! * `IDEMPOTENCY` [`on`] or `off`: `off` installs no middleware at all (benchmark baseline).
 //! * `IDEMPOTENCY_METHODS`: e.g. `POST,PATCH`; also protect untagged routes of those methods.
 //! * `IDEMPOTENCY_PREFIX` [`idempotency:`]: prefix of every storage key, so apps or test runs
@@ -18,8 +22,8 @@
 //!
 //! Once it accepts connections it prints `listening on http://ADDR` (one line per bound
 //! address, with the real port) on stdout. An invalid variable is reported on stderr and
-//! the process exits with status 2; a failure to start (bad `REDIS_URL`, `BIND` in use)
-//! with status 1. The routes are listed in `idempotency_actix_examples::reference_app`.
+//! the process exits with status 2; a failure to start (bad `REDIS_URL`, a `DATABASE_URL`
+//! that cannot be reached or migrated, `BIND` in use) with status 1. The routes are listed in `idempotency_actix_examples::reference_app`.
 
 use std::io::Write;
 use std::process::ExitCode;

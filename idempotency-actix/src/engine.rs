@@ -30,6 +30,13 @@ use crate::replay::{ReplayedHeaders, replay_response};
 use crate::scope::{KeyScope, StorageKey};
 use crate::store::{BeginOutcome, DynStore, LeaseToken, StoreError};
 
+/// The transaction a transactional route's claim comes with.
+#[cfg(feature = "postgres")]
+type Transaction = crate::store::postgres::OpenTransaction;
+/// Without the `postgres` feature there are none.
+#[cfg(not(feature = "postgres"))]
+enum Transaction {}
+
 /// What to do when the store fails or times out.
 ///
 /// # Examples
@@ -178,6 +185,12 @@ impl Engine {
                     key_present: false,
                     lock: None,
                 });
+                #[cfg(feature = "postgres")]
+                if policy.transactional {
+                    return self
+                        .run_in_transaction_without_record(&policy, req, service)
+                        .await;
+                }
                 return service.call(req).await.map(with_handler_body);
             }
             Err(error) => return Ok(self.refuse(req, error.into())),
@@ -201,8 +214,8 @@ impl Engine {
         req.set_payload(Payload::from(body));
 
         let token = LeaseToken::generate();
-        let begun = self
-            .begin_or_wait(&storage_key, &fingerprint, &token, &policy)
+        let (begun, transaction) = self
+            .begin_or_claim_transaction(&storage_key, &fingerprint, &token, &policy)
             .await;
         if begun.is_err() {
             // A `begin` that timed out may still land; release it (compare-and-delete on our
@@ -229,6 +242,14 @@ impl Engine {
                     store: Rc::clone(&self.store),
                     store_timeout: self.settings.store_timeout,
                 });
+                #[cfg(feature = "postgres")]
+                if let Some(transaction) = transaction {
+                    return self
+                        .run_and_commit_transaction(policy, lock, transaction, req, service)
+                        .await;
+                }
+                #[cfg(not(feature = "postgres"))]
+                let _ = transaction; // never one without the feature
                 self.run_and_commit(policy, lock, req, service).await
             }
             Ok(BeginOutcome::Completed(stored)) => {
@@ -256,6 +277,12 @@ impl Engine {
                 FailMode::Open => {
                     tracing::warn!(%error, "idempotency store failed; running the handler unprotected (fail-open)");
                     instrument::decided(&req.extensions(), Outcome::FailOpen);
+                    #[cfg(feature = "postgres")]
+                    if policy.transactional {
+                        return self
+                            .run_in_transaction_without_record(&policy, req, service)
+                            .await;
+                    }
                     service.call(req).await.map(with_handler_body)
                 }
                 FailMode::Closed => {
@@ -271,6 +298,35 @@ impl Engine {
                 }
             },
         }
+    }
+
+    /// `begin`, or on a transactional route the claim inside a transaction (which comes back
+    /// with it when acquired).
+    async fn begin_or_claim_transaction(
+        &self,
+        storage_key: &StorageKey,
+        fingerprint: &Fingerprint,
+        token: &LeaseToken,
+        policy: &Policy,
+    ) -> (Result<BeginOutcome, StoreError>, Option<Transaction>) {
+        if policy.transactional {
+            #[cfg(feature = "postgres")]
+            return self
+                .claim_transaction_or_wait(storage_key, fingerprint, token, policy)
+                .await;
+            #[cfg(not(feature = "postgres"))]
+            return (
+                Err(StoreError::Protocol(
+                    "transactional routes need the `postgres` feature of idempotency-actix"
+                        .to_owned(),
+                )),
+                None,
+            );
+        }
+        let begun = self
+            .begin_or_wait(storage_key, fingerprint, token, policy)
+            .await;
+        (begun, None)
     }
 
     /// `begin`, repeated while the key is in flight and the policy allows waiting.
@@ -310,7 +366,7 @@ impl Engine {
     }
 
     /// Bounds a store operation by the store timeout.
-    async fn bounded<T>(
+    pub(crate) async fn bounded<T>(
         &self,
         kind: StoreOperation,
         operation: impl Future<Output = Result<T, StoreError>>,
@@ -376,7 +432,7 @@ impl Engine {
     }
 
     /// Runs the handler and captures what is to be stored of its response.
-    async fn run_and_capture<S, B>(
+    pub(crate) async fn run_and_capture<S, B>(
         &self,
         policy: Policy,
         lock: &HeldLock,
@@ -507,7 +563,7 @@ impl Engine {
 }
 
 /// What became of a request whose lock was acquired.
-enum Handled<B> {
+pub(crate) enum Handled<B> {
     /// The handler panicked.
     Panicked,
     /// The inner service answered an error.

@@ -67,8 +67,16 @@
 //!   round trips for a new key, one for a replay, none for unprotected requests; every
 //!   record is one key and every script touches one key, so the protocol is ready for Redis
 //!   Cluster; a cluster backend is not part of this release.
+//! * `PostgresStore` (feature `postgres`, `Idempotency::postgres(store)`): durable records,
+//!   one row each, through a bb8 pool of tokio-postgres connections; the same round trips;
+//!   and **transactional routes**: with `#[idempotent(transactional)]` the handler takes an
+//!   `IdempotentTransaction` and writes through it, and its writes and its stored response
+//!   commit together before the response leaves, or neither does (an error status, an
+//!   error, a panic or a crash rolls both back; a crash after the commit is replayed).
 //! * [`MemoryStore`] (`Idempotency::memory()`): in-process, for development, tests and
-//!   single-instance apps.
+//!   single-instance apps; bounded by bytes (64 MiB by default,
+//!   [`Idempotency::memory_with`] to change it). When full it evicts completed records,
+//!   never in-flight ones: an evicted key's idempotency window ends early.
 //! * Anything implementing [`IdempotencyStore`] (`Idempotency::new(store)`).
 //!
 //! # What is stored
@@ -160,6 +168,8 @@ mod record;
 mod replay;
 mod scope;
 mod store;
+#[cfg(feature = "postgres")]
+mod transaction;
 
 pub use body::IdempotentBody;
 pub use engine::FailMode;
@@ -188,11 +198,15 @@ pub use record::{RECORD_VERSION, RecordError, StoredResponse};
 pub use replay::{BODY_OMITTED_HEADER, REPLAYED_HEADER, ReplayedHeaders};
 pub use scope::{KeyScope, StorageKey};
 pub use store::{
-    BeginOutcome, Deletion, IdempotencyStore, LeaseToken, MemoryStore, RecordSnapshot, RecordState,
-    StoreError,
+    BeginOutcome, Deletion, IdempotencyStore, LeaseToken, MemoryStore, MemoryStoreBuilder,
+    RecordSnapshot, RecordState, StoreError,
 };
+#[cfg(feature = "postgres")]
+pub use store::{DEFAULT_TABLE, EXPIRY_BATCH, PostgresPool, PostgresStore, TableNameError};
 #[cfg(feature = "redis")]
 pub use store::{RedisPool, RedisStore};
+#[cfg(feature = "postgres")]
+pub use transaction::IdempotentTransaction;
 
 /// What `#[idempotent]`'s generated code calls. Not public API: may change in any release.
 #[doc(hidden)]

@@ -63,6 +63,11 @@ pub struct Policy {
     /// (then replays its response) before answering 409; `None` answers 409 at once (the
     /// default).
     pub wait_for_completion: Option<Duration>,
+    /// Whether the record is claimed inside a database transaction that the handler writes
+    /// through (`IdempotentTransaction`), committed together
+    /// with the stored response (needs the `postgres` feature and a
+    /// `PostgresStore`).
+    pub transactional: bool,
 }
 
 impl Default for Policy {
@@ -75,6 +80,7 @@ impl Default for Policy {
             max_stored_body: DEFAULT_MAX_STORED_BODY,
             store_errors: false,
             wait_for_completion: None,
+            transactional: false,
         }
     }
 }
@@ -98,6 +104,7 @@ pub struct RoutePolicy {
     max_stored_body: Option<usize>,
     store_errors: Option<bool>,
     wait_for_completion: Option<Duration>,
+    transactional: Option<bool>,
 }
 
 impl RoutePolicy {
@@ -164,6 +171,18 @@ impl RoutePolicy {
         self
     }
 
+    /// This route is transactional: its record is claimed inside a database transaction
+    /// that the handler writes through with
+    /// `IdempotentTransaction`; the handler's writes and its
+    /// stored response commit together, or neither does. Needs the `postgres` feature and
+    /// `Idempotency::postgres`; on any other store the route answers
+    /// 503 and logs why.
+    #[must_use]
+    pub const fn transactional(mut self) -> Self {
+        self.transactional = Some(true);
+        self
+    }
+
     /// The effective policy: `defaults` with these overrides.
     pub fn apply_to(&self, defaults: &Policy) -> Policy {
         Policy {
@@ -174,12 +193,18 @@ impl RoutePolicy {
             max_stored_body: self.max_stored_body.unwrap_or(defaults.max_stored_body),
             store_errors: self.store_errors.unwrap_or(defaults.store_errors),
             wait_for_completion: self.wait_for_completion.or(defaults.wait_for_completion),
+            transactional: self.transactional.unwrap_or(defaults.transactional),
         }
     }
 
     /// Whether this route refuses requests without a key, whatever the app says.
     pub(crate) fn requires_key(&self) -> bool {
         self.required == Some(true)
+    }
+
+    /// Whether this route is transactional, whatever the app says.
+    pub(crate) fn is_transactional(&self) -> bool {
+        self.transactional == Some(true)
     }
 }
 

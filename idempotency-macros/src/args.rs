@@ -10,7 +10,7 @@ use crate::duration::{DurationError, parse_millis};
 /// Appended to every argument error, so the fix is in the message.
 pub(crate) const ALLOWED: &str = "#[idempotent] accepts: ttl = \"<duration>\", \
      lease = \"<duration>\", required, store_errors, max_request_body = <bytes>, \
-     max_stored_body = <bytes>, wait_for_completion = \"<duration>\"";
+     max_stored_body = <bytes>, wait_for_completion = \"<duration>\", transactional";
 
 /// A route's policy as written in the attribute; unset fields keep the App's defaults.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -29,6 +29,8 @@ pub(crate) struct Arguments {
     pub(crate) max_stored_body: Option<u64>,
     /// `wait_for_completion = "<duration>"`, in milliseconds.
     pub(crate) wait_for_completion: Option<u64>,
+    /// `transactional`.
+    pub(crate) transactional: bool,
 }
 
 /// The arguments the attribute knows.
@@ -41,6 +43,7 @@ enum Key {
     MaxRequestBody,
     MaxStoredBody,
     WaitForCompletion,
+    Transactional,
 }
 
 impl Key {
@@ -54,6 +57,7 @@ impl Key {
             "max_request_body" => Self::MaxRequestBody,
             "max_stored_body" => Self::MaxStoredBody,
             "wait_for_completion" => Self::WaitForCompletion,
+            "transactional" => Self::Transactional,
             _ => return None,
         })
     }
@@ -67,6 +71,7 @@ impl Key {
             Self::MaxRequestBody => "max_request_body",
             Self::MaxStoredBody => "max_stored_body",
             Self::WaitForCompletion => "wait_for_completion",
+            Self::Transactional => "transactional",
         }
     }
 
@@ -80,6 +85,7 @@ impl Key {
             Self::MaxRequestBody => "max_request_body = 1048576",
             Self::MaxStoredBody => "max_stored_body = 65536",
             Self::WaitForCompletion => "wait_for_completion = \"5s\"",
+            Self::Transactional => "transactional",
         }
     }
 }
@@ -194,13 +200,19 @@ impl Arguments {
                 self.store_errors = true;
                 Ok(())
             }
-            (Key::Required | Key::StoreErrors, Some(expr)) => Err(syn::Error::new_spanned(
-                expr,
-                format!(
-                    "`{name}` is a flag and takes no value: write `{name}`; {ALLOWED}",
-                    name = key.name()
-                ),
-            )),
+            (Key::Transactional, None) => {
+                self.transactional = true;
+                Ok(())
+            }
+            (Key::Required | Key::StoreErrors | Key::Transactional, Some(expr)) => {
+                Err(syn::Error::new_spanned(
+                    expr,
+                    format!(
+                        "`{name}` is a flag and takes no value: write `{name}`; {ALLOWED}",
+                        name = key.name()
+                    ),
+                ))
+            }
             (_, None) => Err(syn::Error::new_spanned(
                 path,
                 format!(
@@ -356,6 +368,7 @@ mod tests {
             max_request_body = 4096,
             max_stored_body = 1_024usize,
             wait_for_completion = "2s",
+            transactional,
         ));
         assert_eq!(
             arguments.ok(),
@@ -367,6 +380,7 @@ mod tests {
                 max_request_body: Some(4096),
                 max_stored_body: Some(1024),
                 wait_for_completion: Some(2_000),
+                transactional: true,
             })
         );
     }
@@ -385,6 +399,7 @@ mod tests {
             quote::quote!(ttl("1h")),
             quote::quote!(required = "yes"),
             quote::quote!(store_errors = true),
+            quote::quote!(transactional = true),
             quote::quote!(max_stored_body = "1MiB"),
             quote::quote!(max_request_body = 10u8),
             quote::quote!(max_request_body = -1),

@@ -35,10 +35,12 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
         )
     });
     let expanded = match (arguments, handler) {
-        (Ok(arguments), Ok(mut handler)) => attach(&arguments, &mut handler.attrs).map(|()| {
-            let description = protected_route(&arguments, &handler);
-            quote!(#handler #description)
-        }),
+        (Ok(arguments), Ok(mut handler)) => check_transaction(&arguments, &handler)
+            .and_then(|()| attach(&arguments, &mut handler.attrs))
+            .map(|()| {
+                let description = protected_route(&arguments, &handler);
+                quote!(#handler #description)
+            }),
         (Err(mut errors), Ok(mut handler)) => {
             // Report a misplaced attribute too, so both are fixed in one go.
             if let Err(error) = attach(&Arguments::default(), &mut handler.attrs) {
@@ -56,6 +58,36 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
         let errors = errors.to_compile_error();
         quote!(#item #errors)
     })
+}
+
+/// The extractor only transactional routes provide, by the last segment of its type path.
+const TRANSACTION_EXTRACTOR: &str = "IdempotentTransaction";
+
+/// A handler that takes an `IdempotentTransaction` must be `transactional`: anywhere else
+/// the extractor has no transaction to hand over.
+fn check_transaction(arguments: &Arguments, handler: &ItemFn) -> syn::Result<()> {
+    if arguments.transactional {
+        return Ok(());
+    }
+    let takes_transaction = |ty: &syn::Type| match ty {
+        syn::Type::Path(path) => path
+            .path
+            .segments
+            .last()
+            .is_some_and(|segment| segment.ident == TRANSACTION_EXTRACTOR),
+        _ => false,
+    };
+    match handler.sig.inputs.iter().find_map(|input| match input {
+        syn::FnArg::Typed(argument) if takes_transaction(&argument.ty) => Some(&argument.ty),
+        _ => None,
+    }) {
+        Some(ty) => Err(syn::Error::new_spanned(
+            ty,
+            "this handler takes an IdempotentTransaction, which only transactional routes \
+             have: write #[idempotent(transactional)]",
+        )),
+        None => Ok(()),
+    }
 }
 
 /// Methods the runtime never protects (idempotent by definition).
@@ -147,6 +179,7 @@ fn route_layer(arguments: &Arguments) -> TokenStream {
         max_request_body,
         max_stored_body,
         wait_for_completion,
+        transactional,
     } = arguments;
     let millis = |value: u64| quote!(#private::Duration::from_millis(#value));
     let bytes = |value: u64| Literal::u64_unsuffixed(value);
@@ -176,6 +209,9 @@ fn route_layer(arguments: &Arguments) -> TokenStream {
     if let Some(bound) = wait_for_completion {
         let bound = millis(*bound);
         policy.extend(quote!(.wait_for_completion(#bound)));
+    }
+    if *transactional {
+        policy.extend(quote!(.transactional()));
     }
     quote!(#private::IdempotentRoute::with_policy(#policy))
 }

@@ -53,6 +53,7 @@ use proc_macro::TokenStream;
 /// | `max_request_body = <bytes>` | the largest body a keyed request may send; larger is a 413 problem and the handler does not run | 1 MiB (`Idempotency::max_request_body`) |
 /// | `wait_for_completion = "<duration>"` | a retry that finds the key in flight waits up to this long for the first request to finish and replays its response, instead of a 409 problem at once | off (`Idempotency::wait_for_completion`) |
 /// | `max_stored_body = <bytes>` | the largest response body that is stored; a larger one is sent whole, and its record completes without a body (a retry gets the status and headers, an empty body and `Idempotent-Body-Omitted: true`) | 1 MiB (`Idempotency::max_stored_body`) |
+/// | `transactional` | the record is claimed inside a PostgreSQL transaction that the handler writes through (`IdempotentTransaction`); its writes and the stored response commit together, or neither does. Needs the `postgres` feature and `Idempotency::postgres(store)`. A handler that takes `IdempotentTransaction` without it is a compile error | off |
 ///
 /// A duration is a string of a number and a unit, `ms`, `s`, `m`, `h` or `d`: `"500ms"`,
 /// `"30s"`, `"15m"`, `"24h"`, `"7d"`, or several of them, `"1h 30m"`. It must be more than

@@ -6,7 +6,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use idempotency_actix::{RedisPool, RedisStore};
 
+mod flood;
 mod test_redis;
+
+pub use flood::FloodServer;
 
 /// What to do when the test Redis does not answer, printed whenever a test cannot reach it
 /// (with `REDIS_URL` unset the tests start their own server, so this names the variable).
@@ -121,12 +124,37 @@ impl RunCounter {
     }
 }
 
+/// A gate that handlers wait at until the test opens it: an event to wait for instead of a
+/// fixed sleep, so a request stays in flight exactly as long as the test needs.
+#[derive(Debug, Clone, Default)]
+pub struct Gate(Arc<std::sync::atomic::AtomicBool>);
+
+impl Gate {
+    /// Lets every waiting and later handler through.
+    pub fn open(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+
+    /// Waits until the gate is open, or 30 s at most, so a failing test never leaves a
+    /// handler hanging.
+    pub async fn wait(&self) {
+        for _ in 0..3_000 {
+            if self.0.load(Ordering::SeqCst) {
+                return;
+            }
+            actix_rt::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    }
+}
+
 /// A `redis-server` of the test's own on a free loopback port, stopped when dropped: for
 /// tests that count commands, or stop, pause or restart Redis (never the shared server).
 #[derive(Debug)]
 pub struct PrivateRedis {
     child: std::process::Child,
     port: u16,
+    /// Configuration arguments given on top of the defaults, kept for restarts.
+    extra_args: Vec<String>,
 }
 
 impl PrivateRedis {
@@ -136,13 +164,26 @@ impl PrivateRedis {
     ///
     /// When `redis-server` is not installed or does not start within 10 s.
     pub async fn start() -> Self {
+        Self::start_with_args(&[]).await
+    }
+
+    /// Starts one with these `redis-server` arguments on top of the defaults (e.g.
+    /// `["--maxmemory", "4mb", "--maxmemory-policy", "volatile-lru"]`), kept on restarts,
+    /// and waits until it answers `PING`.
+    ///
+    /// # Panics
+    ///
+    /// When `redis-server` is not installed or does not start within 10 s.
+    pub async fn start_with_args(extra_args: &[&str]) -> Self {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|listener| listener.local_addr())
             .expect("a free loopback port")
             .port();
+        let extra_args: Vec<String> = extra_args.iter().map(|&arg| arg.to_owned()).collect();
         let server = Self {
-            child: spawn_redis_server(port),
+            child: spawn_redis_server(port, &extra_args),
             port,
+            extra_args,
         };
         server.wait_until_it_answers().await;
         server
@@ -157,7 +198,7 @@ impl PrivateRedis {
     /// Starts it again on the same port, empty, and waits until it answers.
     pub async fn restart(&mut self) {
         self.stop();
-        self.child = spawn_redis_server(self.port);
+        self.child = spawn_redis_server(self.port, &self.extra_args);
         self.wait_until_it_answers().await;
     }
 
@@ -205,6 +246,24 @@ impl PrivateRedis {
             .expect("private redis-server answers")
     }
 
+    /// The value of `field` in its `INFO` output (e.g. `evicted_keys`, `used_memory`).
+    ///
+    /// # Panics
+    ///
+    /// When it does not answer or has no such field.
+    pub async fn info_field(&self, field: &str) -> String {
+        let mut connection = self.connection().await;
+        let info: String = redis::cmd("INFO")
+            .query_async(&mut connection)
+            .await
+            .expect("INFO");
+        info.lines()
+            .find_map(|line| line.strip_prefix(field)?.strip_prefix(':'))
+            .unwrap_or_else(|| panic!("INFO has no field {field}"))
+            .trim()
+            .to_owned()
+    }
+
     /// How many times each command ran since the last call, then resets the counts.
     ///
     /// Read from `INFO commandstats`, which counts both what clients send and what scripts
@@ -236,12 +295,13 @@ impl PrivateRedis {
     }
 }
 
-fn spawn_redis_server(port: u16) -> std::process::Child {
+fn spawn_redis_server(port: u16, extra_args: &[String]) -> std::process::Child {
     std::process::Command::new("redis-server")
         .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
         .args(["--save", "", "--appendonly", "no"])
         // DEBUG SLEEP simulates a stalled server in the fault-injection tests.
         .args(["--enable-debug-command", "yes"])
+        .args(extra_args)
         .stdout(std::process::Stdio::null())
         .spawn()
         .unwrap_or_else(|error| {
@@ -274,9 +334,11 @@ pub struct ReferenceServer {
 }
 
 /// The environment variables the reference server reads.
-const REFERENCE_SERVER_VARIABLES: [&str; 6] = [
+const REFERENCE_SERVER_VARIABLES: [&str; 8] = [
     "BIND",
     "REDIS_URL",
+    "REDIS_CLUSTER_URLS",
+    "DATABASE_URL",
     "IDEMPOTENCY",
     "IDEMPOTENCY_METHODS",
     "IDEMPOTENCY_PREFIX",
@@ -391,6 +453,24 @@ impl ReferenceServer {
     /// The URL of `path_and_query` on it.
     pub fn url(&self, path_and_query: &str) -> String {
         format!("http://{}{path_and_query}", self.addr)
+    }
+
+    /// Waits up to 10 s for it to exit by itself (it aborted, say); its exit status, or
+    /// `None` if it is still running.
+    pub fn wait_for_exit(&mut self) -> Option<std::process::ExitStatus> {
+        for _ in 0..200 {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        None
+    }
+
+    /// Kills it at once (SIGKILL: like a crash, nothing is flushed or finished).
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 
     /// What it wrote on stderr so far.
@@ -526,4 +606,155 @@ impl Reply {
     pub fn is_replay(&self) -> bool {
         self.header("idempotent-replayed") == Some("true")
     }
+}
+
+/// How to start PostgreSQL, printed whenever a test cannot reach it.
+pub const START_POSTGRES: &str = "start it with: pg_ctlcluster --skip-systemctl-redirect \
+     $(ls /etc/postgresql) main start (install it first with: apt-get install -y postgresql), \
+     or set DATABASE_URL to a server where user may CREATE DATABASE";
+
+/// The PostgreSQL server the tests use, as a URL of its maintenance database:
+/// `DATABASE_URL`, or `postgres://postgres@127.0.0.1:5432/postgres` (trust auth).
+pub fn postgres_admin_url() -> String {
+    std::env::var("DATABASE_URL")
+        .ok()
+        .filter(|url| !url.trim().is_empty())
+        .unwrap_or_else(|| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
+}
+
+/// A database of one test's own on the test PostgreSQL server, created empty and dropped
+/// (with whatever connections are left) when this is dropped, also when the test fails.
+#[derive(Debug)]
+pub struct TestDatabase {
+    name: String,
+    url: String,
+}
+
+impl TestDatabase {
+    /// Creates one, named after this process and a random suffix.
+    ///
+    /// # Panics
+    ///
+    /// When PostgreSQL does not answer or refuses, with a message that says how to start it.
+    pub async fn create() -> Self {
+        let name = format!(
+            "idempotency_test_{}_{}",
+            std::process::id(),
+            &uuid::Uuid::new_v4().simple().to_string()[..12]
+        );
+        let admin = admin_connection().await;
+        drop_leftovers(&admin).await;
+        admin
+            .batch_execute(&format!("CREATE DATABASE \"{name}\""))
+            .await
+            .unwrap_or_else(|error| panic!("cannot create the test database {name}: {error}"));
+        let url = database_url(&postgres_admin_url(), &name);
+        Self { name, url }
+    }
+
+    /// Its URL.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// A plain connection to it, for what a test inspects.
+    ///
+    /// # Panics
+    ///
+    /// When it does not answer.
+    pub async fn connection(&self) -> tokio_postgres::Client {
+        connect(&self.url).await
+    }
+
+    /// A migrated store on it (table `idempotency_records`).
+    ///
+    /// # Panics
+    ///
+    /// When it does not answer.
+    pub async fn store(&self) -> idempotency_actix::PostgresStore {
+        let pool = idempotency_actix::PostgresStore::pool(&self.url).expect("a valid URL");
+        let store = idempotency_actix::PostgresStore::new(pool);
+        store.migrate().await.expect("migrate the test database");
+        store
+    }
+}
+
+impl Drop for TestDatabase {
+    fn drop(&mut self) {
+        let name = self.name.clone();
+        // Drop may run inside a test's runtime: do the I/O on a thread of its own.
+        let dropped = std::thread::spawn(move || {
+            actix_rt::System::new().block_on(async move {
+                admin_connection()
+                    .await
+                    .batch_execute(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
+                    .await
+            })
+        })
+        .join();
+        if !matches!(dropped, Ok(Ok(()))) {
+            eprintln!("could not drop the test database {}", self.name);
+        }
+    }
+}
+
+/// Drops the test databases of test processes that are gone (killed before they could drop
+/// their own), so none pile up.
+async fn drop_leftovers(admin: &tokio_postgres::Client) {
+    let Ok(rows) = admin
+        .query(
+            "SELECT datname FROM pg_database WHERE datname LIKE 'idempotency\\_test\\_%'",
+            &[],
+        )
+        .await
+    else {
+        return;
+    };
+    for name in rows.iter().map(|row| row.get::<_, String>(0)) {
+        let pid = name
+            .split('_')
+            .nth(2)
+            .and_then(|pid| pid.parse::<u32>().ok());
+        let gone = pid.is_some_and(|pid| !std::path::Path::new(&format!("/proc/{pid}")).exists());
+        if gone {
+            // Another process may be dropping it at the same time: either one does.
+            let _ = admin
+                .batch_execute(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
+                .await;
+        }
+    }
+}
+
+/// `url` with its database replaced by `database` (a URL of the form
+/// `postgres://user@host:port/db?options`).
+fn database_url(url: &str, database: &str) -> String {
+    let (base, query) = url.split_once('?').unwrap_or((url, ""));
+    let base = match base.split_once("://") {
+        Some((scheme, rest)) => match rest.split_once('/') {
+            Some((authority, _)) => format!("{scheme}://{authority}"),
+            None => base.to_owned(),
+        },
+        None => panic!("DATABASE_URL must be a URL (postgres://user@host:port/db), not {url:?}"),
+    };
+    if query.is_empty() {
+        format!("{base}/{database}")
+    } else {
+        format!("{base}/{database}?{query}")
+    }
+}
+
+async fn admin_connection() -> tokio_postgres::Client {
+    connect(&postgres_admin_url()).await
+}
+
+async fn connect(url: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap_or_else(|error| {
+            panic!("PostgreSQL at {url} is not reachable ({error}); {START_POSTGRES}")
+        });
+    actix_rt::spawn(async move {
+        let _ = connection.await;
+    });
+    client
 }

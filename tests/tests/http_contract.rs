@@ -1,7 +1,9 @@
 //! The HTTP contract of DESIGN §5, row by row, against real Actix servers on real sockets.
 //!
-//! Every test runs twice: on the in-memory store (`memory::…`) and on Redis (`redis::…`,
-//! the server at `REDIS_URL`, default 127.0.0.1:6379), each under its own key prefix.
+//! Every test runs three times: on the in-memory store (`memory::…`), on Redis (`redis::…`,
+//! the server at `REDIS_URL`, default 127.0.0.1:6379), each under its own key prefix, and on
+//! PostgreSQL (`postgres::…`, the server at `DATABASE_URL`, default 127.0.0.1:5432), each
+//! in a database of its own.
 
 #![allow(clippy::unwrap_used)]
 
@@ -11,29 +13,39 @@ use actix_web::http::{Method, StatusCode, header::HeaderValue};
 use actix_web::web::{self, Bytes};
 use actix_web::{App, HttpRequest, HttpResponse};
 use futures_util::stream;
-use idempotency_actix::{Idempotency, IdempotentRoute, KeyScope, MemoryStore, RedisPool};
-use idempotency_actix_tests::{Reply, RunCounter, redis_pool, unique_prefix};
+use idempotency_actix::{
+    Idempotency, IdempotentRoute, KeyScope, MemoryStore, PostgresStore, RedisPool,
+};
+use idempotency_actix_tests::{Reply, RunCounter, TestDatabase, redis_pool, unique_prefix};
 
 /// Which store a test server uses; cheap to clone into each worker's app factory.
 #[derive(Clone)]
 enum Backend {
     Memory(MemoryStore),
     Redis(RedisPool),
+    Postgres(PostgresStore),
 }
 
 impl Backend {
-    async fn memory() -> Self {
-        Self::Memory(MemoryStore::new())
+    // Each comes with the database it lives in, if any, which the test keeps until it ends.
+    async fn memory() -> (Self, Option<TestDatabase>) {
+        (Self::Memory(MemoryStore::new()), None)
     }
 
-    async fn redis() -> Self {
-        Self::Redis(redis_pool().await)
+    async fn redis() -> (Self, Option<TestDatabase>) {
+        (Self::Redis(redis_pool().await), None)
+    }
+
+    async fn postgres() -> (Self, Option<TestDatabase>) {
+        let database = TestDatabase::create().await;
+        (Self::Postgres(database.store().await), Some(database))
     }
 
     fn idempotency(&self, prefix: &str) -> Idempotency {
         let idempotency = match self {
             Self::Memory(store) => Idempotency::new(store.clone()),
             Self::Redis(pool) => Idempotency::redis(pool.clone()),
+            Self::Postgres(store) => Idempotency::postgres(store.clone()),
         };
         idempotency.key_prefix(prefix)
     }
@@ -566,21 +578,23 @@ macro_rules! contract_suite {
             $(
                 #[actix_web::test]
                 async fn $test() {
-                    super::$test(super::Backend::$backend().await).await;
+                    let (backend, _database) = super::Backend::$backend().await;
+                    super::$test(backend).await;
                 }
             )*
         }
     };
 }
 
-macro_rules! both_backends {
+macro_rules! every_backend {
     ($($test:ident),* $(,)?) => {
         contract_suite!(memory; $($test),*);
         contract_suite!(redis; $($test),*);
+        contract_suite!(postgres; $($test),*);
     };
 }
 
-both_backends!(
+every_backend!(
     no_key_runs_the_handler_unprotected,
     no_key_on_a_required_route_is_400,
     an_app_wide_required_key_is_400,

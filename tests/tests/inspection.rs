@@ -1,6 +1,8 @@
 //! Inspection (issue 11 item 4): look up and delete one record by (scope, key), on every
-//! store. Each test runs once per backend, like the acceptance suite; the last one goes
-//! through a real app and shows what deleting a record does for the next request.
+//! store. Each test runs once per backend (memory, Redis, PostgreSQL), like the acceptance
+//! suite; the last one goes through a real app and shows what deleting a record does for the
+//! next request. PostgreSQL-specific: a transactional route's claim, which lives inside its
+//! transaction, shows as in flight and cannot be deleted.
 
 #![allow(clippy::unwrap_used)]
 
@@ -253,6 +255,30 @@ macro_rules! inspection_suite {
             );
         }
     };
+    // A backend that needs a database of the test's own: `$make_store` gets it.
+    ($backend:ident, database => $make_store:expr) => {
+        mod $backend {
+            inspection_suite!(@database $make_store;
+                a_missing_record_is_not_found,
+                a_completed_record_shows_its_response_and_the_body_only_when_asked,
+                an_in_flight_record_is_deleted_only_when_forced,
+                deleting_a_completed_record_lets_the_key_run_again,
+                scopes_are_kept_apart,
+                an_invalid_key_is_an_error,
+                a_deleted_record_lets_the_app_run_the_handler_again,
+            );
+        }
+    };
+    (@database $make_store:expr; $($test:ident),* $(,)?) => {
+        $(
+            #[actix_web::test]
+            async fn $test() {
+                let prefix = idempotency_actix_tests::unique_prefix(stringify!($test));
+                let database = idempotency_actix_tests::TestDatabase::create().await;
+                super::$test($make_store(&database).await, prefix).await;
+            }
+        )*
+    };
     (@tests $make_store:expr; $($test:ident),* $(,)?) => {
         $(
             #[actix_web::test]
@@ -268,4 +294,8 @@ inspection_suite!(memory, idempotency_actix::MemoryStore::new());
 inspection_suite!(
     redis,
     idempotency_actix::RedisStore::new(idempotency_actix_tests::redis_pool().await)
+);
+inspection_suite!(
+    postgres,
+    database => idempotency_actix_tests::TestDatabase::store
 );

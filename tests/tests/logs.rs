@@ -1,5 +1,6 @@
 //! What the middleware logs (DESIGN §9, issues 3 and 5): a route layer without an App-level
-//! `Idempotency` says what to add, fail-open warns, and key values never reach the log.
+//! `Idempotency` says what to add, fail-open warns, key values never reach the log, and a
+//! transaction taken on a route that is not transactional names the fix.
 
 #![allow(clippy::unwrap_used)]
 
@@ -131,6 +132,38 @@ async fn key_values_never_reach_the_log() {
         !logged.contains(secret),
         "the key value leaked into the log"
     );
+}
+
+async fn takes_a_transaction(
+    _transaction: idempotency_actix::IdempotentTransaction,
+) -> HttpResponse {
+    HttpResponse::Created().finish()
+}
+
+#[actix_web::test]
+async fn a_transaction_on_a_route_that_is_not_transactional_logs_the_fix() {
+    log();
+    let server = actix_test::start(|| {
+        App::new()
+            .wrap(Idempotency::new(MemoryStore::new()))
+            .service(
+                web::resource("/not-transactional")
+                    .wrap(IdempotentRoute::new())
+                    .route(web::post().to(takes_a_transaction)),
+            )
+    });
+    assert_eq!(
+        post(&server, "/not-transactional", "k").await,
+        StatusCode::INTERNAL_SERVER_ERROR
+    );
+    let logged = logged();
+    // Every event of the request carries the route in its span; the error names the fix.
+    let line = logged
+        .lines()
+        .find(|line| line.contains("/not-transactional") && line.contains("ERROR"))
+        .unwrap_or_else(|| panic!("no error logged for the route: {logged}"));
+    assert!(line.contains("#[idempotent(transactional)]"), "{line}");
+    assert!(line.contains("Idempotency::postgres(store)"), "{line}");
 }
 
 #[actix_web::test]

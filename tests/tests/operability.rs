@@ -290,3 +290,33 @@ async fn metrics_are_served_in_the_prometheus_text_format() {
         "the key never reaches the metrics"
     );
 }
+
+#[actix_web::test]
+async fn the_ledger_routes_are_documented_with_a_database() {
+    let database = idempotency_actix_tests::TestDatabase::create().await;
+    let server = ReferenceServer::start(&[("DATABASE_URL", database.url())]);
+    let spec = spec(&server).await;
+    let create = operation(&spec, "post", "/ledger");
+    assert_eq!(key_parameter(create).unwrap()["required"], false);
+    assert_eq!(
+        create["requestBody"]["content"]["application/json"]["schema"]["$ref"],
+        "#/components/schemas/NewEntry"
+    );
+    let rows = operation(&spec, "get", "/ledger");
+    assert!(key_parameter(rows).is_none());
+
+    let key = format!("\"{}\"", uuid::Uuid::new_v4());
+    let entry = post_json(&server, "/ledger", Some(&key), &json!({"amount": 5})).await;
+    assert_eq!(entry.status, StatusCode::CREATED);
+    let schema = &spec["components"]["schemas"]["LedgerEntry"]["properties"];
+    let mut documented: Vec<&String> = schema.as_object().unwrap().keys().collect();
+    documented.sort();
+    let answer = entry.json();
+    let mut answered: Vec<&String> = answer.as_object().unwrap().keys().collect();
+    answered.sort();
+    assert_eq!(answered, documented);
+
+    let without = ReferenceServer::start(&[]);
+    let spec = self::spec(&without).await;
+    assert!(spec["paths"]["/ledger"].is_null(), "404 without a database");
+}

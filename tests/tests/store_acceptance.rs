@@ -1,7 +1,9 @@
 //! The backend-agnostic acceptance suite: every store must pass every test here.
 //!
-//! Each test runs once per backend (`memory::…`, `redis::…`). The Redis runs use the server
-//! at `REDIS_URL` (default 127.0.0.1:6379), each test under its own key prefix.
+//! Each test runs once per backend (`memory::…`, `redis::…`, `postgres::…`). The Redis runs
+//! use the server at `REDIS_URL` (default 127.0.0.1:6379), each test under its own key
+//! prefix; the PostgreSQL runs use the server at `DATABASE_URL` (default
+//! postgres://postgres@127.0.0.1:5432/postgres), each test in a database of its own.
 
 #![allow(clippy::unwrap_used)]
 
@@ -350,6 +352,38 @@ macro_rules! acceptance_suite {
             );
         }
     };
+    // A backend that needs a database of the test's own: `$make_store` gets it.
+    ($backend:ident, database => $make_store:expr) => {
+        mod $backend {
+            acceptance_suite!(@database $make_store;
+                a_new_key_is_acquired_once,
+                another_fingerprint_is_a_mismatch_in_flight_and_completed,
+                a_committed_response_is_replayed_exactly,
+                a_record_without_body_is_replayed_without_body,
+                keys_are_independent,
+                begin_is_idempotent_for_its_token,
+                a_wrong_token_cannot_commit_renew_or_release,
+                operations_on_a_missing_key_report_false,
+                release_frees_the_key,
+                a_committed_record_cannot_be_released_renewed_or_overwritten,
+                an_expired_lease_frees_the_key,
+                renewal_keeps_the_lease,
+                a_lost_lease_cannot_overwrite_the_new_holder,
+                a_completed_record_expires_after_its_ttl,
+                concurrent_begins_acquire_exactly_once,
+            );
+        }
+    };
+    (@database $make_store:expr; $($test:ident),* $(,)?) => {
+        $(
+            #[actix_web::test]
+            async fn $test() {
+                let prefix = idempotency_actix_tests::unique_prefix(stringify!($test));
+                let database = idempotency_actix_tests::TestDatabase::create().await;
+                super::$test($make_store(&database).await, prefix).await;
+            }
+        )*
+    };
     (@tests $make_store:expr; $($test:ident),* $(,)?) => {
         $(
             #[actix_web::test]
@@ -365,4 +399,8 @@ acceptance_suite!(memory, idempotency_actix::MemoryStore::new());
 acceptance_suite!(
     redis,
     idempotency_actix::RedisStore::new(idempotency_actix_tests::redis_pool().await)
+);
+acceptance_suite!(
+    postgres,
+    database => idempotency_actix_tests::TestDatabase::store
 );

@@ -16,18 +16,22 @@ pub const PROTECTABLE_METHODS: [Method; 4] =
 /// |---|---|---|
 /// | `BIND` | address to listen on; port 0 picks a free port | `127.0.0.1:8080` |
 /// | `REDIS_URL` | Redis store through a bb8 pool | unset: in-memory store |
+/// | `DATABASE_URL` | PostgreSQL store (schema migrated at start) and the `/ledger` routes | unset |
 /// | `IDEMPOTENCY` | `on`, or `off` for no middleware at all (the benchmark baseline) | `on` |
 /// | `IDEMPOTENCY_METHODS` | comma-separated methods whose untagged routes are protected too, e.g. `POST,PATCH` | none |
 /// | `IDEMPOTENCY_PREFIX` | prefix of every storage key, to keep apps or test runs apart on one Redis | the crate's (`idempotency:`) |
 /// | `WORKERS` | number of Actix workers | Actix's default (one per core) |
 ///
-/// An empty variable counts as unset.
+/// An empty variable counts as unset. At most one store variable may be set: `REDIS_URL`,
+/// `REDIS_CLUSTER_URLS` or `DATABASE_URL`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerConfig {
     /// `BIND`.
     pub bind: String,
     /// `REDIS_URL`.
     pub redis_url: Option<String>,
+    /// `DATABASE_URL`.
+    pub database_url: Option<String>,
     /// `IDEMPOTENCY`: whether the middleware is installed at all.
     pub idempotency: bool,
     /// `IDEMPOTENCY_METHODS`.
@@ -43,6 +47,7 @@ impl Default for ServerConfig {
         Self {
             bind: "127.0.0.1:8080".to_owned(),
             redis_url: None,
+            database_url: None,
             idempotency: true,
             protect_methods: Vec::new(),
             key_prefix: None,
@@ -115,6 +120,31 @@ impl ServerConfig {
             config.bind = bind;
         }
         config.redis_url = var("REDIS_URL", "a Redis URL such as redis://127.0.0.1:6379")?;
+        config.database_url = var(
+            "DATABASE_URL",
+            "a PostgreSQL URL such as postgres://postgres@127.0.0.1/postgres",
+        )?;
+        // Each names a store; two of them leave the choice unclear.
+        let stores = [
+            ("REDIS_URL", config.redis_url.clone()),
+            (
+                "REDIS_CLUSTER_URLS",
+                var("REDIS_CLUSTER_URLS", "seed node URLs")?,
+            ),
+            ("DATABASE_URL", config.database_url.clone()),
+        ];
+        let set: Vec<_> = stores.iter().filter(|(_, value)| value.is_some()).collect();
+        if let [_, (second, Some(value)), ..] = set.as_slice() {
+            let names: Vec<&str> = set.iter().map(|(name, _)| *name).collect();
+            return Err(invalid(
+                second,
+                value,
+                &format!(
+                    "at most one store variable, but {} are set",
+                    names.join(" and ")
+                ),
+            ));
+        }
 
         const SWITCH: &str = "on or off";
         if let Some(value) = var("IDEMPOTENCY", SWITCH)? {
@@ -195,6 +225,24 @@ mod tests {
         assert_eq!(config.protect_methods, [Method::POST, Method::PATCH]);
         assert_eq!(config.key_prefix.as_deref(), Some("test:"));
         assert_eq!(config.workers.map(NonZeroUsize::get), Some(2));
+    }
+
+    #[test]
+    fn two_stores_are_refused() {
+        for (first, second) in [
+            ("REDIS_URL", "DATABASE_URL"),
+            ("REDIS_CLUSTER_URLS", "DATABASE_URL"),
+            ("REDIS_URL", "REDIS_CLUSTER_URLS"),
+        ] {
+            let error = parse(&[(first, "x://a"), (second, "x://b")]).expect_err(second);
+            assert!(error.to_string().contains(first), "{error}");
+            assert!(error.to_string().contains(second), "{error}");
+        }
+        let config = parse(&[("DATABASE_URL", "postgres://postgres@127.0.0.1/postgres")]);
+        assert_eq!(
+            config.expect("one store").database_url.as_deref(),
+            Some("postgres://postgres@127.0.0.1/postgres")
+        );
     }
 
     #[test]

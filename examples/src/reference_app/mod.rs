@@ -12,11 +12,14 @@
 //! | `GET /stats` | none | the counters: `{"orders", "payments", "flaky", "profile", "large", "untagged"}` |
 //! | `GET /metrics` | none | the middleware's metrics, Prometheus text format |
 //! | `GET /openapi.json` | none | the OpenAPI 3.1 document of every route here |
+//! | `POST /ledger` | `#[idempotent(transactional)]`, with `DATABASE_URL` only | JSON `{"amount"}` → one row in table `ledger` through the request's transaction, 201 `{"entry_id", "amount", "seq"}`; `X-Crash: before_commit` / `after_commit` aborts the process |
+//! | `GET /ledger` | none, with `DATABASE_URL` only | `{"rows"}`: the committed rows of `ledger` |
 //!
 //! Each route but `/stats` counts the runs of its handler; `seq` is the count after this run.
 //! The counters live in one [`Counters`] shared by all workers.
 
 mod config;
+mod ledger;
 mod metrics;
 mod openapi;
 mod routes;
@@ -25,9 +28,12 @@ use std::net::SocketAddr;
 
 use actix_web::dev::Server;
 use actix_web::{App, HttpServer, web};
-use idempotency_actix::{Idempotency, RedisPool, RedisStore};
+use idempotency_actix::{Idempotency, PostgresStore, RedisPool, RedisStore};
 
 pub use self::config::{ConfigError, PROTECTABLE_METHODS, ServerConfig};
+pub use self::ledger::{
+    CRASH_HEADER, LEDGER_SCHEMA, LedgerEntry, LedgerRows, LedgerRuns, NewEntry,
+};
 pub use self::routes::{
     Counters, FlakyAnswer, MAX_DELAY_MS, MAX_LARGE_BYTES, NewOrder, Order, Payment, Seq, Stats,
 };
@@ -39,6 +45,8 @@ enum Store {
     Memory,
     /// Redis through a bb8 pool (`REDIS_URL` set).
     Redis(RedisPool),
+    /// PostgreSQL (`DATABASE_URL` set).
+    Postgres(PostgresStore),
 }
 
 impl Store {
@@ -46,6 +54,7 @@ impl Store {
         match self {
             Self::Memory => "in-memory store",
             Self::Redis(_) => "Redis store",
+            Self::Postgres(_) => "PostgreSQL store",
         }
     }
 }
@@ -55,6 +64,8 @@ impl Store {
 pub enum StartError {
     /// `REDIS_URL` is not a Redis URL.
     RedisUrl(String),
+    /// `DATABASE_URL` is not a PostgreSQL URL, or the schema could not be migrated.
+    Database(String),
     /// `BIND` could not be bound.
     Bind {
         /// The address asked for.
@@ -68,6 +79,7 @@ impl std::fmt::Display for StartError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::RedisUrl(error) => write!(f, "invalid REDIS_URL: {error}"),
+            Self::Database(error) => write!(f, "DATABASE_URL: {error}"),
             Self::Bind { address, error } => write!(f, "cannot listen on BIND={address}: {error}"),
         }
     }
@@ -76,7 +88,7 @@ impl std::fmt::Display for StartError {
 impl std::error::Error for StartError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            Self::RedisUrl(_) => None,
+            Self::RedisUrl(_) | Self::Database(_) => None,
             Self::Bind { error, .. } => Some(error),
         }
     }
@@ -99,14 +111,30 @@ pub struct Running {
 /// Call it inside an Actix system (`#[actix_web::main]`, `actix_web::rt::System`), then
 /// await or spawn [`Running::server`]. With Redis (and idempotency on) it checks the
 /// connection once and warns on stderr when Redis does not answer; the server starts anyway
-/// and answers protected requests with 503 until Redis is up.
+/// and answers protected requests with 503 until Redis is up. With PostgreSQL it migrates
+/// the store's table and creates table `ledger` (both if missing), and deletes expired
+/// records every minute.
 ///
 /// # Errors
 ///
-/// When `REDIS_URL` is not a Redis URL or `BIND` cannot be bound.
+/// When `REDIS_URL` is not a Redis URL, `DATABASE_URL` is not a PostgreSQL URL or its
+/// database cannot be migrated, or `BIND` cannot be bound.
 pub async fn start(config: &ServerConfig) -> Result<Running, StartError> {
-    let store = match &config.redis_url {
-        Some(url) => {
+    let store = match (&config.redis_url, &config.database_url) {
+        (_, Some(url)) => {
+            let database = |error: &dyn std::fmt::Display| StartError::Database(error.to_string());
+            let pool = PostgresStore::pool(url).map_err(|error| database(&error))?;
+            let store = PostgresStore::new(pool);
+            if config.idempotency {
+                store.migrate().await.map_err(|error| database(&error))?;
+                actix_web::rt::spawn(store.clone().expire_periodically(EXPIRY_PERIOD));
+            }
+            ledger::create_ledger(store.connection_pool())
+                .await
+                .map_err(|error| database(&error))?;
+            Store::Postgres(store)
+        }
+        (Some(url), None) => {
             let pool =
                 RedisStore::pool(url).map_err(|error| StartError::RedisUrl(error.to_string()))?;
             // With IDEMPOTENCY=off the URL is still checked, but Redis is never contacted.
@@ -115,9 +143,14 @@ pub async fn start(config: &ServerConfig) -> Result<Running, StartError> {
             }
             Store::Redis(pool)
         }
-        None => Store::Memory,
+        (None, None) => Store::Memory,
     };
     let counters = web::Data::new(Counters::default());
+    let ledger_runs = web::Data::new(LedgerRuns::default());
+    let database = match &store {
+        Store::Postgres(store) => Some(web::Data::new(store.connection_pool().clone())),
+        _ => None,
+    };
     let summary = summary(config, &store);
     let spec = openapi::document(config);
     metrics::handle();
@@ -141,30 +174,48 @@ pub async fn start(config: &ServerConfig) -> Result<Running, StartError> {
     }
 
     let (server, addrs) = if config.idempotency {
-        let (counters, spec) = (counters.clone(), spec.clone());
+        let (counters, ledger_runs, database, spec) = (
+            counters.clone(),
+            ledger_runs.clone(),
+            database.clone(),
+            spec.clone(),
+        );
         let methods = config.protect_methods.clone();
         let prefix = config.key_prefix.clone();
         serve!(HttpServer::new(move || {
             let mut idempotency = match &store {
                 Store::Memory => Idempotency::memory(),
                 Store::Redis(pool) => Idempotency::redis(pool.clone()),
+                Store::Postgres(store) => Idempotency::postgres(store.clone()),
             };
             if let Some(prefix) = &prefix {
                 idempotency = idempotency.key_prefix(prefix.clone());
             }
-            App::new()
+            let mut app = App::new()
                 .app_data(counters.clone())
+                .app_data(ledger_runs.clone())
                 .app_data(spec.clone())
                 .wrap(idempotency.protect_methods(methods.clone()))
-                .configure(routes::protected)
+                .configure(routes::protected);
+            if let Some(pool) = &database {
+                app = app.app_data(pool.clone()).configure(ledger::protected);
+            }
+            app
         }))
     } else {
-        let counters = counters.clone();
+        let (counters, ledger_runs, database) =
+            (counters.clone(), ledger_runs.clone(), database.clone());
+        let spec = spec.clone();
         serve!(HttpServer::new(move || {
-            App::new()
+            let mut app = App::new()
                 .app_data(counters.clone())
+                .app_data(ledger_runs.clone())
                 .app_data(spec.clone())
-                .configure(routes::unprotected)
+                .configure(routes::unprotected);
+            if let Some(pool) = &database {
+                app = app.app_data(pool.clone()).configure(ledger::unprotected);
+            }
+            app
         }))
     };
     Ok(Running {
@@ -174,6 +225,9 @@ pub async fn start(config: &ServerConfig) -> Result<Running, StartError> {
         summary,
     })
 }
+
+/// How often the PostgreSQL store's expired records are deleted.
+const EXPIRY_PERIOD: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Warns on stderr when Redis does not answer within 2 s (the pool's connection timeout).
 async fn warn_if_unreachable(pool: &RedisPool) {

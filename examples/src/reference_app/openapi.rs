@@ -7,7 +7,7 @@ use idempotency_actix::{IdempotencyOpenApi, ProtectedRoute};
 use utoipa::OpenApi;
 
 use super::routes::tagged;
-use super::{ServerConfig, metrics};
+use super::{ServerConfig, ledger, metrics};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -30,6 +30,11 @@ use super::{ServerConfig, metrics};
 )]
 struct ApiDoc;
 
+/// The routes that exist only with `DATABASE_URL`.
+#[derive(OpenApi)]
+#[openapi(paths(ledger::tagged::create_entry, ledger::count_rows))]
+struct LedgerDoc;
+
 /// The routes `#[idempotent]` protects.
 const TAGGED: [ProtectedRoute; 5] = [
     tagged::create_order::IDEMPOTENCY,
@@ -41,16 +46,23 @@ const TAGGED: [ProtectedRoute; 5] = [
 
 /// The OpenAPI document of the server `config` describes, as JSON.
 ///
-/// With idempotency on, the tagged routes, and `POST /untagged` when `IDEMPOTENCY_METHODS`
-/// names `POST`, document the `Idempotency-Key` header and the middleware's answers.
+/// The ledger routes are in it only with `DATABASE_URL`. With idempotency on, the tagged
+/// routes, and `POST /untagged` when `IDEMPOTENCY_METHODS` names `POST`, document the
+/// `Idempotency-Key` header and the middleware's answers.
 pub(super) fn document(config: &ServerConfig) -> web::Data<SpecJson> {
     let mut spec = ApiDoc::openapi();
+    let database = config.database_url.is_some();
+    if database {
+        spec.merge(LedgerDoc::openapi());
+    }
     if config.idempotency {
         let untagged = config
             .protect_methods
             .contains(&actix_web::http::Method::POST)
             .then_some(ProtectedRoute::new("untagged", &[("post", "/untagged")]));
-        IdempotencyOpenApi::from_routes(TAGGED.into_iter().chain(untagged)).apply(&mut spec);
+        let ledger = database.then_some(ledger::tagged::create_entry::IDEMPOTENCY);
+        let routes = TAGGED.into_iter().chain(untagged).chain(ledger);
+        IdempotencyOpenApi::from_routes(routes).apply(&mut spec);
     }
     // Serializing utoipa's document (strings, numbers, maps) cannot fail.
     web::Data::new(SpecJson(spec.to_json().unwrap_or_default()))

@@ -17,7 +17,7 @@ use crate::fingerprint::FingerprintParts;
 use crate::policy::checked;
 use crate::replay::ReplayedHeaders;
 use crate::scope::KeyScope;
-use crate::store::{DynStore, IdempotencyStore, MemoryStore};
+use crate::store::{DynStore, IdempotencyStore, MemoryStore, MemoryStoreBuilder};
 
 /// Idempotency middleware: makes retries of protected requests safe.
 ///
@@ -76,11 +76,41 @@ impl Idempotency {
         Self::new(crate::store::RedisStore::new(pool))
     }
 
+    /// Idempotency on PostgreSQL: durable records, and the store of transactional routes
+    /// (see `PostgresStore` and
+    /// `IdempotentTransaction`).
+    #[cfg(feature = "postgres")]
+    pub fn postgres(store: crate::store::PostgresStore) -> Self {
+        Self::new(store)
+    }
+
     /// Idempotency on the process-wide in-memory store ([`MemoryStore::shared`]): for
     /// development, tests and single-instance apps. Every worker (and every app in the
     /// process) that uses it shares one store.
+    ///
+    /// The store holds at most 64 MiB; when full, it evicts completed records, which
+    /// shortens their keys' idempotency window (see [`MemoryStore`]).
+    /// [`memory_with`](Self::memory_with) sets another budget.
     pub fn memory() -> Self {
         Self::new(MemoryStore::shared())
+    }
+
+    /// Idempotency on the process-wide in-memory store with these settings
+    /// ([`MemoryStoreBuilder::shared`]): every worker (and every app in the process) that
+    /// passes the same settings shares one store.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::App;
+    /// use idempotency_actix::{Idempotency, MemoryStore};
+    ///
+    /// let app = App::new().wrap(Idempotency::memory_with(
+    ///     MemoryStore::builder().max_bytes(256 * 1024 * 1024),
+    /// ));
+    /// ```
+    pub fn memory_with(settings: MemoryStoreBuilder) -> Self {
+        Self::new(settings.shared())
     }
 
     /// Also protects untagged routes for these methods (safe methods are ignored).

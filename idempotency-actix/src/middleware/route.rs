@@ -118,6 +118,14 @@ impl IdempotentRoute {
         Self::with_policy(self.policy.wait_for_completion(bound))
     }
 
+    /// The route is transactional: the handler writes through an
+    /// `IdempotentTransaction` that commits together with
+    /// the stored response (see [`RoutePolicy::transactional`]).
+    #[must_use]
+    pub fn transactional(self) -> Self {
+        Self::with_policy(self.policy.transactional())
+    }
+
     /// The overrides this route applies.
     pub fn policy(&self) -> &RoutePolicy {
         &self.policy
@@ -181,6 +189,15 @@ where
             );
             return answer::<S, B>(refuse(req.into_parts().0, &IdempotencyError::NotConfigured));
         };
+        if claimed.is_some() && self.policy.is_transactional() {
+            tracing::error!(
+                path = req.path(),
+                "a transactional route is also covered by Idempotency::protect_methods on the \
+                 App, which claims the request before routing, outside any transaction: leave \
+                 this method out of protect_methods"
+            );
+            return answer::<S, B>(refuse(req.into_parts().0, &IdempotencyError::NotConfigured));
+        }
         match claimed {
             // An outer layer already processes this request: we still enforce a required key
             // and our body limit, and hand our policy to the lock it holds.

@@ -27,12 +27,17 @@ use crate::scope::StorageKey;
 
 mod inspection;
 mod memory;
+#[cfg(feature = "postgres")]
+pub(crate) mod postgres;
 #[cfg(feature = "redis")]
 mod redis;
 
 pub use self::inspection::{Deletion, RecordSnapshot, RecordState};
-
-pub use self::memory::MemoryStore;
+pub use self::memory::{MemoryStore, MemoryStoreBuilder};
+#[cfg(feature = "postgres")]
+pub use self::postgres::{
+    DEFAULT_TABLE, EXPIRY_BATCH, PostgresPool, PostgresStore, TableNameError,
+};
 #[cfg(feature = "redis")]
 pub use self::redis::{RedisPool, RedisStore};
 
@@ -197,6 +202,10 @@ pub trait IdempotencyStore: 'static {
 
 /// The object-safe form of [`IdempotencyStore`] the middleware keeps behind an `Rc`.
 pub(crate) trait DynStore {
+    /// The store itself, for the features only one backend offers (transactional routes).
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    fn as_any(&self) -> &dyn std::any::Any;
+
     fn begin<'a>(
         &'a self,
         key: &'a StorageKey,
@@ -228,6 +237,10 @@ pub(crate) trait DynStore {
 }
 
 impl<T: IdempotencyStore> DynStore for T {
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
     fn begin<'a>(
         &'a self,
         key: &'a StorageKey,

@@ -1,0 +1,147 @@
+//! [`MemoryStoreBuilder`]: the byte budget and shard count of a [`MemoryStore`].
+
+use std::sync::{Mutex, PoisonError};
+
+use super::MemoryStore;
+
+/// The settings of a [`MemoryStore`]: how many bytes it may hold and across how many
+/// independently locked shards.
+///
+/// [`build`](Self::build) makes a store of its own; [`shared`](Self::shared) hands out the
+/// process-wide store for these settings, which is what
+/// [`Idempotency::memory_with`](crate::Idempotency::memory_with) uses so that every worker
+/// of an `HttpServer` shares one store.
+///
+/// # Examples
+///
+/// ```
+/// use idempotency_actix::MemoryStore;
+///
+/// let store = MemoryStore::builder().max_bytes(8 * 1024 * 1024).build();
+/// assert_eq!(store.max_bytes(), 8 * 1024 * 1024);
+/// assert_eq!(store.used_bytes(), 0);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryStoreBuilder {
+    max_bytes: usize,
+    shards: Option<usize>,
+}
+
+impl MemoryStoreBuilder {
+    /// The default byte budget: 64 MiB, room for about 60 000 records of a few hundred
+    /// bytes of body and headers each (a record costs about 800 bytes more than its body and
+    /// headers), or 60 of the largest stored bodies (1 MiB).
+    pub const DEFAULT_MAX_BYTES: usize = 64 * 1024 * 1024;
+
+    /// The most shards a store is split into by default.
+    pub const DEFAULT_MAX_SHARDS: usize = 16;
+
+    /// The smallest share of the budget a shard gets by default: a shard must hold the
+    /// largest stored body (1 MiB by default) with room to spare.
+    pub const MIN_SHARD_BYTES: usize = 4 * 1024 * 1024;
+
+    pub(super) const fn new() -> Self {
+        Self {
+            max_bytes: Self::DEFAULT_MAX_BYTES,
+            shards: None,
+        }
+    }
+
+    /// The most bytes the store holds: bodies, headers, keys, lease tokens and a fixed
+    /// overhead per record (default [`DEFAULT_MAX_BYTES`](Self::DEFAULT_MAX_BYTES)).
+    ///
+    /// When a new record would not fit, completed records are evicted, soonest to expire
+    /// first; in-flight records never are. See [`MemoryStore`] for what that means for
+    /// clients.
+    #[must_use]
+    pub const fn max_bytes(mut self, bytes: usize) -> Self {
+        self.max_bytes = bytes;
+        self
+    }
+
+    /// Splits the store into `shards` parts, each with its own lock and an equal share of
+    /// the byte budget; a record lives in the shard its key hashes to.
+    ///
+    /// By default one shard per [`MIN_SHARD_BYTES`](Self::MIN_SHARD_BYTES) of budget, at
+    /// least 1 and at most [`DEFAULT_MAX_SHARDS`](Self::DEFAULT_MAX_SHARDS) (16 for the
+    /// default 64 MiB). More shards let more workers use the store at once; fewer leave
+    /// each shard room for larger records (a response larger than a shard's share is
+    /// stored without its body).
+    ///
+    /// # Panics
+    ///
+    /// If `shards` is zero (a configuration mistake).
+    #[must_use]
+    pub const fn shards(mut self, shards: usize) -> Self {
+        assert!(shards > 0, "MemoryStoreBuilder::shards: at least one shard");
+        self.shards = Some(shards);
+        self
+    }
+
+    /// The number of shards these settings give.
+    pub(super) fn shard_count(&self) -> usize {
+        self.shards.unwrap_or_else(|| {
+            (self.max_bytes / Self::MIN_SHARD_BYTES).clamp(1, Self::DEFAULT_MAX_SHARDS)
+        })
+    }
+
+    /// The byte budget.
+    pub(super) fn budget(&self) -> usize {
+        self.max_bytes
+    }
+
+    /// A new store of its own with these settings.
+    pub fn build(self) -> MemoryStore {
+        MemoryStore::from_settings(self)
+    }
+
+    /// The process-wide store with these settings, made on first use: every call with the
+    /// same settings (from any worker or app in the process) gets a handle on the same
+    /// records.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use actix_web::http::Method;
+    /// use idempotency_actix::{Fingerprint, IdempotencyKey, IdempotencyStore, LeaseToken,
+    ///     MemoryStore, StorageKey};
+    ///
+    /// # actix_web::rt::System::new().block_on(async {
+    /// let settings = MemoryStore::builder().max_bytes(16 * 1024 * 1024);
+    /// let (worker_1, worker_2) = (settings.shared(), settings.shared());
+    /// let key = StorageKey::new("doc:", b"", &IdempotencyKey::parse(b"k").unwrap());
+    /// let print = Fingerprint::compute(&Method::POST, "/", "", b"", []);
+    /// let lease = Duration::from_secs(30);
+    /// worker_1.begin(&key, &print, &LeaseToken::generate(), lease).await.unwrap();
+    /// assert_eq!(worker_2.len(), 1);
+    /// # });
+    /// ```
+    pub fn shared(self) -> MemoryStore {
+        static SHARED: Mutex<Vec<(MemoryStoreBuilder, MemoryStore)>> = Mutex::new(Vec::new());
+        let settings = self.resolved();
+        // Nothing panics while this lock is held, so a poisoned lock is still consistent.
+        let mut shared = SHARED.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((_, store)) = shared.iter().find(|(known, _)| *known == settings) {
+            return store.clone();
+        }
+        let store = settings.build();
+        shared.push((settings, store.clone()));
+        store
+    }
+
+    /// The same settings with the shard count spelled out, so that settings that make the
+    /// same store compare equal.
+    fn resolved(self) -> Self {
+        Self {
+            shards: Some(self.shard_count()),
+            ..self
+        }
+    }
+}
+
+impl Default for MemoryStoreBuilder {
+    fn default() -> Self {
+        Self::new()
+    }
+}

@@ -1,0 +1,81 @@
+//! [`Entry`]: one record as the memory store holds it, and the bytes it is charged.
+
+use std::mem::size_of;
+use std::sync::Arc;
+use std::time::Instant;
+
+use actix_web::http::header::{HeaderName, HeaderValue};
+
+use crate::fingerprint::Fingerprint;
+use crate::record::StoredResponse;
+use crate::store::LeaseToken;
+
+/// Where an entry sits in its shard's expiry index: its expiry, then a sequence number that
+/// tells apart entries expiring at the same instant.
+pub(super) type ExpiryKey = (Instant, u64);
+
+/// One record: in flight (a lease held by a token) or completed (a response to replay).
+pub(super) struct Entry {
+    pub(super) fingerprint: Fingerprint,
+    pub(super) state: EntryState,
+    pub(super) expires_at: Instant,
+    pub(super) seq: u64,
+    /// What the entry is charged against the byte budget, fixed when it is written.
+    pub(super) bytes: usize,
+}
+
+pub(super) enum EntryState {
+    InFlight(LeaseToken),
+    Completed(LeaseToken, StoredResponse),
+}
+
+impl Entry {
+    pub(super) fn expiry_key(&self) -> ExpiryKey {
+        (self.expires_at, self.seq)
+    }
+
+    pub(super) fn is_live(&self, now: Instant) -> bool {
+        self.expires_at > now
+    }
+
+    /// Whether `token` holds this entry's lease.
+    pub(super) fn is_held_by(&self, token: &LeaseToken) -> bool {
+        matches!(&self.state, EntryState::InFlight(holder) if holder == token)
+    }
+}
+
+/// What the allocator adds to each heap allocation on average (its bookkeeping and the
+/// rounding up to a size class).
+const ALLOCATION_OVERHEAD: usize = 32;
+
+/// The fixed cost of every entry: its slot in the shard's map (key and entry), its slot in an
+/// expiry index, and the shared key's reference counts, plus the allocations of the shared key
+/// and of the token. Hash tables and B-tree nodes are never full, so both slots are counted
+/// twice.
+const ENTRY_OVERHEAD: usize = 2 * size_of::<(Arc<str>, Entry)>()
+    + 2 * size_of::<(ExpiryKey, Arc<str>)>()
+    + 2 * size_of::<usize>()
+    + 2 * ALLOCATION_OVERHEAD;
+
+/// The fixed cost of each stored header beside its name and value bytes.
+const HEADER_OVERHEAD: usize = size_of::<(HeaderName, HeaderValue)>() + ALLOCATION_OVERHEAD;
+
+/// The bytes an in-flight record under `key` held by `token` is charged.
+pub(super) fn in_flight_bytes(key: &str, token: &LeaseToken) -> usize {
+    ENTRY_OVERHEAD + key.len() + token.as_str().len()
+}
+
+/// The bytes a completed record under `key` is charged: the in-flight cost plus every stored
+/// header and the body, each with its allocation.
+pub(super) fn completed_bytes(key: &str, token: &LeaseToken, response: &StoredResponse) -> usize {
+    let headers: usize = response
+        .headers
+        .iter()
+        .map(|(name, value)| HEADER_OVERHEAD + name.as_str().len() + value.len())
+        .sum();
+    let body = response
+        .body
+        .as_ref()
+        .map_or(0, |body| ALLOCATION_OVERHEAD + body.len());
+    in_flight_bytes(key, token) + ALLOCATION_OVERHEAD + headers + body
+}

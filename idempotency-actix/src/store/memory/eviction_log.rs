@@ -1,0 +1,62 @@
+//! [`EvictionLog`]: counts evictions and warns about them at most once per interval.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// The shortest time between two eviction warnings of one store.
+const WARNING_INTERVAL: Duration = Duration::from_secs(10);
+
+/// The eviction counter of one store and the rate limit of its warning.
+pub(super) struct EvictionLog {
+    total: AtomicU64,
+    /// The total at the last warning: the next one says how many were evicted since.
+    reported: AtomicU64,
+    /// When the next warning may be logged, in milliseconds since `started`.
+    next_warning_at_ms: AtomicU64,
+    started: Instant,
+}
+
+impl EvictionLog {
+    pub(super) fn new() -> Self {
+        Self {
+            total: AtomicU64::new(0),
+            reported: AtomicU64::new(0),
+            next_warning_at_ms: AtomicU64::new(0),
+            started: Instant::now(),
+        }
+    }
+
+    /// How many live completed records were evicted so far.
+    pub(super) fn total(&self) -> u64 {
+        self.total.load(Ordering::Relaxed)
+    }
+
+    /// Counts `evicted` evictions and warns if no warning was logged in the last interval.
+    /// Called after the shard's lock is released: logging never holds up other requests.
+    pub(super) fn record(&self, evicted: u64, max_bytes: usize) {
+        if evicted == 0 {
+            return;
+        }
+        crate::instrument::record_evictions(crate::EvictionSource::MemoryStore, evicted);
+        let total = self.total.fetch_add(evicted, Ordering::Relaxed) + evicted;
+        let now_ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let due = self.next_warning_at_ms.load(Ordering::Relaxed);
+        let next = now_ms.saturating_add(WARNING_INTERVAL.as_millis() as u64);
+        if now_ms < due
+            || self
+                .next_warning_at_ms
+                .compare_exchange(due, next, Ordering::Relaxed, Ordering::Relaxed)
+                .is_err()
+        {
+            return;
+        }
+        let since_last = total.saturating_sub(self.reported.swap(total, Ordering::Relaxed));
+        tracing::warn!(
+            evicted = since_last,
+            evicted_total = total,
+            max_bytes,
+            "idempotency: the memory store is full and evicted completed records before their \
+             ttl; a retry of an evicted key runs its handler again (raise max_bytes)"
+        );
+    }
+}

@@ -1,0 +1,253 @@
+//! [`MemoryStore`]: an in-process store for development, tests and single-instance apps,
+//! bounded by bytes.
+
+use std::hash::BuildHasher;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use super::{BeginOutcome, Deletion, IdempotencyStore, LeaseToken, RecordSnapshot, StoreError};
+use crate::fingerprint::Fingerprint;
+use crate::record::StoredResponse;
+use crate::scope::StorageKey;
+
+mod builder;
+mod entry;
+mod eviction_log;
+mod shard;
+
+pub use self::builder::MemoryStoreBuilder;
+use self::eviction_log::EvictionLog;
+use self::shard::{Full, Shard};
+
+/// An in-process store with the same semantics as the Redis store, expiry included, that
+/// never holds more than a byte budget (64 MiB by default).
+///
+/// Cloning is cheap and clones share one store, so every worker of an `HttpServer` sees the
+/// same records when each gets a clone. [`Idempotency::memory`](crate::Idempotency::memory)
+/// and [`Idempotency::memory_with`](crate::Idempotency::memory_with) use a process-wide
+/// instance ([`MemoryStoreBuilder::shared`]) for that reason.
+///
+/// # Memory
+///
+/// Every record is charged its key, lease token, stored headers and body, and a fixed
+/// overhead for the maps that hold it; [`used_bytes`](Self::used_bytes) never exceeds
+/// [`max_bytes`](Self::max_bytes) (set with [`MemoryStoreBuilder::max_bytes`]).
+///
+/// When a new record does not fit, the store **evicts completed records, soonest to expire
+/// first**. Evicting a completed record shortens the idempotency window of its key: a retry
+/// that arrives after the eviction runs the handler again, as it would after the ttl. The
+/// evictions are counted ([`evictions`](Self::evictions)) and logged as a warning at most
+/// once every 10 s. Soonest to expire, rather than least recently used, because it takes
+/// from each key the least of its remaining window, drops short-lived routes' records
+/// first, and costs nothing on a replay; with one ttl for all routes it is simply the
+/// oldest record first.
+///
+/// **In-flight records are never evicted** (that would let a duplicate run while the
+/// first request still runs). In-flight records may take half the budget, so that they
+/// always have room to complete: a new key is refused (a store error: 503 when failing
+/// closed) only when in-flight records alone hold half the budget, and accepted again as
+/// soon as some complete or are released. A response that does not fit even then is stored
+/// without its body, as a response over the stored-body limit is, so its retries are still
+/// never run again.
+///
+/// The budget is split evenly between shards, each with its own lock, chosen by a hash of
+/// the key ([`MemoryStoreBuilder::shards`]), so workers rarely wait for one another; the
+/// bounds above hold per shard. Expiry and eviction follow an index ordered by expiry: each
+/// operation costs O(log n), whatever the number of records.
+///
+/// It does not reach other processes: use the Redis store for more than one instance.
+///
+/// # Examples
+///
+/// ```
+/// use actix_web::{App, HttpServer};
+/// use idempotency_actix::{Idempotency, MemoryStore};
+///
+/// let store = MemoryStore::builder().max_bytes(256 * 1024 * 1024).build();
+/// let app_factory = move || App::new().wrap(Idempotency::new(store.clone()));
+/// # let _ = app_factory;
+/// ```
+#[derive(Clone)]
+pub struct MemoryStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    shards: Box<[Mutex<Shard>]>,
+    hasher: std::collections::hash_map::RandomState,
+    max_bytes: usize,
+    evictions: EvictionLog,
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self::builder().build()
+    }
+}
+
+impl MemoryStore {
+    /// An empty store of its own with the default settings (64 MiB).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Settings for a store: its byte budget and shard count.
+    pub const fn builder() -> MemoryStoreBuilder {
+        MemoryStoreBuilder::new()
+    }
+
+    /// The process-wide store with the default settings, which
+    /// [`Idempotency::memory`](crate::Idempotency::memory) uses.
+    pub fn shared() -> Self {
+        Self::builder().shared()
+    }
+
+    fn from_settings(settings: MemoryStoreBuilder) -> Self {
+        let shard_count = settings.shard_count();
+        let max_bytes = settings.budget();
+        let shard_bytes = max_bytes / shard_count;
+        Self {
+            inner: Arc::new(Inner {
+                shards: (0..shard_count)
+                    .map(|_| Mutex::new(Shard::new(shard_bytes)))
+                    .collect(),
+                hasher: std::collections::hash_map::RandomState::new(),
+                max_bytes,
+                evictions: EvictionLog::new(),
+            }),
+        }
+    }
+
+    /// How many records (in flight, completed, or expired and not yet reclaimed) the store
+    /// holds.
+    pub fn len(&self) -> usize {
+        self.shards().map(|shard| shard.len()).sum()
+    }
+
+    /// Whether the store holds no record.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The bytes the records it holds are charged; never more than
+    /// [`max_bytes`](Self::max_bytes).
+    pub fn used_bytes(&self) -> usize {
+        self.shards().map(|shard| shard.used_bytes()).sum()
+    }
+
+    /// Its byte budget.
+    pub fn max_bytes(&self) -> usize {
+        self.inner.max_bytes
+    }
+
+    /// How many completed records were evicted before their ttl to make room, since the
+    /// store was made.
+    pub fn evictions(&self) -> u64 {
+        self.inner.evictions.total()
+    }
+
+    fn shards(&self) -> impl Iterator<Item = MutexGuard<'_, Shard>> {
+        self.inner.shards.iter().map(lock)
+    }
+
+    /// Runs `operation` on the shard of `key`, then reports its evictions once the lock is
+    /// released.
+    fn on_shard<T>(&self, key: &StorageKey, operation: impl FnOnce(&mut Shard, Instant) -> T) -> T {
+        let shards = &self.inner.shards;
+        let index = (self.inner.hasher.hash_one(key.as_str()) % shards.len() as u64) as usize;
+        let (result, evicted) = {
+            let mut shard = lock(&shards[index]);
+            let result = operation(&mut shard, Instant::now());
+            (result, shard.take_evictions())
+        };
+        self.inner.evictions.record(evicted, self.inner.max_bytes);
+        result
+    }
+
+    fn full(&self) -> StoreError {
+        let share = self.inner.max_bytes / self.inner.shards.len();
+        StoreError::Unavailable(
+            format!(
+                "the memory store is full of in-flight records (a shard's share is {share} of \
+                 {} bytes)",
+                self.inner.max_bytes
+            )
+            .into(),
+        )
+    }
+}
+
+/// Locks a shard. Nothing panics while a shard is locked (no user code runs there), so a
+/// poisoned lock is still consistent.
+fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
+    shard.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl IdempotencyStore for MemoryStore {
+    async fn begin(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        token: &LeaseToken,
+        lease: Duration,
+    ) -> Result<BeginOutcome, StoreError> {
+        self.on_shard(key, |shard, now| {
+            shard.begin(key.as_str(), fingerprint, token, lease, now)
+        })
+        .map_err(|Full| self.full())
+    }
+
+    async fn renew(
+        &self,
+        key: &StorageKey,
+        token: &LeaseToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        Ok(self.on_shard(key, |shard, now| {
+            shard.renew(key.as_str(), token, lease, now)
+        }))
+    }
+
+    async fn commit(
+        &self,
+        key: &StorageKey,
+        token: &LeaseToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.on_shard(key, |shard, now| {
+            shard.commit(key.as_str(), token, response, ttl, now)
+        })
+        .map_err(|Full| self.full())
+    }
+
+    async fn release(&self, key: &StorageKey, token: &LeaseToken) -> Result<bool, StoreError> {
+        Ok(self.on_shard(key, |shard, now| shard.release(key.as_str(), token, now)))
+    }
+
+    async fn inspect(
+        &self,
+        key: &StorageKey,
+        with_body: bool,
+    ) -> Result<Option<RecordSnapshot>, StoreError> {
+        Ok(self.on_shard(key, |shard, now| {
+            shard.inspect(key.as_str(), with_body, now)
+        }))
+    }
+
+    async fn delete(&self, key: &StorageKey, force: bool) -> Result<Deletion, StoreError> {
+        Ok(self.on_shard(key, |shard, now| shard.delete(key.as_str(), force, now)))
+    }
+}
+
+impl std::fmt::Debug for MemoryStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryStore")
+            .field("shards", &self.inner.shards.len())
+            .field("max_bytes", &self.inner.max_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests;

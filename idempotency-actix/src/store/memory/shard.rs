@@ -1,0 +1,355 @@
+//! [`Shard`]: one lock's worth of a memory store: its records, their expiry indices and its
+//! byte budget.
+//!
+//! Every record is in the map and in exactly one of two indices ordered by expiry: one for
+//! in-flight records, one for completed ones. Both are kept exact (an entry whose expiry
+//! changes is moved, a removed record leaves its index at once), so they never hold more
+//! entries than the map. Expired records are reclaimed from the front of the indices a few
+//! per operation, and eviction takes the front of the completed index: every step is
+//! O(log n), none walks the records.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::entry::{self, Entry, EntryState, ExpiryKey};
+use crate::fingerprint::Fingerprint;
+use crate::record::StoredResponse;
+use crate::store::{BeginOutcome, Deletion, LeaseToken, RecordSnapshot};
+
+/// At most this many expired records of each index are reclaimed per operation. Each
+/// operation adds at most one record, so expired records never pile up, and no request
+/// pays for reclaiming a large batch that expired at once.
+const RECLAIMED_PER_OPERATION: usize = 4;
+
+/// The in-flight records alone leave no room for the record asked for.
+#[derive(Debug)]
+pub(super) struct Full;
+
+pub(super) struct Shard {
+    records: HashMap<Arc<str>, Entry>,
+    in_flight: BTreeMap<ExpiryKey, Arc<str>>,
+    completed: BTreeMap<ExpiryKey, Arc<str>>,
+    used_bytes: usize,
+    in_flight_bytes: usize,
+    max_bytes: usize,
+    next_seq: u64,
+    /// Live completed records evicted since [`take_evictions`](Self::take_evictions).
+    evictions: u64,
+}
+
+impl Shard {
+    pub(super) fn new(max_bytes: usize) -> Self {
+        Self {
+            records: HashMap::new(),
+            in_flight: BTreeMap::new(),
+            completed: BTreeMap::new(),
+            used_bytes: 0,
+            in_flight_bytes: 0,
+            max_bytes,
+            next_seq: 0,
+            evictions: 0,
+        }
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.records.len()
+    }
+
+    pub(super) fn used_bytes(&self) -> usize {
+        self.used_bytes
+    }
+
+    /// The live completed records evicted since the last call.
+    pub(super) fn take_evictions(&mut self) -> u64 {
+        std::mem::take(&mut self.evictions)
+    }
+
+    pub(super) fn begin(
+        &mut self,
+        key: &str,
+        fingerprint: &Fingerprint,
+        token: &LeaseToken,
+        lease: Duration,
+        now: Instant,
+    ) -> Result<BeginOutcome, Full> {
+        self.reclaim_expired(now);
+        if let Some(record) = self.records.get(key) {
+            if record.is_live(now) {
+                return Ok(match &record.state {
+                    EntryState::InFlight(holder) if holder == token => BeginOutcome::Acquired,
+                    _ if record.fingerprint != *fingerprint => BeginOutcome::FingerprintMismatch,
+                    EntryState::InFlight(_) => BeginOutcome::InFlight,
+                    EntryState::Completed(_, response) => BeginOutcome::Completed(response.clone()),
+                });
+            }
+            self.remove(key);
+        }
+        let bytes = entry::in_flight_bytes(key, token);
+        // In-flight records may take half the budget: the other half is room for them to
+        // complete, so a shard full of them can always commit.
+        self.reclaim_expired_in_flight(now);
+        if self.in_flight_bytes + bytes > self.max_bytes / 2 {
+            return Err(Full);
+        }
+        self.make_room(bytes, now)?;
+        let key: Arc<str> = Arc::from(key);
+        let seq = self.next_seq();
+        let expires_at = expiry(now, lease);
+        self.in_flight.insert((expires_at, seq), Arc::clone(&key));
+        self.records.insert(
+            key,
+            Entry {
+                fingerprint: *fingerprint,
+                state: EntryState::InFlight(token.clone()),
+                expires_at,
+                seq,
+                bytes,
+            },
+        );
+        self.used_bytes += bytes;
+        self.in_flight_bytes += bytes;
+        Ok(BeginOutcome::Acquired)
+    }
+
+    pub(super) fn renew(
+        &mut self,
+        key: &str,
+        token: &LeaseToken,
+        lease: Duration,
+        now: Instant,
+    ) -> bool {
+        self.reclaim_expired(now);
+        let Some(record) = self
+            .records
+            .get_mut(key)
+            .filter(|record| record.is_live(now) && record.is_held_by(token))
+        else {
+            return false;
+        };
+        if let Some(key) = self.in_flight.remove(&record.expiry_key()) {
+            record.expires_at = expiry(now, lease);
+            self.in_flight.insert(record.expiry_key(), key);
+        }
+        true
+    }
+
+    /// Completes the record held by `token`. A record that does not fit even once every
+    /// completed record is evicted (in-flight records fill the shard, or the response alone
+    /// is larger than the shard) is completed without its body, as a response over the
+    /// stored-body limit is, so a retry still never runs the handler again; [`Full`] if
+    /// even that does not fit.
+    pub(super) fn commit(
+        &mut self,
+        key: &str,
+        token: &LeaseToken,
+        response: &StoredResponse,
+        ttl: Duration,
+        now: Instant,
+    ) -> Result<bool, Full> {
+        self.reclaim_expired(now);
+        let Some(record) = self.records.get(key).filter(|record| record.is_live(now)) else {
+            return Ok(false);
+        };
+        match &record.state {
+            // Committing twice with one token succeeds without writing again.
+            EntryState::Completed(committer, _) => return Ok(committer == token),
+            EntryState::InFlight(holder) if holder != token => return Ok(false),
+            EntryState::InFlight(_) => {}
+        }
+        let in_flight_bytes = record.bytes;
+        let mut stored = StoredResponse {
+            status: response.status,
+            headers: response.headers.clone(),
+            // An exact-size copy: a captured body may sit in a larger buffer, and the byte
+            // count must be the memory the store holds.
+            body: response
+                .body
+                .as_deref()
+                .map(actix_web::web::Bytes::copy_from_slice),
+        };
+        let mut bytes = entry::completed_bytes(key, token, &stored);
+        if self.make_room(bytes - in_flight_bytes, now).is_err() {
+            stored.body = None;
+            bytes = entry::completed_bytes(key, token, &stored);
+            self.make_room(bytes - in_flight_bytes, now)?;
+            tracing::warn!(
+                max_bytes = self.max_bytes,
+                "idempotency: a response did not fit in the memory store; completed without its body"
+            );
+        }
+        let Some(record) = self.records.get_mut(key) else {
+            return Ok(false);
+        };
+        let Some(shared_key) = self.in_flight.remove(&record.expiry_key()) else {
+            return Ok(false);
+        };
+        record.state = EntryState::Completed(token.clone(), stored);
+        record.expires_at = expiry(now, ttl);
+        record.bytes = bytes;
+        self.completed.insert(record.expiry_key(), shared_key);
+        self.in_flight_bytes -= in_flight_bytes;
+        self.used_bytes += bytes - in_flight_bytes;
+        Ok(true)
+    }
+
+    pub(super) fn release(&mut self, key: &str, token: &LeaseToken, now: Instant) -> bool {
+        self.reclaim_expired(now);
+        let held = self
+            .records
+            .get(key)
+            .is_some_and(|record| record.is_live(now) && record.is_held_by(token));
+        if held {
+            self.remove(key);
+        }
+        held
+    }
+
+    /// The live record under `key`, for inspection.
+    pub(super) fn inspect(
+        &mut self,
+        key: &str,
+        with_body: bool,
+        now: Instant,
+    ) -> Option<RecordSnapshot> {
+        self.reclaim_expired(now);
+        let record = self.records.get(key).filter(|record| record.is_live(now))?;
+        let expires_in = Some(record.expires_at - now);
+        Some(match &record.state {
+            EntryState::InFlight(_) => RecordSnapshot::in_flight(expires_in),
+            EntryState::Completed(_, response) => {
+                RecordSnapshot::completed(response.clone(), expires_in, with_body)
+            }
+        })
+    }
+
+    /// Deletes the live record under `key`; an in-flight one only if `force`.
+    pub(super) fn delete(&mut self, key: &str, force: bool, now: Instant) -> Deletion {
+        self.reclaim_expired(now);
+        let Some(record) = self.records.get(key).filter(|record| record.is_live(now)) else {
+            return Deletion::NotFound;
+        };
+        if matches!(record.state, EntryState::InFlight(_)) && !force {
+            return Deletion::InFlight;
+        }
+        self.remove(key);
+        Deletion::Deleted
+    }
+
+    /// Makes room for `extra` more bytes by evicting completed records, soonest to expire
+    /// first; [`Full`] (evicting nothing) when in-flight records alone leave too little.
+    fn make_room(&mut self, extra: usize, now: Instant) -> Result<(), Full> {
+        if self.used_bytes + extra <= self.max_bytes {
+            return Ok(());
+        }
+        self.reclaim_expired_in_flight(now);
+        if self.in_flight_bytes + extra > self.max_bytes {
+            return Err(Full);
+        }
+        while self.used_bytes + extra > self.max_bytes {
+            let Some(((expires_at, _), key)) = self.completed.pop_first() else {
+                return Err(Full);
+            };
+            if expires_at > now {
+                self.evictions += 1;
+            }
+            self.forget(&key);
+        }
+        Ok(())
+    }
+
+    /// Reclaims every expired in-flight record: they are not in flight any more, and must
+    /// not count as such when deciding whether there is room. Each is reclaimed once, so this
+    /// stays amortized O(log n).
+    fn reclaim_expired_in_flight(&mut self, now: Instant) {
+        while let Some(key) = pop_expired(&mut self.in_flight, now) {
+            self.forget(&key);
+        }
+    }
+
+    /// Reclaims a few expired records from the front of each index.
+    fn reclaim_expired(&mut self, now: Instant) {
+        for _ in 0..RECLAIMED_PER_OPERATION {
+            let Some(key) = pop_expired(&mut self.completed, now) else {
+                break;
+            };
+            self.forget(&key);
+        }
+        for _ in 0..RECLAIMED_PER_OPERATION {
+            let Some(key) = pop_expired(&mut self.in_flight, now) else {
+                break;
+            };
+            self.forget(&key);
+        }
+    }
+
+    /// Removes the record under `key` from the map and from its index.
+    fn remove(&mut self, key: &str) {
+        if let Some(record) = self.records.get(key) {
+            let index = match record.state {
+                EntryState::InFlight(_) => &mut self.in_flight,
+                EntryState::Completed(..) => &mut self.completed,
+            };
+            index.remove(&record.expiry_key());
+            self.forget(key);
+        }
+    }
+
+    /// Removes the record under `key` from the map, whose index entry is already gone.
+    fn forget(&mut self, key: &str) {
+        if let Some(record) = self.records.remove(key) {
+            self.used_bytes -= record.bytes;
+            if let EntryState::InFlight(_) = record.state {
+                self.in_flight_bytes -= record.bytes;
+            }
+        }
+    }
+
+    /// Whether the map, the indices and the byte counts agree (for tests).
+    #[cfg(test)]
+    pub(super) fn is_consistent(&self) -> bool {
+        let indexed = |index: &BTreeMap<ExpiryKey, Arc<str>>, in_flight: bool| {
+            index.iter().all(|(expiry_key, key)| {
+                self.records.get(key).is_some_and(|record| {
+                    record.expiry_key() == *expiry_key
+                        && matches!(record.state, EntryState::InFlight(_)) == in_flight
+                })
+            })
+        };
+        let in_flight_bytes: usize = self
+            .records
+            .values()
+            .filter(|record| matches!(record.state, EntryState::InFlight(_)))
+            .map(|record| record.bytes)
+            .sum();
+        self.records.len() == self.in_flight.len() + self.completed.len()
+            && indexed(&self.in_flight, true)
+            && indexed(&self.completed, false)
+            && self
+                .records
+                .values()
+                .map(|record| record.bytes)
+                .sum::<usize>()
+                == self.used_bytes
+            && in_flight_bytes == self.in_flight_bytes
+            && self.used_bytes <= self.max_bytes
+    }
+
+    fn next_seq(&mut self) -> u64 {
+        self.next_seq += 1;
+        self.next_seq
+    }
+}
+
+/// Takes the first entry of `index` if it expired at `now` or before.
+fn pop_expired(index: &mut BTreeMap<ExpiryKey, Arc<str>>, now: Instant) -> Option<Arc<str>> {
+    let entry = index.first_entry()?;
+    (entry.key().0 <= now).then(|| entry.remove())
+}
+
+/// `now + duration`, saturating far in the future instead of overflowing.
+fn expiry(now: Instant, duration: Duration) -> Instant {
+    now.checked_add(duration)
+        .or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 24 * 60 * 60)))
+        .unwrap_or(now)
+}

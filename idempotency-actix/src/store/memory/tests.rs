@@ -1,0 +1,211 @@
+//! The memory store's own bookkeeping: expiry, eviction order, byte counts, shard indices.
+
+use std::time::Duration;
+
+use actix_web::http::{Method, StatusCode};
+use actix_web::web::Bytes;
+
+use super::*;
+use crate::key::IdempotencyKey;
+
+const LONG: Duration = Duration::from_secs(3600);
+
+fn key(name: &str) -> StorageKey {
+    StorageKey::new("t:", b"", &IdempotencyKey::parse(name.as_bytes()).unwrap())
+}
+
+fn print() -> Fingerprint {
+    Fingerprint::compute(&Method::POST, "/", "", b"", [])
+}
+
+fn response(body_len: usize) -> StoredResponse {
+    StoredResponse {
+        status: StatusCode::CREATED,
+        headers: Vec::new(),
+        body: Some(Bytes::from(vec![b'x'; body_len])),
+    }
+}
+
+/// A store of one shard, so that every record competes for the same budget.
+fn one_shard(max_bytes: usize) -> MemoryStore {
+    MemoryStore::builder()
+        .max_bytes(max_bytes)
+        .shards(1)
+        .build()
+}
+
+fn consistent(store: &MemoryStore) -> bool {
+    store.shards().all(|shard| shard.is_consistent())
+}
+
+async fn begin(store: &MemoryStore, name: &str, lease: Duration) -> Result<LeaseToken, StoreError> {
+    let token = LeaseToken::generate();
+    match store.begin(&key(name), &print(), &token, lease).await? {
+        BeginOutcome::Acquired => Ok(token),
+        other => panic!("{name}: expected Acquired, got {other:?}"),
+    }
+}
+
+async fn complete(store: &MemoryStore, name: &str, body_len: usize, ttl: Duration) {
+    let token = begin(store, name, LONG).await.unwrap();
+    let committed = store
+        .commit(&key(name), &token, &response(body_len), ttl)
+        .await;
+    assert!(committed.unwrap(), "{name} committed");
+}
+
+async fn outcome(store: &MemoryStore, name: &str) -> BeginOutcome {
+    let token = LeaseToken::generate();
+    let outcome = store
+        .begin(&key(name), &print(), &token, LONG)
+        .await
+        .unwrap();
+    if outcome == BeginOutcome::Acquired {
+        store.release(&key(name), &token).await.unwrap();
+    }
+    outcome
+}
+
+#[actix_web::test]
+async fn expired_records_are_reclaimed_by_later_operations() {
+    let store = one_shard(MemoryStoreBuilder::DEFAULT_MAX_BYTES);
+    for i in 0..1_000 {
+        begin(&store, &format!("k{i}"), Duration::from_millis(1))
+            .await
+            .unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(5));
+    for i in 0..300 {
+        complete(&store, &format!("live{i}"), 10, LONG).await;
+    }
+    // 600 operations reclaim up to 4 expired records each: all 1 000 are gone.
+    assert_eq!(store.len(), 300);
+    assert!(consistent(&store));
+}
+
+#[actix_web::test]
+async fn eviction_takes_the_completed_record_soonest_to_expire() {
+    let store = one_shard(60_000);
+    complete(&store, "long", 10_000, LONG).await;
+    complete(&store, "short", 10_000, Duration::from_secs(60)).await;
+    complete(&store, "middle", 10_000, Duration::from_secs(600)).await;
+    complete(&store, "newest", 30_000, LONG).await;
+    assert_eq!(store.evictions(), 1);
+    for kept in ["long", "middle", "newest"] {
+        assert!(
+            matches!(outcome(&store, kept).await, BeginOutcome::Completed(_)),
+            "{kept} kept"
+        );
+    }
+    assert_eq!(outcome(&store, "short").await, BeginOutcome::Acquired);
+    assert!(store.used_bytes() <= store.max_bytes());
+    assert!(consistent(&store));
+}
+
+#[actix_web::test]
+async fn in_flight_records_are_never_evicted_and_a_full_store_recovers() {
+    let store = one_shard(4_000);
+    let mut held = Vec::new();
+    let refused = loop {
+        match begin(&store, &format!("held{}", held.len()), LONG).await {
+            Ok(token) => held.push(token),
+            Err(error) => break error,
+        }
+        assert!(held.len() < 100, "a 4 000-byte store never fills");
+    };
+    assert!(matches!(refused, StoreError::Unavailable(_)), "{refused}");
+    assert!(held.len() >= 2);
+    for (i, _) in held.iter().enumerate() {
+        assert_eq!(
+            outcome(&store, &format!("held{i}")).await,
+            BeginOutcome::InFlight
+        );
+    }
+    // Releasing one makes room for exactly one new key.
+    let first = key("held0");
+    assert!(store.release(&first, &held[0]).await.unwrap());
+    begin(&store, "after-release", LONG).await.unwrap();
+    assert!(begin(&store, "one-too-many", LONG).await.is_err());
+    assert_eq!(store.evictions(), 0);
+    assert!(consistent(&store));
+}
+
+#[actix_web::test]
+async fn a_store_full_of_in_flight_records_can_complete_them_all() {
+    let store = one_shard(4_000);
+    let mut held = Vec::new();
+    while let Ok(token) = begin(&store, &format!("held{}", held.len()), LONG).await {
+        held.push(token);
+    }
+    for (i, token) in held.iter().enumerate() {
+        let committed = store
+            .commit(&key(&format!("held{i}")), token, &response(100), LONG)
+            .await;
+        assert!(committed.unwrap(), "held{i} committed");
+    }
+    assert!(store.used_bytes() <= store.max_bytes());
+    assert!(consistent(&store));
+}
+
+#[actix_web::test]
+async fn a_response_larger_than_the_store_is_completed_without_its_body() {
+    let store = one_shard(4_000);
+    let token = begin(&store, "big", LONG).await.unwrap();
+    assert!(
+        store
+            .commit(&key("big"), &token, &response(10_000), LONG)
+            .await
+            .unwrap()
+    );
+    match outcome(&store, "big").await {
+        BeginOutcome::Completed(stored) => {
+            assert_eq!(stored.status, StatusCode::CREATED);
+            assert_eq!(stored.body, None);
+        }
+        other => panic!("expected Completed, got {other:?}"),
+    }
+    assert!(store.used_bytes() <= store.max_bytes());
+}
+
+#[actix_web::test]
+async fn renewals_commits_and_releases_keep_the_indices_exact() {
+    let store = one_shard(50_000);
+    for round in 0..200 {
+        let name = format!("k{}", round % 37);
+        let token = LeaseToken::generate();
+        if store
+            .begin(&key(&name), &print(), &token, LONG)
+            .await
+            .unwrap()
+            != BeginOutcome::Acquired
+        {
+            continue;
+        }
+        store.renew(&key(&name), &token, LONG * 2).await.unwrap();
+        match round % 3 {
+            0 => {
+                store.release(&key(&name), &token).await.unwrap();
+            }
+            _ => {
+                store
+                    .commit(&key(&name), &token, &response(round * 7), LONG)
+                    .await
+                    .unwrap();
+            }
+        }
+        assert!(consistent(&store), "after round {round}");
+    }
+}
+
+#[actix_web::test]
+async fn shared_settings_give_one_store_per_configuration() {
+    let settings = MemoryStore::builder().max_bytes(3 * 1024 * 1024 + 17);
+    let (a, b) = (settings.shared(), settings.shared());
+    let other = MemoryStore::builder()
+        .max_bytes(3 * 1024 * 1024 + 18)
+        .shared();
+    begin(&a, "shared", LONG).await.unwrap();
+    assert_eq!(b.len(), 1);
+    assert_eq!(other.len(), 0);
+    assert!(Arc::ptr_eq(&a.inner, &b.inner));
+}

@@ -1,0 +1,860 @@
+//! [`PostgresStore`]: durable records, one row each, in a PostgreSQL table reached through a
+//! bb8 pool of tokio-postgres connections; and the transactions of transactional routes.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bb8_postgres::PostgresConnectionManager;
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::{NoTls, Row};
+
+use super::{BeginOutcome, Deletion, IdempotencyStore, LeaseToken, RecordSnapshot, StoreError};
+use crate::fingerprint::Fingerprint;
+use crate::record::{RECORD_VERSION, StoredResponse};
+use crate::scope::StorageKey;
+
+/// The pool type [`PostgresStore::new`] takes: bb8 over bb8-postgres, without TLS.
+pub type PostgresPool = bb8::Pool<PostgresConnectionManager<NoTls>>;
+
+/// A connection taken from the pool for a whole request (a transactional route's
+/// transaction).
+pub(crate) type PostgresConnection =
+    bb8::PooledConnection<'static, PostgresConnectionManager<NoTls>>;
+
+/// The table [`PostgresStore::new`] uses unless [`PostgresStore::table`] names another.
+pub const DEFAULT_TABLE: &str = "idempotency_records";
+
+/// How many expired rows one statement of [`PostgresStore::delete_expired`] deletes at
+/// most, so the reaper never holds many row locks or writes a long transaction.
+pub const EXPIRY_BATCH: i64 = 1_000;
+
+/// Records in PostgreSQL: durable across restarts and failovers, in the database the app
+/// already runs, and the store of [transactional routes](crate::IdempotentTransaction).
+///
+/// One row per record in one table (created by [`migrate`](Self::migrate)): `key` (the
+/// storage key, primary key), `fingerprint` (32 bytes), `token` (the lease token of the
+/// request that ran), `state` (`i` in flight, `c` completed), `version` (the record format),
+/// `expires_at` (the lease while in flight, the TTL once completed; the database's clock
+/// decides) and `response` (the encoded [`StoredResponse`]). A row whose `expires_at` has
+/// passed counts as absent: `begin` takes it over, and
+/// [`delete_expired`](Self::delete_expired) deletes such rows in bounded batches off the
+/// request path.
+///
+/// Round trips: `begin`, `commit`, `renew` and `release` are one statement each (`begin` is
+/// one `INSERT … ON CONFLICT … DO UPDATE … WHERE <expired or ours>` that returns the row it
+/// did not take), so a new key costs two round trips and a replay one. Statements are sent
+/// with their parameter types (no separate prepare round trip). Each statement first tries a
+/// transaction-scoped advisory lock on the key without waiting: a transactional route holds
+/// it for the whole of its transaction, so a duplicate never waits on that transaction's
+/// uncommitted row but reads the committed state and answers at once (409 while in flight).
+///
+/// The pool built by [`PostgresStore::pool`] skips bb8's health check on checkout; a
+/// connection that fails because the server went away is discarded and the statement retried
+/// once on another (every statement is safe to run twice).
+///
+/// # Examples
+///
+/// ```no_run
+/// use actix_web::{App, HttpServer};
+/// use idempotency_actix::{Idempotency, PostgresStore};
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// let pool = PostgresStore::pool("postgres://postgres@127.0.0.1/app")?;
+/// let store = PostgresStore::new(pool).table("idempotency_records")?;
+/// store.migrate().await?;                               // once, at start
+/// actix_web::rt::spawn(store.clone().expire_periodically(std::time::Duration::from_secs(60)));
+/// HttpServer::new(move || App::new().wrap(Idempotency::postgres(store.clone())))
+///     .bind("127.0.0.1:8080")?
+///     .run()
+///     .await?;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct PostgresStore {
+    pool: PostgresPool,
+    sql: Arc<Statements>,
+}
+
+impl std::fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("table", &self.sql.table)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A table name that is not a plain SQL identifier (or `schema.table` of two).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{0:?} is not a table name: use letters, digits and underscores (not first), at most 63 \
+     bytes, optionally qualified by a schema (`schema.table`)"
+)]
+pub struct TableNameError(pub String);
+
+/// The SQL of one table, built once from its validated name.
+struct Statements {
+    /// The name as given, for the lock namespace and `Debug`.
+    table: String,
+    migrate: String,
+    begin: String,
+    renew: String,
+    commit: String,
+    release: String,
+    complete: String,
+    delete_expired: String,
+    inspect: String,
+    delete: String,
+}
+
+/// Whether `name` is an identifier that needs no quoting care: `[A-Za-z_][A-Za-z0-9_]*`,
+/// at most 63 bytes (PostgreSQL's limit).
+fn is_identifier(name: &str) -> bool {
+    let mut bytes = name.bytes();
+    matches!(bytes.next(), Some(b'a'..=b'z' | b'A'..=b'Z' | b'_'))
+        && bytes.all(|b| b.is_ascii_alphanumeric() || b == b'_')
+        && name.len() <= 63
+}
+
+impl Statements {
+    fn new(table: &str) -> Result<Self, TableNameError> {
+        let parts: Vec<&str> = table.split('.').collect();
+        if parts.len() > 2 || !parts.iter().all(|part| is_identifier(part)) {
+            return Err(TableNameError(table.to_owned()));
+        }
+        // Quoted, so the name is taken as written (case included); validated above, so the
+        // quotes cannot be escaped.
+        let t = parts
+            .iter()
+            .map(|part| format!("\"{part}\""))
+            .collect::<Vec<_>>()
+            .join(".");
+        let index = format!("\"{}_expires_at\"", parts[parts.len() - 1]);
+        Ok(Self {
+            table: table.to_owned(),
+            // Serialized by an advisory lock: `CREATE … IF NOT EXISTS` run by two instances
+            // at once can still collide.
+            migrate: format!(
+                "BEGIN;
+                 SELECT pg_advisory_xact_lock(7291604383712561407);
+                 CREATE TABLE IF NOT EXISTS {t} (
+                     key         text        PRIMARY KEY,
+                     fingerprint bytea       NOT NULL,
+                     token       text        NOT NULL,
+                     state       \"char\"      NOT NULL CHECK (state IN ('i', 'c')),
+                     version     smallint    NOT NULL,
+                     expires_at  timestamptz NOT NULL,
+                     response    bytea
+                 );
+                 CREATE INDEX IF NOT EXISTS {index} ON {t} (expires_at);
+                 COMMIT;"
+            ),
+            // $1 key, $2 fingerprint, $3 token, $4 lease (ms), $5 lock id, $6 version.
+            // One row always: whether the advisory lock was free, whether the record was
+            // acquired (created, taken over from an expired row, or already ours), and the
+            // live record otherwise. `claimed` sees the latest committed row (ON CONFLICT
+            // waits for and re-reads it); the LEFT JOIN reads the statement's snapshot, which
+            // can predate a row committed meanwhile: the caller then runs it again.
+            begin: format!(
+                "WITH lock AS MATERIALIZED (
+                     SELECT pg_try_advisory_xact_lock($5) AS held
+                 ), claimed AS (
+                     INSERT INTO {t} AS r (key, fingerprint, token, state, version, expires_at)
+                     SELECT $1, $2, $3, 'i', $6, clock_timestamp() + $4 * interval '1 millisecond'
+                     FROM lock WHERE lock.held
+                     ON CONFLICT (key) DO UPDATE
+                     SET fingerprint = EXCLUDED.fingerprint, token = EXCLUDED.token, state = 'i',
+                         version = EXCLUDED.version, expires_at = EXCLUDED.expires_at,
+                         response = NULL
+                     WHERE r.expires_at <= clock_timestamp()
+                        OR (r.state = 'i' AND r.token = EXCLUDED.token)
+                     RETURNING 1
+                 )
+                 SELECT lock.held, EXISTS (SELECT 1 FROM claimed) AS acquired,
+                        r.state::text, r.fingerprint, r.response
+                 FROM lock LEFT JOIN {t} r
+                   ON r.key = $1 AND r.expires_at > clock_timestamp()"
+            ),
+            // $1 key, $2 token, $3 lease (ms).
+            renew: format!(
+                "UPDATE {t} SET expires_at = clock_timestamp() + $3 * interval '1 millisecond'
+                 WHERE key = $1 AND token = $2 AND state = 'i'
+                   AND expires_at > clock_timestamp()
+                 RETURNING true"
+            ),
+            // $1 key, $2 token, $3 response, $4 ttl (ms). True when this commit completed
+            // the record or an earlier one with the same token did (idempotent).
+            commit: format!(
+                "WITH done AS (
+                     UPDATE {t} SET state = 'c', response = $3,
+                         expires_at = clock_timestamp() + $4 * interval '1 millisecond'
+                     WHERE key = $1 AND token = $2 AND state = 'i'
+                       AND expires_at > clock_timestamp()
+                     RETURNING 1
+                 )
+                 SELECT EXISTS (SELECT 1 FROM done)
+                     OR EXISTS (SELECT 1 FROM {t} WHERE key = $1 AND token = $2 AND state = 'c'
+                                AND expires_at > clock_timestamp())"
+            ),
+            // $1 key, $2 token.
+            release: format!(
+                "DELETE FROM {t}
+                 WHERE key = $1 AND token = $2 AND state = 'i' AND expires_at > clock_timestamp()
+                 RETURNING true"
+            ),
+            // The completion inside a transactional route's transaction: $1 key, $2 token,
+            // $3 response, $4 ttl (ms). Divides by zero unless exactly our in-flight row was
+            // completed, which aborts the transaction, so the COMMIT sent right behind it
+            // rolls back instead of committing the handler's writes without their record.
+            complete: format!(
+                "WITH done AS (
+                     UPDATE {t} SET state = 'c', response = $3,
+                         expires_at = clock_timestamp() + $4 * interval '1 millisecond'
+                     WHERE key = $1 AND token = $2 AND state = 'i'
+                     RETURNING 1
+                 )
+                 SELECT 1 / (SELECT count(*) FROM done)::int"
+            ),
+            // Inspection: $1 key, $2 lock id. Whether the advisory lock was free (taken: a
+            // transactional route's transaction is working on the key, its row not yet
+            // committed), and the live row with its remaining time in milliseconds.
+            inspect: format!(
+                "WITH lock AS MATERIALIZED (
+                     SELECT pg_try_advisory_xact_lock($2) AS held
+                 )
+                 SELECT lock.held, r.state::text, r.response,
+                        (extract(epoch FROM r.expires_at - clock_timestamp()) * 1000)::bigint
+                 FROM lock LEFT JOIN {t} r
+                   ON r.key = $1 AND r.expires_at > clock_timestamp()"
+            ),
+            // Deletion by hand: $1 key, $2 force, $3 lock id. Deletes the live row if it is
+            // completed or `force`; answers whether the lock was free, whether a row was
+            // deleted, and the live row's state before the statement.
+            delete: format!(
+                "WITH lock AS MATERIALIZED (
+                     SELECT pg_try_advisory_xact_lock($3) AS held
+                 ), deleted AS (
+                     DELETE FROM {t}
+                     WHERE key = $1 AND expires_at > clock_timestamp() AND (state = 'c' OR $2)
+                     RETURNING 1
+                 )
+                 SELECT lock.held, EXISTS (SELECT 1 FROM deleted),
+                        (SELECT state::text FROM {t}
+                         WHERE key = $1 AND expires_at > clock_timestamp())
+                 FROM lock"
+            ),
+            // $1 batch size. Rows locked by a running statement or transaction are skipped.
+            // `now()` (not the volatile `clock_timestamp()`) so the expiry index is used.
+            delete_expired: format!(
+                "DELETE FROM {t} WHERE key IN (
+                     SELECT key FROM {t} WHERE expires_at < now()
+                     ORDER BY expires_at LIMIT $1
+                     FOR UPDATE SKIP LOCKED
+                 )"
+            ),
+        })
+    }
+
+    /// The advisory lock of `key` in this table: 64 bits of a digest, so keys of two tables
+    /// (or of other users of advisory locks) practically never share one; a shared one would
+    /// only make a request answer 409 while the other runs.
+    fn lock_id(&self, key: &StorageKey) -> i64 {
+        let mut hasher = blake3::Hasher::new_derive_key("idempotency-actix postgres lock v1");
+        hasher.update(self.table.as_bytes());
+        hasher.update(&[0]);
+        hasher.update(key.as_str().as_bytes());
+        let digest = hasher.finalize();
+        let mut id = [0; 8];
+        id.copy_from_slice(&digest.as_bytes()[..8]);
+        i64::from_le_bytes(id)
+    }
+}
+
+impl PostgresStore {
+    /// A store on `pool`, in the table [`DEFAULT_TABLE`] (`idempotency_records`).
+    pub fn new(pool: PostgresPool) -> Self {
+        let sql = Statements::new(DEFAULT_TABLE).unwrap_or_else(|_| unreachable!());
+        Self {
+            pool,
+            sql: Arc::new(sql),
+        }
+    }
+
+    /// The same store in the table `name` (`table` or `schema.table`).
+    ///
+    /// # Errors
+    ///
+    /// When `name` is not a plain identifier (letters, digits, underscores, not starting with
+    /// a digit, at most 63 bytes), optionally qualified by one: nothing else reaches SQL.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::PostgresStore;
+    ///
+    /// # actix_web::rt::System::new().block_on(async {
+    /// let pool = PostgresStore::pool("postgres://postgres@127.0.0.1/app").unwrap();
+    /// assert!(PostgresStore::new(pool.clone()).table("billing.idempotency").is_ok());
+    /// assert!(PostgresStore::new(pool).table("records; DROP TABLE users").is_err());
+    /// # });
+    /// ```
+    pub fn table(self, name: &str) -> Result<Self, TableNameError> {
+        Ok(Self {
+            pool: self.pool,
+            sql: Arc::new(Statements::new(name)?),
+        })
+    }
+
+    /// A pool for `url` (e.g. `postgres://user@host/db`, or `host=… user=…`) with the
+    /// settings this store wants: no health check on checkout (a dead connection fails its
+    /// statement and is replaced), 16 connections, a 2 s wait for one, and no connection
+    /// made until the first use, so an app starts while the database is still down.
+    ///
+    /// Call it inside a Tokio runtime (an Actix system): each connection's I/O runs on the
+    /// runtime that opened it. Without TLS.
+    ///
+    /// # Errors
+    ///
+    /// When `url` is not a PostgreSQL connection string.
+    pub fn pool(url: &str) -> Result<PostgresPool, tokio_postgres::Error> {
+        let manager = PostgresConnectionManager::new_from_stringlike(url, NoTls)?;
+        Ok(bb8::Pool::builder()
+            .max_size(16)
+            .test_on_check_out(false)
+            .connection_timeout(Duration::from_secs(2))
+            .build_unchecked(manager))
+    }
+
+    /// The pool this store uses.
+    pub fn connection_pool(&self) -> &PostgresPool {
+        &self.pool
+    }
+
+    /// Creates the table and its expiry index if they do not exist. Call it once when the
+    /// app starts; safe to run from several instances at once.
+    ///
+    /// # Errors
+    ///
+    /// When the database cannot be reached or refuses the statements.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        let connection = self.pool.get().await.map_err(unavailable)?;
+        connection
+            .batch_execute(&self.sql.migrate)
+            .await
+            .map_err(unavailable)
+    }
+
+    /// Deletes expired rows, at most `batch` of them (up to [`EXPIRY_BATCH`] is sensible);
+    /// the number deleted. Rows that a statement or transaction holds are skipped.
+    ///
+    /// # Errors
+    ///
+    /// When the database cannot be reached.
+    pub async fn delete_expired(&self, batch: i64) -> Result<u64, StoreError> {
+        let connection = self.pool.get().await.map_err(unavailable)?;
+        connection
+            .execute_typed(&self.sql.delete_expired, &[(&batch, Type::INT8)])
+            .await
+            .map_err(unavailable)
+    }
+
+    /// Runs forever: every `period`, deletes expired rows in batches of [`EXPIRY_BATCH`]
+    /// until none are left, pausing between batches so the request path keeps the pool.
+    /// Spawn it once per process (`actix_web::rt::spawn`); failures are logged and retried
+    /// at the next period. Expired rows count as absent whether or not this runs; it only
+    /// keeps the table small.
+    pub async fn expire_periodically(self, period: Duration) {
+        loop {
+            actix_rt::time::sleep(period).await;
+            loop {
+                match self.delete_expired(EXPIRY_BATCH).await {
+                    Ok(deleted) if deleted < EXPIRY_BATCH as u64 => break,
+                    Ok(_) => actix_rt::time::sleep(Duration::from_millis(10)).await,
+                    Err(error) => {
+                        tracing::warn!(%error, "idempotency: deleting expired records failed");
+                        break;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Runs one statement on a pooled connection; if the connection turns out closed (the
+    /// server restarted), once more on another (the broken one is discarded by the pool).
+    async fn query(
+        &self,
+        statement: &str,
+        params: &[(&(dyn ToSql + Sync), Type)],
+    ) -> Result<Vec<Row>, StoreError> {
+        let connection = self.pool.get().await.map_err(unavailable)?;
+        match connection.query_typed(statement, params).await {
+            Err(error) if connection.is_closed() => {
+                tracing::debug!(%error, "idempotency: PostgreSQL connection lost; reconnecting");
+                drop(connection);
+                let connection = self.pool.get().await.map_err(unavailable)?;
+                connection
+                    .query_typed(statement, params)
+                    .await
+                    .map_err(unavailable)
+            }
+            other => other.map_err(unavailable),
+        }
+    }
+
+    async fn query_flag(
+        &self,
+        statement: &str,
+        params: &[(&(dyn ToSql + Sync), Type)],
+    ) -> Result<bool, StoreError> {
+        let rows = self.query(statement, params).await?;
+        match rows.as_slice() {
+            [] => Ok(false),
+            [row] => row
+                .try_get(0)
+                .map_err(|error| StoreError::Protocol(error.to_string())),
+            _ => Err(StoreError::Protocol(format!(
+                "expected at most one row, got {}",
+                rows.len()
+            ))),
+        }
+    }
+
+    /// `begin` on `client` (pooled, or a transaction's), repeated while its snapshot missed
+    /// a row committed by a concurrent statement.
+    async fn begin_on(
+        &self,
+        client: &tokio_postgres::Client,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        token: &LeaseToken,
+        lease: Duration,
+    ) -> Result<BeginOutcome, StoreError> {
+        let params = BeginParams::new(&self.sql, key, fingerprint, token, lease);
+        for _ in 0..MAX_SNAPSHOT_RETRIES {
+            let row = client
+                .query_typed_one(&self.sql.begin, &params.as_params())
+                .await
+                .map_err(unavailable)?;
+            if let Some(outcome) = begin_outcome(&row, fingerprint)? {
+                return Ok(outcome);
+            }
+        }
+        Err(StoreError::Protocol(
+            "begin found a conflicting record it could not read, repeatedly".to_owned(),
+        ))
+    }
+
+    /// Opens a transaction on a connection of its own and runs `begin` inside it (one round
+    /// trip: `BEGIN` is pipelined with the statement). When acquired, the transaction is
+    /// returned, holding the key's advisory lock and the uncommitted in-flight row; otherwise
+    /// it is rolled back in the background and its connection goes back to the pool.
+    pub(crate) async fn claim_in_transaction(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        token: &LeaseToken,
+        lease: Duration,
+    ) -> Result<(BeginOutcome, Option<OpenTransaction>), StoreError> {
+        let transaction = OpenTransaction(Some(self.pool.get_owned().await.map_err(unavailable)?));
+        let client = transaction.client();
+        let (opened, begun) = futures_util::future::join(
+            client.batch_execute("BEGIN"),
+            self.begin_on(client, key, fingerprint, token, lease),
+        )
+        .await;
+        match opened.map_err(unavailable).and(begun)? {
+            BeginOutcome::Acquired => Ok((BeginOutcome::Acquired, Some(transaction))),
+            outcome => Ok((outcome, None)),
+        }
+    }
+
+    /// A transaction on a connection of its own, without any record (a keyless request to a
+    /// transactional route).
+    pub(crate) async fn open_transaction(&self) -> Result<OpenTransaction, StoreError> {
+        let transaction = OpenTransaction(Some(self.pool.get_owned().await.map_err(unavailable)?));
+        transaction
+            .client()
+            .batch_execute("BEGIN")
+            .await
+            .map_err(unavailable)?;
+        Ok(transaction)
+    }
+
+    /// Completes the in-flight row of `token` with `response` and commits `transaction` (one
+    /// round trip: the `COMMIT` is pipelined behind the update, which aborts the transaction
+    /// unless it completed exactly our row, so the handler's writes never commit without
+    /// their record).
+    pub(crate) async fn complete_and_commit(
+        &self,
+        transaction: OpenTransaction,
+        key: &StorageKey,
+        token: &LeaseToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let encoded = response.encode();
+        let ttl = millis(ttl);
+        let params: [(&(dyn ToSql + Sync), Type); 4] = [
+            (&key.as_str(), Type::TEXT),
+            (&token.as_str(), Type::TEXT),
+            (&encoded, Type::BYTEA),
+            (&ttl, Type::INT8),
+        ];
+        let client = transaction.client();
+        let (completed, committed) = futures_util::future::join(
+            client.query_typed(&self.sql.complete, &params),
+            client.batch_execute("COMMIT"),
+        )
+        .await;
+        completed.map_err(unavailable)?;
+        committed.map_err(unavailable)?;
+        transaction.finished();
+        Ok(())
+    }
+}
+
+/// A pooled connection inside `BEGIN`. Dropped without [`commit`](Self::commit) or
+/// [`roll_back`](Self::roll_back) (an error, a timeout, a cancelled future), its transaction
+/// is rolled back on a task of its own before the connection goes back to the pool: a pooled
+/// connection never carries an open transaction to its next user. The server answers in
+/// order, so that `ROLLBACK` also ends whatever a statement still running left open (and
+/// after a `COMMIT` that went through it changes nothing).
+pub(crate) struct OpenTransaction(Option<PostgresConnection>);
+
+impl OpenTransaction {
+    /// The connection, to run statements in the transaction.
+    pub(crate) fn client(&self) -> &tokio_postgres::Client {
+        // Only `finished` and `drop`, which both consume the transaction, take it out.
+        self.0
+            .as_deref()
+            .expect("an open transaction keeps its connection until it ends")
+    }
+
+    /// Commits (for a transaction that holds no record).
+    pub(crate) async fn commit(self) -> Result<(), StoreError> {
+        self.end("COMMIT").await
+    }
+
+    /// Rolls back.
+    pub(crate) async fn roll_back(self) -> Result<(), StoreError> {
+        self.end("ROLLBACK").await
+    }
+
+    async fn end(self, statement: &str) -> Result<(), StoreError> {
+        self.client()
+            .batch_execute(statement)
+            .await
+            .map_err(unavailable)?;
+        self.finished();
+        Ok(())
+    }
+
+    /// The transaction ended: the connection goes back to the pool as it is.
+    fn finished(mut self) {
+        drop(self.0.take());
+    }
+}
+
+impl Drop for OpenTransaction {
+    fn drop(&mut self) {
+        let Some(connection) = self.0.take() else {
+            return;
+        };
+        let rollback = async move {
+            if let Err(error) = connection.batch_execute("ROLLBACK").await {
+                tracing::debug!(%error, "idempotency: rollback in the background failed");
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn(rollback)),
+            // No runtime left (the process is stopping): the connection cannot go back to a
+            // pool that will serve anyone.
+            Err(_) => tracing::debug!("idempotency: transaction dropped without a runtime"),
+        }
+    }
+}
+
+/// How often `begin` runs again when its snapshot missed a just-committed row: once is
+/// enough unless rows for the key come and go in between.
+const MAX_SNAPSHOT_RETRIES: usize = 4;
+
+/// The parameters of the `begin` statement, owned so that a retry sends them again.
+struct BeginParams<'a> {
+    key: &'a str,
+    fingerprint: &'a [u8],
+    token: &'a str,
+    lease: i64,
+    lock: i64,
+    version: i16,
+}
+
+impl<'a> BeginParams<'a> {
+    fn new(
+        sql: &Statements,
+        key: &'a StorageKey,
+        fingerprint: &'a Fingerprint,
+        token: &'a LeaseToken,
+        lease: Duration,
+    ) -> Self {
+        Self {
+            key: key.as_str(),
+            fingerprint: fingerprint.as_bytes(),
+            token: token.as_str(),
+            lease: millis(lease),
+            lock: sql.lock_id(key),
+            version: i16::from(RECORD_VERSION),
+        }
+    }
+
+    fn as_params(&self) -> [(&(dyn ToSql + Sync), Type); 6] {
+        [
+            (&self.key, Type::TEXT),
+            (&self.fingerprint, Type::BYTEA),
+            (&self.token, Type::TEXT),
+            (&self.lease, Type::INT8),
+            (&self.lock, Type::INT8),
+            (&self.version, Type::INT2),
+        ]
+    }
+}
+
+/// Reads the row of the `begin` statement; `None` when it must run again (the lock was ours
+/// but the conflicting row is not in the statement's snapshot yet).
+fn begin_outcome(row: &Row, fingerprint: &Fingerprint) -> Result<Option<BeginOutcome>, StoreError> {
+    let protocol = |error: tokio_postgres::Error| StoreError::Protocol(error.to_string());
+    let held: bool = row.try_get(0).map_err(protocol)?;
+    let acquired: bool = row.try_get(1).map_err(protocol)?;
+    if acquired {
+        return Ok(Some(BeginOutcome::Acquired));
+    }
+    let state: Option<String> = row.try_get(2).map_err(protocol)?;
+    let Some(state) = state else {
+        // No live row visible. With the lock free the statement would have acquired, so a
+        // row committed after the snapshot stopped it: read again. With the lock taken, a
+        // transaction (or a concurrent statement) is working on the key right now.
+        return Ok((!held).then_some(BeginOutcome::InFlight));
+    };
+    let stored: Vec<u8> = row.try_get(3).map_err(protocol)?;
+    if stored.as_slice() != fingerprint.as_bytes().as_slice() {
+        return Ok(Some(BeginOutcome::FingerprintMismatch));
+    }
+    match state.as_str() {
+        "i" => Ok(Some(BeginOutcome::InFlight)),
+        "c" => {
+            let response: Option<Vec<u8>> = row.try_get(4).map_err(protocol)?;
+            let response = response.ok_or_else(|| {
+                StoreError::Protocol("a completed record without a response".to_owned())
+            })?;
+            Ok(Some(BeginOutcome::Completed(StoredResponse::decode(
+                &response,
+            )?)))
+        }
+        other => Err(StoreError::Protocol(format!(
+            "unknown record state {other:?}"
+        ))),
+    }
+}
+
+fn millis(duration: Duration) -> i64 {
+    i64::try_from(duration.as_millis())
+        .unwrap_or(i64::MAX)
+        .max(1)
+}
+
+fn unavailable(error: impl std::error::Error + Send + Sync + 'static) -> StoreError {
+    StoreError::Unavailable(Box::new(error))
+}
+
+impl IdempotencyStore for PostgresStore {
+    async fn begin(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        token: &LeaseToken,
+        lease: Duration,
+    ) -> Result<BeginOutcome, StoreError> {
+        let connection = self.pool.get().await.map_err(unavailable)?;
+        match self
+            .begin_on(&connection, key, fingerprint, token, lease)
+            .await
+        {
+            Err(_) if connection.is_closed() => {
+                drop(connection);
+                let connection = self.pool.get().await.map_err(unavailable)?;
+                self.begin_on(&connection, key, fingerprint, token, lease)
+                    .await
+            }
+            other => other,
+        }
+    }
+
+    async fn renew(
+        &self,
+        key: &StorageKey,
+        token: &LeaseToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        let lease = millis(lease);
+        self.query_flag(
+            &self.sql.renew,
+            &[
+                (&key.as_str(), Type::TEXT),
+                (&token.as_str(), Type::TEXT),
+                (&lease, Type::INT8),
+            ],
+        )
+        .await
+    }
+
+    async fn commit(
+        &self,
+        key: &StorageKey,
+        token: &LeaseToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let encoded = response.encode();
+        let ttl = millis(ttl);
+        self.query_flag(
+            &self.sql.commit,
+            &[
+                (&key.as_str(), Type::TEXT),
+                (&token.as_str(), Type::TEXT),
+                (&encoded, Type::BYTEA),
+                (&ttl, Type::INT8),
+            ],
+        )
+        .await
+    }
+
+    async fn release(&self, key: &StorageKey, token: &LeaseToken) -> Result<bool, StoreError> {
+        self.query_flag(
+            &self.sql.release,
+            &[(&key.as_str(), Type::TEXT), (&token.as_str(), Type::TEXT)],
+        )
+        .await
+    }
+
+    /// A transactional route's in-flight claim lives inside its transaction, so it is seen
+    /// as the key's advisory lock being taken: reported in flight, without an expiry.
+    async fn inspect(
+        &self,
+        key: &StorageKey,
+        with_body: bool,
+    ) -> Result<Option<RecordSnapshot>, StoreError> {
+        let lock = self.sql.lock_id(key);
+        let rows = self
+            .query(
+                &self.sql.inspect,
+                &[(&key.as_str(), Type::TEXT), (&lock, Type::INT8)],
+            )
+            .await?;
+        let [row] = rows.as_slice() else {
+            return Err(StoreError::Protocol(format!(
+                "inspection answered {} rows",
+                rows.len()
+            )));
+        };
+        let protocol = |error: tokio_postgres::Error| StoreError::Protocol(error.to_string());
+        let held: bool = row.try_get(0).map_err(protocol)?;
+        let state: Option<String> = row.try_get(1).map_err(protocol)?;
+        let response: Option<Vec<u8>> = row.try_get(2).map_err(protocol)?;
+        let remaining: Option<i64> = row.try_get(3).map_err(protocol)?;
+        let expires_in = remaining
+            .and_then(|millis| u64::try_from(millis).ok())
+            .map(Duration::from_millis);
+        Ok(match (state.as_deref(), response) {
+            (Some("c"), Some(response)) => Some(RecordSnapshot::completed(
+                StoredResponse::decode(&response)?,
+                expires_in,
+                with_body,
+            )),
+            (Some("i"), _) => Some(RecordSnapshot::in_flight(expires_in)),
+            (None, _) if !held => Some(RecordSnapshot::in_flight(None)),
+            (None, _) => None,
+            (Some(state), _) => {
+                return Err(StoreError::Protocol(format!("a row in state {state:?}")));
+            }
+        })
+    }
+
+    /// A transactional route's in-flight claim lives inside its transaction and cannot be
+    /// deleted from outside it, even by force: it is reported as [`Deletion::InFlight`].
+    async fn delete(&self, key: &StorageKey, force: bool) -> Result<Deletion, StoreError> {
+        let lock = self.sql.lock_id(key);
+        let rows = self
+            .query(
+                &self.sql.delete,
+                &[
+                    (&key.as_str(), Type::TEXT),
+                    (&force, Type::BOOL),
+                    (&lock, Type::INT8),
+                ],
+            )
+            .await?;
+        let [row] = rows.as_slice() else {
+            return Err(StoreError::Protocol(format!(
+                "deletion answered {} rows",
+                rows.len()
+            )));
+        };
+        let protocol = |error: tokio_postgres::Error| StoreError::Protocol(error.to_string());
+        let held: bool = row.try_get(0).map_err(protocol)?;
+        let deleted: bool = row.try_get(1).map_err(protocol)?;
+        let state: Option<String> = row.try_get(2).map_err(protocol)?;
+        Ok(match (deleted, state.as_deref()) {
+            (true, _) => Deletion::Deleted,
+            (false, Some(_)) => Deletion::InFlight,
+            (false, None) if !held => Deletion::InFlight,
+            (false, None) => Deletion::NotFound,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_names_are_identifiers() {
+        for good in ["records", "_r1", "billing.records", "A_b", &"x".repeat(63)] {
+            assert!(Statements::new(good).is_ok(), "{good}");
+        }
+        for bad in [
+            "",
+            "1records",
+            "records;drop",
+            "re\"cords",
+            "a.b.c",
+            ".records",
+            "records.",
+            "rec ords",
+            "récords",
+            &"x".repeat(64),
+        ] {
+            assert_eq!(
+                Statements::new(bad).err(),
+                Some(TableNameError(bad.to_owned())),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn lock_ids_differ_by_table_and_key() {
+        let key = |name: &str| {
+            StorageKey::new(
+                "p:",
+                b"",
+                &crate::IdempotencyKey::parse(name.as_bytes()).expect("a key"),
+            )
+        };
+        let (a, b) = (
+            Statements::new("a").expect("valid"),
+            Statements::new("b").expect("valid"),
+        );
+        assert_ne!(a.lock_id(&key("k")), b.lock_id(&key("k")));
+        assert_ne!(a.lock_id(&key("k")), a.lock_id(&key("l")));
+        assert_eq!(a.lock_id(&key("k")), a.lock_id(&key("k")));
+    }
+}

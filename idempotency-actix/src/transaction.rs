@@ -1,0 +1,397 @@
+//! Transactional routes: [`IdempotentTransaction`], the database transaction a handler
+//! writes through, and how the engine claims, commits or rolls it back.
+//!
+//! The record of a transactional route is claimed inside a transaction on a connection of
+//! its own (`BEGIN` pipelined with the claim: one round trip). The claim holds a
+//! transaction-scoped advisory lock on the key, so duplicates never wait on the uncommitted
+//! row: they read the committed state and answer 409 (or replay) at once. The handler
+//! writes through the same transaction; then the stored response is written and the
+//! transaction committed, in one more round trip, before the response leaves. An error
+//! response, an error or a panic rolls everything back, so nothing is stored and the key is
+//! free. A crash at any point leaves both or neither: the database rolls back the
+//! transaction of a connection that died.
+
+use std::cell::RefCell;
+use std::future::{Ready, ready};
+use std::panic::AssertUnwindSafe;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use actix_web::body::MessageBody;
+use actix_web::dev::{Payload, Service, ServiceRequest, ServiceResponse};
+use actix_web::{FromRequest, HttpMessage, HttpRequest};
+use futures_util::FutureExt;
+
+use crate::engine::{Claimed, Engine, Handled, HeldLock, Response, refuse, with_handler_body};
+use crate::error::IdempotencyError;
+use crate::fingerprint::Fingerprint;
+use crate::instrument::StoreOperation;
+use crate::policy::Policy;
+use crate::scope::StorageKey;
+use crate::store::postgres::{OpenTransaction, PostgresStore};
+use crate::store::{BeginOutcome, LeaseToken, StoreError};
+
+/// The database transaction of a transactional route's request: the handler's writes go
+/// through it and commit together with the stored response, or not at all.
+///
+/// It dereferences to a [`tokio_postgres::Client`] inside `BEGIN`: run statements with
+/// `execute`, `query`, `query_one`, … as usual. Do not `COMMIT` or `ROLLBACK` it yourself,
+/// and do not keep it beyond the handler: the middleware commits it after the handler
+/// returns a response it stores (status < 400 by default), and rolls it back when the
+/// handler answers an error status, fails or panics, so a retry runs the handler again.
+///
+/// Only transactional routes have one: `#[idempotent(transactional)]`,
+/// [`IdempotentRoute::transactional`](crate::IdempotentRoute::transactional) or
+/// [`RoutePolicy::transactional`](crate::RoutePolicy::transactional), under
+/// [`Idempotency::postgres`](crate::Idempotency::postgres). `#[idempotent]` without
+/// `transactional` on a handler that takes it is a compile error; anywhere else the
+/// extractor fails with a 500 and an error in the log that names the fix. A request without
+/// a key to a transactional route also gets a transaction (committed or rolled back the same
+/// way), without any record.
+///
+/// # Examples
+///
+/// ```no_run
+/// use actix_web::{App, HttpResponse, HttpServer, post, web};
+/// use idempotency_actix::{Idempotency, IdempotentTransaction, PostgresStore, idempotent};
+///
+/// #[idempotent(transactional)]
+/// #[post("/transfers")]
+/// async fn transfer(
+///     tx: IdempotentTransaction,
+///     amount: web::Json<i64>,
+/// ) -> Result<HttpResponse, actix_web::Error> {
+///     let row = tx
+///         .query_one(
+///             "INSERT INTO transfers (amount) VALUES ($1) RETURNING id",
+///             &[&*amount],
+///         )
+///         .await
+///         .map_err(actix_web::error::ErrorInternalServerError)?;
+///     let id: i64 = row.get(0);
+///     Ok(HttpResponse::Created().json(serde_json::json!({ "id": id })))
+/// }
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// let store = PostgresStore::new(PostgresStore::pool("postgres://postgres@127.0.0.1/app")?);
+/// store.migrate().await?;
+/// HttpServer::new(move || {
+///     App::new()
+///         .wrap(Idempotency::postgres(store.clone()))
+///         .service(transfer)
+/// })
+/// .bind("127.0.0.1:8080")?
+/// .run()
+/// .await?;
+/// # Ok(())
+/// # }
+/// ```
+pub struct IdempotentTransaction {
+    transaction: Option<OpenTransaction>,
+    slot: Rc<TransactionSlot>,
+}
+
+impl std::fmt::Debug for IdempotentTransaction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotentTransaction")
+            .finish_non_exhaustive()
+    }
+}
+
+impl std::ops::Deref for IdempotentTransaction {
+    type Target = tokio_postgres::Client;
+
+    fn deref(&self) -> &Self::Target {
+        // Taken out only in `drop`.
+        self.transaction
+            .as_ref()
+            .expect("the extractor holds its transaction until it is dropped")
+            .client()
+    }
+}
+
+impl Drop for IdempotentTransaction {
+    fn drop(&mut self) {
+        // Back to the request, for the middleware to commit or roll back.
+        if let Some(transaction) = self.transaction.take() {
+            self.slot.0.replace(Some(transaction));
+        }
+    }
+}
+
+/// What the fix is, in the log line of a misused extractor.
+const NOT_TRANSACTIONAL: &str = "IdempotentTransaction is only available on transactional \
+     routes: put #[idempotent(transactional)] above the route attribute (or wrap the resource \
+     in IdempotentRoute::new().transactional()), with .wrap(Idempotency::postgres(store)) on \
+     the App";
+
+impl FromRequest for IdempotentTransaction {
+    type Error = actix_web::Error;
+    type Future = Ready<Result<Self, Self::Error>>;
+
+    fn from_request(req: &HttpRequest, _: &mut Payload) -> Self::Future {
+        let slot = req.extensions().get::<Rc<TransactionSlot>>().cloned();
+        let Some(slot) = slot else {
+            tracing::error!(path = req.path(), "{NOT_TRANSACTIONAL}");
+            return ready(Err(IdempotencyError::NotConfigured.into()));
+        };
+        let transaction = slot.0.borrow_mut().take();
+        match transaction {
+            Some(transaction) => ready(Ok(Self {
+                transaction: Some(transaction),
+                slot,
+            })),
+            None => {
+                tracing::error!(
+                    path = req.path(),
+                    "IdempotentTransaction is taken twice in one request; take it once"
+                );
+                ready(Err(IdempotencyError::NotConfigured.into()))
+            }
+        }
+    }
+}
+
+/// Request extension: where the transaction waits for the extractor, and where it comes
+/// back when the extractor is dropped.
+pub(crate) struct TransactionSlot(RefCell<Option<OpenTransaction>>);
+
+impl TransactionSlot {
+    /// Hands `transaction` to the handler of `req`.
+    fn offer(req: &ServiceRequest, transaction: OpenTransaction) -> Rc<Self> {
+        let slot = Rc::new(Self(RefCell::new(Some(transaction))));
+        req.extensions_mut().insert(Rc::clone(&slot));
+        slot
+    }
+
+    /// The transaction once the handler is done with it; `None` if the handler kept it (moved
+    /// it to a task that still runs).
+    fn take_back(&self) -> Option<OpenTransaction> {
+        let transaction = self.0.borrow_mut().take();
+        if transaction.is_none() {
+            tracing::error!(
+                "idempotency: the handler kept its IdempotentTransaction beyond the request; \
+                 it is rolled back when dropped"
+            );
+        }
+        transaction
+    }
+}
+
+impl Engine {
+    /// The PostgreSQL store, which alone runs transactional routes.
+    fn postgres(&self) -> Result<&PostgresStore, StoreError> {
+        self.store
+            .as_any()
+            .downcast_ref::<PostgresStore>()
+            .ok_or_else(|| {
+                StoreError::Protocol(
+                    "a transactional route needs the PostgreSQL store: wrap the App in \
+                     Idempotency::postgres(store)"
+                        .to_owned(),
+                )
+            })
+    }
+
+    /// Claims the record inside a transaction; repeated while the key is in flight and the
+    /// policy allows waiting. The transaction comes back when the claim is acquired.
+    pub(crate) async fn claim_transaction_or_wait(
+        &self,
+        storage_key: &StorageKey,
+        fingerprint: &Fingerprint,
+        token: &LeaseToken,
+        policy: &Policy,
+    ) -> (Result<BeginOutcome, StoreError>, Option<OpenTransaction>) {
+        let store = match self.postgres() {
+            Ok(store) => store,
+            Err(error) => return (Err(error), None),
+        };
+        let deadline = policy
+            .wait_for_completion
+            .map(|bound| Instant::now() + bound);
+        let mut pause = Duration::from_millis(20);
+        loop {
+            let claim = store.claim_in_transaction(storage_key, fingerprint, token, policy.lease);
+            match self.bounded(StoreOperation::Begin, claim).await {
+                Ok((BeginOutcome::InFlight, _))
+                    if deadline.is_some_and(|d| Instant::now() + pause < d) =>
+                {
+                    actix_rt::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_millis(250));
+                }
+                Ok((outcome, transaction)) => return (Ok(outcome), transaction),
+                Err(error) => return (Err(error), None),
+            }
+        }
+    }
+
+    /// Runs the handler with `transaction`, then completes the record and commits before the
+    /// response leaves; rolls back on an error response, an error or a panic. No lease is
+    /// renewed: the row is invisible until it commits, and the advisory lock lasts as long
+    /// as the transaction (a crash ends both).
+    pub(crate) async fn run_and_commit_transaction<S, B>(
+        &self,
+        policy: Policy,
+        lock: Rc<HeldLock>,
+        transaction: OpenTransaction,
+        req: ServiceRequest,
+        service: Rc<S>,
+    ) -> Result<Response<B>, actix_web::Error>
+    where
+        S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = actix_web::Error>
+            + 'static,
+        B: MessageBody + 'static,
+    {
+        req.extensions_mut().insert(Claimed {
+            key_present: true,
+            lock: Some(Rc::clone(&lock)),
+        });
+        let slot = TransactionSlot::offer(&req, transaction);
+        let outcome = self.run_and_capture(policy, &lock, req, service).await;
+        let transaction = slot.take_back();
+        let key = lock.storage_key.as_str();
+        let (response, stored, ttl) = match outcome {
+            Handled::Stored {
+                response: Ok(response),
+                stored,
+                ttl,
+            } => (response, stored, ttl),
+            Handled::Stored {
+                response: Err(()), ..
+            }
+            | Handled::Panicked => {
+                tracing::error!(
+                    key,
+                    "idempotency: handler panicked; transaction rolled back"
+                );
+                self.roll_back(transaction).await;
+                return Err(IdempotencyError::HandlerPanicked.into());
+            }
+            Handled::Failed(error) => {
+                self.roll_back(transaction).await;
+                return Err(error);
+            }
+            Handled::NotStored(response) => {
+                tracing::debug!(key, "idempotency: error response; transaction rolled back");
+                self.roll_back(transaction).await;
+                return Ok(response);
+            }
+        };
+        let Some(transaction) = transaction else {
+            return Ok(refuse(
+                response.into_parts().0,
+                &IdempotencyError::NotConfigured,
+            ));
+        };
+        let store = self
+            .postgres()
+            .map_err(actix_web::error::ErrorInternalServerError)?;
+        let committed = self.bounded(
+            StoreOperation::Commit,
+            store.complete_and_commit(transaction, &lock.storage_key, &lock.token, &stored, ttl),
+        );
+        match committed.await {
+            Ok(()) => {
+                tracing::debug!(key, "idempotency: committed with the handler's transaction");
+                Ok(response)
+            }
+            Err(error) => {
+                // Not committed (or unknown, if the connection died during COMMIT): the
+                // handler's writes are not known to have happened, so neither is its
+                // response sent. A retry with the key replays or runs again, whichever is true.
+                tracing::error!(key, %error, "idempotency: the transaction did not commit; answering 503");
+                Ok(self.unavailable(response.into_parts().0, error))
+            }
+        }
+    }
+
+    /// A transactional route's request without a record (no key, or the store failed and the
+    /// app fails open): the handler still gets a transaction, committed when the policy
+    /// would store its response, rolled back otherwise.
+    pub(crate) async fn run_in_transaction_without_record<S, B>(
+        &self,
+        policy: &Policy,
+        req: ServiceRequest,
+        service: Rc<S>,
+    ) -> Result<Response<B>, actix_web::Error>
+    where
+        S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = actix_web::Error>
+            + 'static,
+        B: MessageBody + 'static,
+    {
+        let opened = match self.postgres() {
+            Ok(store) => {
+                self.bounded(StoreOperation::Begin, store.open_transaction())
+                    .await
+            }
+            Err(error) => Err(error),
+        };
+        let transaction = match opened {
+            Ok(transaction) => transaction,
+            Err(error) => {
+                tracing::error!(%error, "idempotency: no transaction for a transactional route; answering 503");
+                return Ok(self.unavailable(req.into_parts().0, error));
+            }
+        };
+        let slot = TransactionSlot::offer(&req, transaction);
+        let called = AssertUnwindSafe(service.call(req)).catch_unwind().await;
+        let transaction = slot.take_back();
+        let response = match called {
+            Ok(Ok(response)) if policy.stores_status(response.status()) => response,
+            Ok(Ok(response)) => {
+                self.roll_back(transaction).await;
+                return Ok(with_handler_body(response));
+            }
+            Ok(Err(error)) => {
+                self.roll_back(transaction).await;
+                return Err(error);
+            }
+            Err(_panic) => {
+                self.roll_back(transaction).await;
+                return Err(IdempotencyError::HandlerPanicked.into());
+            }
+        };
+        let Some(transaction) = transaction else {
+            return Ok(refuse(
+                response.into_parts().0,
+                &IdempotencyError::NotConfigured,
+            ));
+        };
+        match self
+            .bounded(StoreOperation::Commit, transaction.commit())
+            .await
+        {
+            Ok(()) => Ok(with_handler_body(response)),
+            Err(error) => {
+                tracing::error!(%error, "idempotency: the transaction did not commit; answering 503");
+                Ok(self.unavailable(response.into_parts().0, error))
+            }
+        }
+    }
+
+    /// Rolls `transaction` back before the response leaves, so a retry finds the key free.
+    async fn roll_back(&self, transaction: Option<OpenTransaction>) {
+        let Some(transaction) = transaction else {
+            return;
+        };
+        if let Err(error) = self
+            .bounded(StoreOperation::Release, transaction.roll_back())
+            .await
+        {
+            // The connection is broken or slow; the server rolls back a transaction whose
+            // connection dies, and a dropped one is rolled back in the background.
+            tracing::warn!(%error, "idempotency: rollback failed");
+        }
+    }
+
+    fn unavailable<B>(&self, request: HttpRequest, source: StoreError) -> Response<B> {
+        let retry_after = self.settings.retry_after;
+        refuse(
+            request,
+            &IdempotencyError::StoreUnavailable {
+                source,
+                retry_after,
+            },
+        )
+    }
+}

@@ -1,0 +1,159 @@
+//! [`FloodServer`]: an in-process server for tests that push more keys than a store holds
+//! while some requests stay in flight.
+
+use std::time::Duration;
+
+use actix_web::http::{Method, StatusCode};
+use actix_web::{App, HttpResponse, web};
+use idempotency_actix::Idempotency;
+
+use crate::{Gate, Reply, RunCounter};
+
+/// A server under one `Idempotency` (protecting `POST`) with two routes:
+///
+/// * `POST /orders`: 201 with a `Location` and a JSON body padded to `body_bytes`;
+/// * `POST /slow`: counts its run, waits at [`gate`](Self::gate), then answers 201.
+pub struct FloodServer {
+    server: actix_test::TestServer,
+    /// Runs of `/orders`.
+    pub runs: RunCounter,
+    /// Runs of `/slow`.
+    pub slow_runs: RunCounter,
+    /// Where `/slow` handlers wait.
+    pub gate: Gate,
+}
+
+#[derive(Clone)]
+struct SlowRuns(RunCounter);
+
+#[derive(Clone, Copy)]
+struct BodyBytes(usize);
+
+async fn create(runs: web::Data<RunCounter>, body_bytes: web::Data<BodyBytes>) -> HttpResponse {
+    let seq = runs.record();
+    let padding = "x".repeat(body_bytes.0);
+    HttpResponse::Created()
+        .insert_header(("location", format!("/orders/{seq}")))
+        .json(serde_json::json!({ "seq": seq, "padding": padding }))
+}
+
+async fn slow_create(runs: web::Data<SlowRuns>, gate: web::Data<Gate>) -> HttpResponse {
+    let seq = runs.0.record();
+    gate.wait().await;
+    HttpResponse::Created().json(serde_json::json!({ "slow": seq }))
+}
+
+impl FloodServer {
+    /// Starts one; `idempotency` makes each worker's middleware, `body_bytes` pads the
+    /// bodies of `/orders`.
+    pub fn start(
+        idempotency: impl Fn() -> Idempotency + Clone + Send + 'static,
+        body_bytes: usize,
+    ) -> Self {
+        let (runs, slow_runs, gate) = (
+            RunCounter::default(),
+            RunCounter::default(),
+            Gate::default(),
+        );
+        let server = {
+            let (runs, slow_runs, gate) = (runs.clone(), slow_runs.clone(), gate.clone());
+            actix_test::start(move || {
+                App::new()
+                    .app_data(web::Data::new(runs.clone()))
+                    .app_data(web::Data::new(SlowRuns(slow_runs.clone())))
+                    .app_data(web::Data::new(gate.clone()))
+                    .app_data(web::Data::new(BodyBytes(body_bytes)))
+                    .wrap(idempotency().protect_methods([Method::POST]))
+                    .route("/orders", web::post().to(create))
+                    .route("/slow", web::post().to(slow_create))
+            })
+        };
+        Self {
+            server,
+            runs,
+            slow_runs,
+            gate,
+        }
+    }
+
+    /// Posts `{}` to `path` with `key`.
+    ///
+    /// # Panics
+    ///
+    /// When the request fails or takes more than 60 s.
+    pub async fn post(&self, path: &str, key: &str) -> Reply {
+        let response = self
+            .server
+            .request(Method::POST, self.server.url(path))
+            .insert_header(("idempotency-key", key))
+            .timeout(Duration::from_secs(60))
+            .send_body("{}")
+            .await
+            .unwrap_or_else(|error| panic!("POST {path} with {key}: {error}"));
+        Reply::read(response)
+            .await
+            .unwrap_or_else(|error| panic!("POST {path} with {key}: {error}"))
+    }
+
+    /// Sends `count` new keys (`{name}-0`, `{name}-1`, …) to `/orders`, one after another;
+    /// each must get 201 from a new run, and every 50th key the key sent 3 keys earlier is
+    /// retried and must be replayed without a run. `after_each` runs after every key.
+    ///
+    /// # Panics
+    ///
+    /// When an answer is not what the contract promises, with that answer.
+    pub async fn flood(&self, name: &str, count: usize, mut after_each: impl FnMut()) {
+        for i in 0..count {
+            let runs_before = self.runs.get();
+            let reply = self.post("/orders", &format!("{name}-{i}")).await;
+            assert_eq!(reply.status, StatusCode::CREATED, "new key {i}: {reply:?}");
+            assert!(!reply.is_replay());
+            assert_eq!(self.runs.get(), runs_before + 1);
+            if i % 50 == 49 {
+                let recent = format!("{name}-{}", i - 3);
+                let replay = self.post("/orders", &recent).await;
+                assert!(replay.is_replay(), "{recent} is replayed: {replay:?}");
+                assert_eq!(self.runs.get(), runs_before + 1, "{recent} ran again");
+            }
+            after_each();
+        }
+    }
+
+    /// Sends a `/slow` request with `key` and waits until its handler runs (`Ok`: the
+    /// request, answered once the gate opens) or until it is answered without running
+    /// (`Err`: the refusal).
+    ///
+    /// # Panics
+    ///
+    /// When neither happens within 10 s.
+    pub async fn start_slow(&self, key: &str) -> Result<actix_rt::task::JoinHandle<Reply>, Reply> {
+        let runs_before = self.slow_runs.get();
+        let request = self
+            .server
+            .request(Method::POST, self.server.url("/slow"))
+            .insert_header(("idempotency-key", key))
+            .timeout(Duration::from_secs(60));
+        let key_name = key.to_owned();
+        let reply = actix_rt::spawn(async move {
+            let response = request
+                .send_body("{}")
+                .await
+                .unwrap_or_else(|error| panic!("POST /slow with {key_name}: {error}"));
+            Reply::read(response)
+                .await
+                .unwrap_or_else(|error| panic!("POST /slow with {key_name}: {error}"))
+        });
+        for _ in 0..1_000 {
+            if self.slow_runs.get() > runs_before {
+                return Ok(reply);
+            }
+            if reply.is_finished() {
+                return Err(reply
+                    .await
+                    .unwrap_or_else(|error| panic!("POST /slow with {key}: {error}")));
+            }
+            actix_rt::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("the /slow request with {key} neither ran nor was answered in 10 s");
+    }
+}

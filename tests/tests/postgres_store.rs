@@ -1,0 +1,214 @@
+//! What only the PostgreSQL store does, beyond the acceptance suite: its table (name,
+//! migration), reclaiming expired rows in bounded batches, durability across pools, and
+//! `begin` under heavy contention (the READ COMMITTED race where a conflicting row is not yet
+//! in a statement's snapshot). Each test runs in a database of its own on the server at
+//! `DATABASE_URL` (default postgres://postgres@127.0.0.1:5432/postgres).
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use actix_web::http::{Method, StatusCode};
+use actix_web::web::Bytes;
+use idempotency_actix::{
+    BeginOutcome, Fingerprint, IdempotencyKey, IdempotencyStore, LeaseToken, PostgresStore,
+    StorageKey, StoredResponse,
+};
+use idempotency_actix_tests::TestDatabase;
+
+const LEASE: Duration = Duration::from_secs(30);
+
+fn key(name: &str) -> StorageKey {
+    StorageKey::new("pg:", b"", &IdempotencyKey::parse(name.as_bytes()).unwrap())
+}
+
+fn print() -> Fingerprint {
+    Fingerprint::compute(&Method::POST, "/orders", "", b"{}", [])
+}
+
+fn response() -> StoredResponse {
+    StoredResponse {
+        status: StatusCode::CREATED,
+        headers: Vec::new(),
+        body: Some(Bytes::from_static(b"done")),
+    }
+}
+
+async fn rows(database: &TestDatabase, table: &str) -> i64 {
+    database
+        .connection()
+        .await
+        .query_one(&format!("SELECT count(*) FROM {table}"), &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+#[actix_web::test]
+async fn a_table_of_its_own_name_is_created_and_used() {
+    let database = TestDatabase::create().await;
+    database
+        .connection()
+        .await
+        .batch_execute("CREATE SCHEMA billing")
+        .await
+        .unwrap();
+    let instance = || {
+        let pool = PostgresStore::pool(database.url()).unwrap();
+        PostgresStore::new(pool)
+            .table("billing.Idempotency_Keys")
+            .unwrap()
+    };
+    let (store, other) = (instance(), instance());
+    // From two instances at once, then again: the migration is idempotent.
+    let (first, second) = futures_util::future::join(store.migrate(), other.migrate()).await;
+    first.unwrap();
+    second.unwrap();
+    store.migrate().await.unwrap();
+    let token = LeaseToken::generate();
+    assert_eq!(
+        store
+            .begin(&key("k"), &print(), &token, LEASE)
+            .await
+            .unwrap(),
+        BeginOutcome::Acquired
+    );
+    assert_eq!(rows(&database, "billing.\"Idempotency_Keys\"").await, 1);
+}
+
+#[actix_web::test]
+async fn names_that_are_not_identifiers_never_reach_sql() {
+    let database = TestDatabase::create().await;
+    let pool = PostgresStore::pool(database.url()).unwrap();
+    for name in ["records; DROP TABLE x", "a\"b", "1st", "a.b.c", ""] {
+        let error = PostgresStore::new(pool.clone()).table(name).unwrap_err();
+        assert!(error.to_string().contains("is not a table name"), "{error}");
+    }
+}
+
+#[actix_web::test]
+async fn completed_records_survive_a_new_pool() {
+    let database = TestDatabase::create().await;
+    let store = database.store().await;
+    let token = LeaseToken::generate();
+    store
+        .begin(&key("k"), &print(), &token, LEASE)
+        .await
+        .unwrap();
+    assert!(
+        store
+            .commit(&key("k"), &token, &response(), Duration::from_secs(60))
+            .await
+            .unwrap()
+    );
+    drop(store);
+    // Another process, another pool: the record is in the database, not in memory.
+    let again = PostgresStore::new(PostgresStore::pool(database.url()).unwrap());
+    assert_eq!(
+        again
+            .begin(&key("k"), &print(), &LeaseToken::generate(), LEASE)
+            .await
+            .unwrap(),
+        BeginOutcome::Completed(response())
+    );
+}
+
+#[actix_web::test]
+async fn expired_rows_are_deleted_in_bounded_batches() {
+    let database = TestDatabase::create().await;
+    let store = database.store().await;
+    // 2 500 expired rows and 10 live ones.
+    database
+        .connection()
+        .await
+        .batch_execute(
+            "INSERT INTO idempotency_records (key, fingerprint, token, state, version, expires_at)
+             SELECT 'expired:' || n, '\\x00', 't', 'c', 1, now() - interval '1 minute'
+             FROM generate_series(1, 2500) AS n;
+             INSERT INTO idempotency_records (key, fingerprint, token, state, version, expires_at)
+             SELECT 'live:' || n, '\\x00', 't', 'c', 1, now() + interval '1 hour'
+             FROM generate_series(1, 10) AS n;",
+        )
+        .await
+        .unwrap();
+    assert_eq!(store.delete_expired(1_000).await.unwrap(), 1_000);
+    assert_eq!(store.delete_expired(1_000).await.unwrap(), 1_000);
+    assert_eq!(store.delete_expired(1_000).await.unwrap(), 500);
+    assert_eq!(store.delete_expired(1_000).await.unwrap(), 0);
+    assert_eq!(rows(&database, "idempotency_records").await, 10);
+}
+
+#[actix_web::test]
+async fn the_background_task_deletes_expired_rows() {
+    let database = TestDatabase::create().await;
+    let store = database.store().await;
+    let token = LeaseToken::generate();
+    store
+        .begin(&key("short"), &print(), &token, Duration::from_millis(1))
+        .await
+        .unwrap();
+    assert_eq!(rows(&database, "idempotency_records").await, 1);
+    let task = actix_rt::spawn(store.clone().expire_periodically(Duration::from_millis(50)));
+    for _ in 0..200 {
+        if rows(&database, "idempotency_records").await == 0 {
+            break;
+        }
+        actix_rt::time::sleep(Duration::from_millis(50)).await;
+    }
+    task.abort();
+    assert_eq!(rows(&database, "idempotency_records").await, 0);
+}
+
+#[actix_web::test]
+async fn contended_begins_acquire_exactly_once_per_key() {
+    let database = TestDatabase::create().await;
+    let store = database.store().await;
+    // Many rounds of many connections racing for one fresh key: some statements start
+    // before the winner commits and find its row missing from their snapshot.
+    let fingerprint = print();
+    for round in 0..20 {
+        let key = key(&format!("race-{round}"));
+        let tokens: Vec<LeaseToken> = (0..32).map(|_| LeaseToken::generate()).collect();
+        let outcomes = futures_util::future::join_all(
+            tokens
+                .iter()
+                .map(|token| store.begin(&key, &fingerprint, token, LEASE)),
+        )
+        .await;
+        let acquired = outcomes
+            .iter()
+            .filter(|outcome| matches!(outcome, Ok(BeginOutcome::Acquired)))
+            .count();
+        let in_flight = outcomes
+            .iter()
+            .filter(|outcome| matches!(outcome, Ok(BeginOutcome::InFlight)))
+            .count();
+        assert_eq!(
+            (acquired, in_flight),
+            (1, 31),
+            "round {round}: {outcomes:?}"
+        );
+    }
+}
+
+#[actix_web::test]
+async fn an_unreachable_server_is_a_store_error() {
+    // A pool on a port where nothing listens: every operation is a store error, never a
+    // hang or a panic.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let store = PostgresStore::new(
+        PostgresStore::pool(&format!("postgres://postgres@127.0.0.1:{port}/postgres")).unwrap(),
+    );
+    let token = LeaseToken::generate();
+    assert!(
+        store
+            .begin(&key("k"), &print(), &token, LEASE)
+            .await
+            .is_err()
+    );
+    assert!(store.migrate().await.is_err());
+}

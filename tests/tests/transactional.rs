@@ -1,0 +1,378 @@
+//! Transactional routes over real sockets on real PostgreSQL (issue 12): the handler writes
+//! through `IdempotentTransaction`, and its writes commit together with the stored response
+//! or not at all; duplicates get 409 at once; misuse is a clear error. Each test runs in a
+//! database of its own on the server at `DATABASE_URL` (default 127.0.0.1:5432).
+
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use actix_web::http::StatusCode;
+use actix_web::{App, HttpResponse, post, web};
+use idempotency_actix::{
+    Idempotency, IdempotentRoute, IdempotentTransaction, MemoryStore, PostgresStore, idempotent,
+};
+use idempotency_actix_tests::{Reply, RunCounter, TestDatabase};
+
+/// Holds a handler until the test lets it go (at most 10 s, so nothing hangs).
+#[derive(Clone, Default)]
+struct Gate(Arc<AtomicBool>);
+
+impl Gate {
+    fn open(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+
+    async fn pass(&self) {
+        for _ in 0..1_000 {
+            if self.0.load(Ordering::SeqCst) {
+                return;
+            }
+            actix_rt::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct Knobs {
+    status: Option<u16>,
+    panic: Option<u8>,
+    hold: Option<u8>,
+    poison: Option<u8>,
+}
+
+/// Inserts one ledger row through the request's transaction, then answers `status`
+/// (default 201), panics, or first waits at the gate.
+async fn book(
+    transaction: &IdempotentTransaction,
+    runs: &RunCounter,
+    gate: &Gate,
+    knobs: &Knobs,
+) -> HttpResponse {
+    let seq = runs.record();
+    let row = transaction
+        .query_one(
+            "INSERT INTO ledger (amount) VALUES (1) RETURNING entry_id",
+            &[],
+        )
+        .await
+        .unwrap();
+    let entry_id: i64 = row.get(0);
+    if knobs.hold == Some(1) {
+        gate.pass().await;
+    }
+    if knobs.panic == Some(1) {
+        panic!("the handler panics after its insert");
+    }
+    if knobs.poison == Some(1) {
+        // A failed statement whose error the handler ignores: the transaction is aborted.
+        let _ = transaction.execute("SELECT 1 / 0", &[]).await;
+    }
+    HttpResponse::build(StatusCode::from_u16(knobs.status.unwrap_or(201)).unwrap())
+        .json(serde_json::json!({ "entry_id": entry_id, "seq": seq }))
+}
+
+#[idempotent(transactional)]
+#[post("/ledger")]
+async fn by_attribute(
+    transaction: IdempotentTransaction,
+    runs: web::Data<RunCounter>,
+    gate: web::Data<Gate>,
+    knobs: web::Query<Knobs>,
+) -> HttpResponse {
+    book(&transaction, &runs, &gate, &knobs).await
+}
+
+async fn by_hand(
+    transaction: IdempotentTransaction,
+    runs: web::Data<RunCounter>,
+    gate: web::Data<Gate>,
+    knobs: web::Query<Knobs>,
+) -> HttpResponse {
+    book(&transaction, &runs, &gate, &knobs).await
+}
+
+struct Harness {
+    server: actix_test::TestServer,
+    database: TestDatabase,
+    runs: RunCounter,
+    gate: Gate,
+}
+
+const LEDGER: &str = "CREATE TABLE ledger (entry_id bigserial PRIMARY KEY, amount bigint NOT NULL)";
+
+/// A server with the transactional routes on a store whose pool has `connections`.
+async fn start(connections: u32) -> Harness {
+    let database = TestDatabase::create().await;
+    database
+        .connection()
+        .await
+        .batch_execute(LEDGER)
+        .await
+        .unwrap();
+    let manager = bb8_postgres::PostgresConnectionManager::new_from_stringlike(
+        database.url(),
+        tokio_postgres::NoTls,
+    )
+    .unwrap();
+    let pool = bb8::Pool::builder()
+        .max_size(connections)
+        .test_on_check_out(false)
+        .connection_timeout(Duration::from_secs(2))
+        .build_unchecked(manager);
+    let store = PostgresStore::new(pool);
+    store.migrate().await.unwrap();
+    let (runs, gate) = (RunCounter::default(), Gate::default());
+    let server = {
+        let (runs, gate) = (runs.clone(), gate.clone());
+        actix_test::start(move || {
+            App::new()
+                .app_data(web::Data::new(runs.clone()))
+                .app_data(web::Data::new(gate.clone()))
+                .wrap(Idempotency::postgres(store.clone()))
+                .service(by_attribute)
+                .service(
+                    web::resource("/ledger-by-hand")
+                        .wrap(IdempotentRoute::new().transactional())
+                        .route(web::post().to(by_hand)),
+                )
+                .service(
+                    web::resource("/ledger-waits")
+                        .wrap(
+                            IdempotentRoute::new()
+                                .transactional()
+                                .wait_for_completion(Duration::from_secs(10)),
+                        )
+                        .route(web::post().to(by_hand)),
+                )
+                .service(
+                    web::resource("/not-transactional")
+                        .wrap(IdempotentRoute::new())
+                        .route(web::post().to(by_hand)),
+                )
+        })
+    };
+    Harness {
+        server,
+        database,
+        runs,
+        gate,
+    }
+}
+
+impl Harness {
+    async fn post(&self, path: &str, key: Option<&str>) -> Reply {
+        let mut request = self.server.post(path);
+        if let Some(key) = key {
+            request = request.insert_header(("idempotency-key", key));
+        }
+        Reply::read(request.send().await.unwrap()).await.unwrap()
+    }
+
+    async fn count(&self, sql: &str) -> i64 {
+        self.database
+            .connection()
+            .await
+            .query_one(sql, &[])
+            .await
+            .unwrap()
+            .get(0)
+    }
+
+    async fn ledger_rows(&self) -> i64 {
+        self.count("SELECT count(*) FROM ledger").await
+    }
+
+    async fn records(&self) -> i64 {
+        self.count("SELECT count(*) FROM idempotency_records").await
+    }
+}
+
+#[actix_web::test]
+async fn the_write_and_the_record_commit_together_and_a_retry_replays() {
+    let h = start(4).await;
+    let first = h.post("/ledger", Some("k")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(!first.is_replay());
+    // Both committed before the response arrived.
+    assert_eq!(h.ledger_rows().await, 1);
+    assert_eq!(
+        h.count("SELECT count(*) FROM idempotency_records WHERE state = 'c'")
+            .await,
+        1
+    );
+    let retry = h.post("/ledger", Some("k")).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(retry.is_replay());
+    assert_eq!(retry.body, first.body);
+    assert_eq!(h.ledger_rows().await, 1);
+    assert_eq!(h.runs.get(), 1);
+}
+
+#[actix_web::test]
+async fn the_builder_option_makes_a_route_transactional() {
+    let h = start(4).await;
+    let first = h.post("/ledger-by-hand", Some("k")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let retry = h.post("/ledger-by-hand", Some("k")).await;
+    assert!(retry.is_replay());
+    assert_eq!(retry.body, first.body);
+    assert_eq!((h.ledger_rows().await, h.runs.get()), (1, 1));
+}
+
+#[actix_web::test]
+async fn an_error_response_rolls_back_and_frees_the_key() {
+    let h = start(4).await;
+    let failed = h.post("/ledger?status=500", Some("k")).await;
+    assert_eq!(failed.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!((h.ledger_rows().await, h.records().await), (0, 0));
+    // Nothing stored: the retry runs the handler again.
+    let retry = h.post("/ledger?status=500", Some("k")).await;
+    assert_eq!(retry.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(!retry.is_replay());
+    assert_eq!(h.runs.get(), 2);
+    assert_eq!(h.ledger_rows().await, 0);
+}
+
+#[actix_web::test]
+async fn a_panic_rolls_back_and_frees_the_key() {
+    let h = start(4).await;
+    let panicked = h.post("/ledger?panic=1", Some("k")).await;
+    assert_eq!(panicked.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(
+        panicked.json()["type"],
+        "tag:idempotency-actix,2026:handler-panicked"
+    );
+    assert_eq!((h.ledger_rows().await, h.records().await), (0, 0));
+    let retry = h.post("/ledger?panic=1", Some("k")).await;
+    assert_eq!(retry.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(h.runs.get(), 2);
+    assert_eq!(h.ledger_rows().await, 0);
+}
+
+#[actix_web::test]
+async fn a_transaction_that_cannot_commit_is_503_and_leaves_nothing() {
+    let h = start(4).await;
+    let refused = h.post("/ledger?poison=1", Some("k")).await;
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        refused.json()["type"],
+        "tag:idempotency-actix,2026:store-unavailable"
+    );
+    assert!(refused.header("retry-after").is_some());
+    // Neither the handler's insert nor a record: the retry runs again.
+    assert_eq!((h.ledger_rows().await, h.records().await), (0, 0));
+    let retry = h.post("/ledger", Some("k")).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!((h.runs.get(), h.ledger_rows().await), (2, 1));
+}
+
+#[actix_web::test]
+async fn a_duplicate_in_flight_gets_409_at_once_without_holding_a_connection() {
+    // Two connections: the first request's transaction holds one for as long as it runs.
+    let h = start(2).await;
+    let first = {
+        let request = h
+            .server
+            .post("/ledger?hold=1")
+            .insert_header(("idempotency-key", "k"));
+        actix_rt::spawn(async move { Reply::read(request.send().await.unwrap()).await })
+    };
+    // The handler has inserted its row and waits at the gate, inside its transaction.
+    h.runs.wait_for(1).await;
+    for _ in 0..8 {
+        let duplicate = h.post("/ledger?hold=1", Some("k")).await;
+        assert_eq!(duplicate.status, StatusCode::CONFLICT);
+        assert_eq!(
+            duplicate.json()["type"],
+            "tag:idempotency-actix,2026:in-flight"
+        );
+        assert!(duplicate.header("retry-after").is_some());
+    }
+    // Another key still gets the one connection left, and runs.
+    let other = h.post("/ledger", Some("other")).await;
+    assert_eq!(other.status, StatusCode::CREATED);
+    // All of that while the first was still held at the gate.
+    assert!(!first.is_finished());
+    h.gate.open();
+    let first = first.await.unwrap().unwrap();
+    assert_eq!(first.status, StatusCode::CREATED);
+    let replay = h.post("/ledger?hold=1", Some("k")).await;
+    assert!(replay.is_replay());
+    assert_eq!(replay.body, first.body);
+    assert_eq!((h.runs.get(), h.ledger_rows().await), (2, 2));
+}
+
+#[actix_web::test]
+async fn a_duplicate_can_wait_for_the_commit_and_replay_it() {
+    let h = start(4).await;
+    let send = || {
+        let request = h
+            .server
+            .post("/ledger-waits?hold=1")
+            .insert_header(("idempotency-key", "k"));
+        actix_rt::spawn(async move { Reply::read(request.send().await.unwrap()).await })
+    };
+    let first = send();
+    h.runs.wait_for(1).await;
+    let duplicate = send();
+    // The duplicate waits (polling the committed state) while the first holds its
+    // transaction open at the gate.
+    actix_rt::time::sleep(Duration::from_millis(300)).await;
+    assert!(!duplicate.is_finished());
+    h.gate.open();
+    let first = first.await.unwrap().unwrap();
+    let duplicate = duplicate.await.unwrap().unwrap();
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(duplicate.is_replay(), "{duplicate:?}");
+    assert_eq!(duplicate.body, first.body);
+    assert_eq!((h.runs.get(), h.ledger_rows().await), (1, 1));
+}
+
+#[actix_web::test]
+async fn a_request_without_a_key_gets_a_transaction_too() {
+    let h = start(4).await;
+    assert_eq!(h.post("/ledger", None).await.status, StatusCode::CREATED);
+    assert_eq!(
+        h.post("/ledger?status=500", None).await.status,
+        StatusCode::INTERNAL_SERVER_ERROR
+    );
+    // The success committed, the error rolled back; no record either way.
+    assert_eq!((h.ledger_rows().await, h.records().await), (1, 0));
+    assert_eq!(h.runs.get(), 2);
+}
+
+#[actix_web::test]
+async fn the_extractor_on_a_route_that_is_not_transactional_is_a_500() {
+    let h = start(4).await;
+    let refused = h.post("/not-transactional", Some("k")).await;
+    assert_eq!(refused.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(
+        refused.json()["type"],
+        "tag:idempotency-actix,2026:not-configured"
+    );
+    assert_eq!((h.runs.get(), h.ledger_rows().await), (0, 0));
+}
+
+#[actix_web::test]
+async fn a_transactional_route_on_another_store_is_refused() {
+    let runs = RunCounter::default();
+    let server = {
+        let runs = runs.clone();
+        actix_test::start(move || {
+            App::new()
+                .app_data(web::Data::new(runs.clone()))
+                .app_data(web::Data::new(Gate::default()))
+                .wrap(Idempotency::new(MemoryStore::new()))
+                .service(by_attribute)
+        })
+    };
+    let request = server
+        .post("/ledger")
+        .insert_header(("idempotency-key", "k"));
+    let refused = Reply::read(request.send().await.unwrap()).await.unwrap();
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(runs.get(), 0);
+}
