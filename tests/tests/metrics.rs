@@ -371,3 +371,33 @@ async fn store_operations_are_timed_by_operation() {
             .collect();
     assert_eq!(seen, expected);
 }
+
+#[actix_web::test]
+async fn memory_store_evictions_are_counted() {
+    let _turn = one_at_a_time();
+    snapshotter();
+    let evictions = || counter("idempotency_evictions_total", &[("source", "memory_store")]);
+    let before = evictions();
+    let store = MemoryStore::builder().max_bytes(64 * 1024).build();
+    let server = actix_test::start({
+        let store = store.clone();
+        move || {
+            App::new()
+                .wrap(Idempotency::new(store.clone()))
+                .service(counted(
+                    "/evicting",
+                    RunCounter::default(),
+                    IdempotentRoute::new(),
+                ))
+        }
+    });
+    for i in 0..200 {
+        let key = format!("key-{i}");
+        assert_eq!(
+            send(&server, "/evicting", Some(&key), "{}").await.status,
+            201
+        );
+    }
+    assert!(store.evictions() > 0, "the store is too large to evict");
+    assert_eq!(evictions() - before, store.evictions());
+}
