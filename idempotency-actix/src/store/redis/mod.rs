@@ -1,6 +1,6 @@
 //! [`RedisStore`]: records in Redis, reached through a bb8 pool of bb8-redis connections.
 //!
-//! The protocol (commands, scripts, reply decoding) lives in `protocol` and the record
+//! The protocol (commands, functions, reply decoding) lives in `protocol` and the record
 //! layout in `record`, apart from the connection handling in `connection`, so a store on
 //! another kind of connection runs the same protocol.
 
@@ -35,8 +35,9 @@ pub type RedisPool = bb8::Pool<RedisConnectionManager>;
 ///
 /// Round trips: a new key costs two, a replay one, an unprotected request none. `begin` is
 /// one plain `SET key record NX PX lease GET`; `commit`, `renew` and `release` are each one
-/// short `EVALSHA` fenced by the lease token (plus a one-time `SCRIPT LOAD` per script and
-/// server).
+/// `FCALL` of a short Lua function fenced by the lease token (the library
+/// `idempotency_actix_2` is loaded by the store with `FUNCTION LOAD` when a server does not
+/// have it yet).
 ///
 /// Connections: the store opens one multiplexed connection with the pool's connection
 /// manager (the pool gives the URL and settings) and shares it between all its requests, so
