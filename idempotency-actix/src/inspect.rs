@@ -17,7 +17,9 @@ use crate::store::{Deletion, IdempotencyStore, RecordSnapshot, StoreError};
 /// Deleting a completed record makes the next request with its key run the handler again.
 /// Deleting an in-flight record is refused ([`Deletion::InFlight`]) unless forced: its
 /// handler may still be running, and a retry would run it a second time (its own commit
-/// then fails the fencing check and its response is not stored).
+/// then fails the fencing check and its response is not stored). Instances with a
+/// [`ReplayCache`](crate::ReplayCache) keep replaying a deleted completed record they have
+/// cached until its TTL runs out.
 ///
 /// # Examples
 ///

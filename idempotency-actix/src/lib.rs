@@ -63,10 +63,13 @@
 //!
 //! # Stores
 //!
-//! * [`RedisStore`] (`Idempotency::redis(pool)`): a bb8 pool of bb8-redis connections. Two
-//!   round trips for a new key, one for a replay, none for unprotected requests; every
-//!   record is one key and every script touches one key, so the protocol is ready for Redis
-//!   Cluster; a cluster backend is not part of this release.
+//! * [`RedisStore`] (`Idempotency::redis(pool)`, Redis ≥ 7.0): takes a bb8 pool of
+//!   bb8-redis connections for its settings and shares one multiplexed connection per
+//!   worker. Two round trips for a new key, one for a replay, none for unprotected requests;
+//!   every record is one key and every command or function touches one key, so the protocol
+//!   is ready for Redis Cluster; a cluster backend is not part of this release.
+//! * [`ReplayCache`] (opt-in, `Idempotency::replay_cache`): completed records kept in
+//!   process, so a replay costs no round trip at all.
 //! * `PostgresStore` (feature `postgres`, `Idempotency::postgres(store)`): durable records,
 //!   one row each, through a bb8 pool of tokio-postgres connections; the same round trips;
 //!   and **transactional routes**: with `#[idempotent(transactional)]` the handler takes an
@@ -166,6 +169,7 @@ mod policy;
 mod protected_route;
 mod record;
 mod replay;
+mod replay_cache;
 mod scope;
 mod store;
 #[cfg(feature = "postgres")]
@@ -196,6 +200,7 @@ pub use policy::{
 pub use protected_route::ProtectedRoute;
 pub use record::{RECORD_VERSION, RecordError, StoredResponse};
 pub use replay::{BODY_OMITTED_HEADER, REPLAYED_HEADER, ReplayedHeaders};
+pub use replay_cache::ReplayCache;
 pub use scope::{KeyScope, StorageKey};
 pub use store::{
     BeginOutcome, Deletion, IdempotencyStore, LeaseToken, MemoryStore, MemoryStoreBuilder,

@@ -401,3 +401,44 @@ async fn memory_store_evictions_are_counted() {
     assert!(store.evictions() > 0, "the store is too large to evict");
     assert_eq!(evictions() - before, store.evictions());
 }
+
+#[actix_web::test]
+async fn replay_cache_evictions_are_counted() {
+    let _turn = one_at_a_time();
+    snapshotter();
+    let evictions = || counter("idempotency_evictions_total", &[("source", "replay_cache")]);
+    let before = evictions();
+    let pool = idempotency_actix_tests::redis_pool().await;
+    let prefix = idempotency_actix_tests::unique_prefix("replay_cache_evictions");
+    // Room for about four of the 1 KiB responses below.
+    let cache = idempotency_actix::ReplayCache::with_max_bytes(5 * 1024);
+    let server = actix_test::start(move || {
+        App::new()
+            .wrap(
+                Idempotency::redis(pool.clone())
+                    .key_prefix(prefix.clone())
+                    .replay_cache(cache.clone()),
+            )
+            .service(
+                web::resource("/cached")
+                    .wrap(IdempotentRoute::new())
+                    .route(web::post().to(|| async { HttpResponse::Ok().body(vec![b'x'; 1024]) })),
+            )
+    });
+    // Each key's first replay comes from Redis and fills the cache; forty of them overflow it.
+    for round in 0..40 {
+        let key = format!("cached-{round}");
+        assert_eq!(send(&server, "/cached", Some(&key), "{}").await.status, 200);
+        assert!(send(&server, "/cached", Some(&key), "{}").await.is_replay());
+    }
+    for _ in 0..500 {
+        if evictions() > before {
+            return;
+        }
+        // The cache evicts in its housekeeping, which later operations run.
+        let key = format!("cached-{}", 40);
+        send(&server, "/cached", Some(&key), "{}").await;
+        actix_rt::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("no replay cache eviction was counted");
+}
