@@ -376,3 +376,37 @@ async fn a_transactional_route_on_another_store_is_refused() {
     assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(runs.get(), 0);
 }
+
+/// Inspection (issue 11): a transactional claim lives inside its transaction, so it shows
+/// as in flight and cannot be deleted, even by force; once committed it is a completed
+/// record like any other, and deleting it lets the key run again.
+#[actix_web::test]
+async fn inspection_sees_a_transactional_claim_in_flight_and_cannot_delete_it() {
+    use idempotency_actix::{Deletion, Inspector, RecordState};
+
+    let h = start(4).await;
+    let store = PostgresStore::new(PostgresStore::pool(h.database.url()).unwrap());
+    let inspector = Inspector::new(store);
+    let first = h.post("/ledger?hold=1", Some("k"));
+    let look = async {
+        h.runs.wait_for(1).await;
+        let found = inspector.lookup(b"", "k").await.unwrap().unwrap();
+        assert_eq!(found.state, RecordState::InFlight);
+        let deleted = inspector.force_delete(b"", "k").await.unwrap();
+        assert_eq!(deleted, Deletion::InFlight);
+        h.gate.open();
+    };
+    let (first, ()) = futures_util::future::join(first, look).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+
+    let found = inspector.lookup(b"", "k").await.unwrap().unwrap();
+    assert_eq!(found.state, RecordState::Completed);
+    assert_eq!(found.status, Some(StatusCode::CREATED));
+    assert_eq!(inspector.delete(b"", "k").await.unwrap(), Deletion::Deleted);
+    let again = h.post("/ledger", Some("k")).await;
+    assert_eq!(
+        (again.status, again.is_replay()),
+        (StatusCode::CREATED, false)
+    );
+    assert_eq!(h.runs.get(), 2);
+}
