@@ -261,6 +261,9 @@ async fn malformed_keys_are_400(backend: Backend) {
         HeaderValue::from_static("stray\"quote"),
         HeaderValue::from_static("\"bad\\escape\""),
         HeaderValue::from_static("\"trailing\"x"),
+        HeaderValue::from_static("k1, k2"),
+        HeaderValue::from_static("\"k1\", \"k2\""),
+        HeaderValue::from_static("k1;BAD=1"),
     ];
     for value in bad_values {
         let reply = h.post_with_key_bytes("/orders", value.clone()).await;
@@ -314,6 +317,12 @@ async fn quoted_and_bare_keys_are_the_same_key(backend: Backend) {
     let retry = h.post("/orders", Some(&quoted), "{}").await;
     assert!(retry.is_replay());
     assert_eq!(retry.body, first.body);
+    // RFC 8941 parameters are ignored, after either form.
+    for with_parameter in [format!("\"{key}\";v=1"), format!("{key};v=1")] {
+        let retry = h.post("/orders", Some(&with_parameter), "{}").await;
+        assert!(retry.is_replay(), "{with_parameter}");
+        assert_eq!(retry.body, first.body);
+    }
     assert_eq!(h.runs.get(), 1);
 }
 
