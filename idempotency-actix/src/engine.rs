@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use actix_web::body::{BodySize, BoxBody, MessageBody};
 use actix_web::dev::{Payload, Service, ServiceRequest, ServiceResponse};
+use actix_web::http::StatusCode;
 use actix_web::http::header::{self, HeaderName};
 use actix_web::web::{Bytes, BytesMut};
 use actix_web::{HttpMessage, HttpRequest, ResponseError};
@@ -330,7 +331,7 @@ impl Engine {
                 tracing::debug!(
                     key = storage_key.as_str(),
                     status = response.status().as_u16(),
-                    "idempotency: error response; key released"
+                    "idempotency: response not stored (error or informational); key released"
                 );
                 self.release(storage_key, token).await;
                 Ok(response)
@@ -378,18 +379,28 @@ impl Engine {
         let status = response.status();
         let headers = self.settings.replayed_headers.select(response.headers());
         let (response, body) = response.into_parts();
-        let captured = AssertUnwindSafe(capture_body(body, policy.max_stored_body))
-            .catch_unwind()
-            .await;
-        let (response, stored_body) = match captured {
-            Ok((body, Captured::Body(bytes))) => (Ok(response.set_body(body)), Some(bytes)),
-            // The handler ran and said what happened; the client gets all of the body the
-            // handler produces (or its error), and a retry gets the status and headers.
-            Ok((body, Captured::TooLarge | Captured::Failed)) => {
-                (Ok(response.set_body(body)), None)
-            }
-            Err(_panic) => (Err(()), None),
-        };
+        let (response, stored_body) =
+            if status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
+                // These statuses have no content (RFC 9110 §15.3.5, §15.4.5), yet Actix would
+                // write a handler's body after the head; it is dropped, so the original and
+                // the replay both end at the head, without `Content-Length`.
+                drop(body);
+                let response = response.set_body(IdempotentBody::produced(BoxBody::new(())));
+                (Ok(response), Some(Bytes::new()))
+            } else {
+                let captured = AssertUnwindSafe(capture_body(body, policy.max_stored_body))
+                    .catch_unwind()
+                    .await;
+                match captured {
+                    Ok((body, Captured::Body(bytes))) => (Ok(response.set_body(body)), Some(bytes)),
+                    // The handler ran and said what happened; the client gets all of the body the
+                    // handler produces (or its error), and a retry gets the status and headers.
+                    Ok((body, Captured::TooLarge | Captured::Failed)) => {
+                        (Ok(response.set_body(body)), None)
+                    }
+                    Err(_panic) => (Err(()), None),
+                }
+            };
         Handled::Stored {
             response: response.map(|response| ServiceResponse::new(request, response)),
             stored: StoredResponse {

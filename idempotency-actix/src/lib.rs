@@ -39,11 +39,13 @@
 //! |---|---|
 //! | no key, key not required | the handler runs, nothing is stored |
 //! | no key, `required` | 400 problem |
-//! | malformed key (empty, over 255 characters, not printable ASCII, bad sf-string, repeated header) | 400 problem |
+//! | malformed key (empty, over 255 characters, not printable ASCII, bad sf-string or parameter, repeated header, a list `k1, k2`) | 400 problem |
 //! | first request with a key | the handler runs once; its response is returned as produced |
 //! | retry after completion, same request | stored status, headers and body plus `Idempotent-Replayed: true` |
 //! | retry with the same key, another method, path, query or body | 422 problem |
 //! | retry while the first is still running | 409 problem with `Retry-After` |
+//! | handler answers 1xx (not a final response) | passed through as Actix sends it; never stored, key released |
+//! | handler answers 204 or 304 | stored and replayed without a body or `Content-Length` |
 //! | handler answers >= 400 or panics | response returned (a panic becomes a 500 problem); key released, a retry runs again (`store_errors` stores them instead) |
 //! | keyed request body over the limit (1 MiB) | 413 problem; the handler does not run |
 //! | response body over the stored limit (1 MiB) | sent whole; the record completes without a body, so a retry never re-runs; the replay has the stored status and headers, an empty body and `Idempotent-Body-Omitted: true` |

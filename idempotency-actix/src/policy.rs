@@ -81,9 +81,11 @@ impl Default for Policy {
 
 impl Policy {
     /// Whether a response with `status` completes the record (otherwise the key is
-    /// released).
+    /// released). An informational status (1xx) is never stored, even with `store_errors`:
+    /// it is not a final response, and replaying one would leave clients waiting for the
+    /// response that follows it.
     pub(crate) fn stores_status(&self, status: actix_web::http::StatusCode) -> bool {
-        self.store_errors || status.as_u16() < 400
+        !status.is_informational() && (self.store_errors || status.as_u16() < 400)
     }
 }
 
@@ -197,6 +199,21 @@ mod tests {
     #[should_panic(expected = "at most 365 days")]
     fn an_endless_ttl_is_refused() {
         let _ = RoutePolicy::default().ttl(Duration::MAX);
+    }
+
+    #[test]
+    fn informational_statuses_are_never_stored() {
+        use actix_web::http::StatusCode;
+        let store_errors = RoutePolicy::default()
+            .store_errors()
+            .apply_to(&Policy::default());
+        for policy in [Policy::default(), store_errors] {
+            for status in [100, 101, 103, 199] {
+                assert!(!policy.stores_status(StatusCode::from_u16(status).unwrap()));
+            }
+            assert!(policy.stores_status(StatusCode::NO_CONTENT));
+            assert!(policy.stores_status(StatusCode::NOT_MODIFIED));
+        }
     }
 
     #[test]
