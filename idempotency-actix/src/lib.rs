@@ -10,8 +10,11 @@
 //! # Quickstart
 //!
 //! ```no_run
-//! use actix_web::{App, HttpResponse, HttpServer, post, web};
-//! use idempotency_actix::{Idempotency, RedisStore, idempotent};
+//! use actix_web::body::MessageBody;
+//! use actix_web::dev::{ServiceRequest, ServiceResponse};
+//! use actix_web::middleware::{Next, from_fn};
+//! use actix_web::{App, Error, HttpMessage, HttpResponse, HttpServer, post, web};
+//! use idempotency_actix::{Idempotency, KeyScope, RedisStore, idempotent};
 //!
 //! #[idempotent(ttl = "24h")]
 //! #[post("/orders")]
@@ -19,12 +22,31 @@
 //!     HttpResponse::Created().json(order.into_inner())
 //! }
 //!
+//! /// Who is calling, as your authentication verified it.
+//! #[derive(Clone)]
+//! struct UserId(String);
+//!
+//! async fn authenticate(
+//!     req: ServiceRequest,
+//!     next: Next<impl MessageBody>,
+//! ) -> Result<ServiceResponse<impl MessageBody>, Error> {
+//!     let user = verify_token(&req)?; // a session, a JWT's `sub`, an API key's owner, …
+//!     req.extensions_mut().insert(UserId(user));
+//!     next.call(req).await
+//! }
+//! # fn verify_token(_: &ServiceRequest) -> Result<String, Error> { Ok("user-1".to_owned()) }
+//!
 //! #[actix_web::main]
 //! async fn main() -> std::io::Result<()> {
 //!     let pool = RedisStore::pool("redis://127.0.0.1:6379").expect("a valid Redis URL");
 //!     HttpServer::new(move || {
+//!         // Keys belong to the caller: two users sending the same key never share a response.
+//!         let by_user = KeyScope::from_fn(|req| {
+//!             req.extensions().get::<UserId>().map(|user| user.0.clone())
+//!         });
 //!         App::new()
-//!             .wrap(Idempotency::redis(pool.clone()))
+//!             .wrap(Idempotency::redis(pool.clone()).scope(by_user))
+//!             .wrap(from_fn(authenticate)) // wrapped last, so it runs first
 //!             .service(create_order)
 //!     })
 //!     .bind("127.0.0.1:8080")?
@@ -32,6 +54,10 @@
 //!     .await
 //! }
 //! ```
+//!
+//! Choosing the scope is part of setting up: see [`KeyScope`] for the patterns. An app that
+//! chooses none has one key space for all callers and logs a warning at start saying so;
+//! `KeyScope::global()` makes that choice explicit.
 //!
 //! # What clients see
 //!

@@ -347,6 +347,44 @@ async fn payments_run_again_once_their_two_second_ttl_expired() {
 }
 
 #[actix_rt::test]
+async fn two_users_sending_the_same_key_and_body_each_run_the_handler() {
+    let (server, _prefix) = start_on_redis("e2e-principals", &[]).await;
+    let client = client();
+    let key = new_key();
+    let order = json!({ "item": "book", "qty": 1 });
+    let send = |user: &'static str| {
+        let request = client
+            .post(server.url("/orders"))
+            .insert_header(("Idempotency-Key", key.as_str()))
+            .insert_header(("X-User", user));
+        let order = order.clone();
+        async move {
+            Reply::read(request.send_json(&order).await.unwrap())
+                .await
+                .unwrap()
+        }
+    };
+
+    let alice = send("alice").await;
+    alice.assert_executed(StatusCode::CREATED);
+    let bob = send("bob").await;
+    bob.assert_executed(StatusCode::CREATED);
+    assert_ne!(
+        alice.json()["id"],
+        bob.json()["id"],
+        "bob got alice's order"
+    );
+    assert_ne!(alice.header("location"), bob.header("location"));
+    // Each user's retry replays their own response; an anonymous caller has keys of its own.
+    send("alice").await.assert_replay_of(&alice);
+    send("bob").await.assert_replay_of(&bob);
+    post_json(&client, &server.url("/orders"), Some(&key), &order)
+        .await
+        .assert_executed(StatusCode::CREATED);
+    assert_eq!(count(&client, &server, "orders").await, 3);
+}
+
+#[actix_rt::test]
 async fn flaky_error_responses_are_not_stored() {
     let (server, _prefix) = start_on_redis("e2e-flaky-500", &[]).await;
     let client = client();
@@ -426,7 +464,10 @@ async fn no_content_and_not_modified_are_replayed_without_a_body() {
             assert_eq!(head.header("content-type"), Some("application/json"));
         }
         assert_eq!(replay.header("idempotent-body-omitted"), None, "{replay:?}");
-        assert_eq!((first_body.as_slice(), replay_body.as_slice()), (&[][..], &[][..]));
+        assert_eq!(
+            (first_body.as_slice(), replay_body.as_slice()),
+            (&[][..], &[][..])
+        );
     }
     assert_eq!(count(&client, &server, "flaky").await, 2);
 }

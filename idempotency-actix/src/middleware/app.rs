@@ -2,6 +2,7 @@
 
 use std::future::{Ready, ready};
 use std::rc::Rc;
+use std::sync::Once;
 use std::time::Duration;
 
 use actix_service::{Service, Transform, forward_ready};
@@ -54,6 +55,9 @@ pub struct Idempotency {
     store: Rc<dyn DynStore>,
     settings: Settings,
     methods: Vec<Method>,
+    /// Whether the app called [`scope`](Self::scope); if not, a warning says at start that
+    /// keys are shared by all callers.
+    scope_chosen: bool,
 }
 
 impl Idempotency {
@@ -63,6 +67,7 @@ impl Idempotency {
             store: Rc::new(store),
             settings: Settings::default(),
             methods: Vec::new(),
+            scope_chosen: false,
         }
     }
 
@@ -110,10 +115,16 @@ impl Idempotency {
         self
     }
 
-    /// Whose key a request's key is (default: one key space for the app).
+    /// Whose key a request's key is: scope keys by the authenticated principal, so that
+    /// callers never share a key space (see [`KeyScope`] for the patterns).
+    ///
+    /// Without this call there is one key space for all callers, and the first app built
+    /// in the process logs a warning saying so; `.scope(KeyScope::global())` keeps one key
+    /// space on purpose and silences it.
     #[must_use]
     pub fn scope(mut self, scope: KeyScope) -> Self {
         self.settings.scope = scope;
+        self.scope_chosen = true;
         self
     }
 
@@ -230,6 +241,7 @@ impl std::fmt::Debug for Idempotency {
             .field("header", &self.settings.header)
             .field("prefix", &self.settings.prefix)
             .field("methods", &self.methods)
+            .field("scope", &self.settings.scope)
             .field("defaults", &self.settings.defaults)
             .finish_non_exhaustive()
     }
@@ -247,6 +259,9 @@ where
     type Future = Ready<Result<Self::Transform, Self::InitError>>;
 
     fn new_transform(&self, service: S) -> Self::Future {
+        if !self.scope_chosen {
+            warn_once_keys_are_shared();
+        }
         ready(Ok(IdempotencyMiddleware {
             service: Rc::new(service),
             engine: Rc::new(Engine {
@@ -256,6 +271,19 @@ where
             methods: Rc::from(self.methods.as_slice()),
         }))
     }
+}
+
+/// Logs, once per process (not per worker or app), that an app never chose a key scope.
+fn warn_once_keys_are_shared() {
+    static WARNED: Once = Once::new();
+    WARNED.call_once(|| {
+        tracing::warn!(
+            "idempotency: no key scope chosen, so idempotency keys are shared by all callers: \
+             one caller can replay another's response or block its key. Scope keys by the \
+             authenticated principal with `Idempotency::scope(KeyScope::from_fn(..))`, or \
+             choose `KeyScope::global()` explicitly to keep one key space"
+        );
+    });
 }
 
 /// The service [`Idempotency`] wraps around the app.
