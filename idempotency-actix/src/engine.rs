@@ -28,6 +28,7 @@ use crate::record::StoredResponse;
 use crate::replay::{ReplayedHeaders, replay_response};
 use crate::scope::{KeyScope, StorageKey};
 use crate::store::{BeginOutcome, DynStore, LeaseToken, StoreError};
+use crate::workload::{WorkLimits, Workload};
 
 /// What to do when the store fails or times out.
 ///
@@ -61,6 +62,7 @@ pub(crate) struct Settings {
     pub(crate) store_timeout: Duration,
     pub(crate) retry_after: Duration,
     pub(crate) defaults: Policy,
+    pub(crate) limits: WorkLimits,
 }
 
 impl Default for Settings {
@@ -75,6 +77,7 @@ impl Default for Settings {
             store_timeout: Duration::from_secs(2),
             retry_after: Duration::from_secs(1),
             defaults: Policy::default(),
+            limits: WorkLimits::default(),
         }
     }
 }
@@ -83,6 +86,8 @@ impl Default for Settings {
 pub(crate) struct Engine {
     pub(crate) store: Rc<dyn DynStore>,
     pub(crate) settings: Settings,
+    /// This worker's keyed work, against `settings.limits`.
+    pub(crate) workload: Rc<Workload>,
 }
 
 /// Request extension: the engine of the nearest `Idempotency` above, for route layers.

@@ -67,6 +67,15 @@ pub enum IdempotencyError {
         /// What `Retry-After` advises.
         retry_after: Duration,
     },
+    /// The worker already runs as much keyed work as it may (see
+    /// [`Idempotency::max_in_flight`](crate::Idempotency::max_in_flight) and
+    /// [`Idempotency::max_detached`](crate::Idempotency::max_detached)). 503 with
+    /// `Retry-After`; the handler did not run.
+    #[error("the server is busy with other requests; retry later with the same key")]
+    Overloaded {
+        /// What `Retry-After` advises.
+        retry_after: Duration,
+    },
     /// The handler panicked. 500; the key was released, so a retry runs the handler again.
     #[error("the handler panicked")]
     HandlerPanicked,
@@ -97,6 +106,7 @@ impl IdempotencyError {
             Self::InFlight { .. } => ("in-flight", "Request in progress"),
             Self::FingerprintMismatch => ("key-reused", "Idempotency-Key reused"),
             Self::StoreUnavailable { .. } => ("store-unavailable", "Idempotency store unavailable"),
+            Self::Overloaded { .. } => ("overloaded", "Server busy"),
             Self::HandlerPanicked => ("handler-panicked", "Internal server error"),
             Self::NotConfigured => ("not-configured", "Internal server error"),
         }
@@ -115,9 +125,9 @@ impl IdempotencyError {
 
     fn retry_after(&self) -> Option<Duration> {
         match self {
-            Self::InFlight { retry_after } | Self::StoreUnavailable { retry_after, .. } => {
-                Some(*retry_after)
-            }
+            Self::InFlight { retry_after }
+            | Self::StoreUnavailable { retry_after, .. }
+            | Self::Overloaded { retry_after } => Some(*retry_after),
             _ => None,
         }
     }
@@ -133,7 +143,9 @@ impl ResponseError for IdempotencyError {
             Self::RequestBodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::InFlight { .. } => StatusCode::CONFLICT,
             Self::FingerprintMismatch => StatusCode::UNPROCESSABLE_ENTITY,
-            Self::StoreUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::StoreUnavailable { .. } | Self::Overloaded { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             Self::HandlerPanicked | Self::NotConfigured => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }

@@ -75,6 +75,7 @@
 //! | handler answers >= 400 or panics | response returned (a panic becomes a 500 problem); key released, a retry runs again (`store_errors` stores them instead) |
 //! | keyed request body over the limit (1 MiB) | 413 problem; the handler does not run |
 //! | response body over the stored limit (1 MiB) | sent whole; the record completes without a body, so a retry never re-runs; the replay has the stored status and headers, an empty body and `Idempotent-Body-Omitted: true` |
+//! | the worker at its cap of keyed work (1024 in flight, 256 detached) | 503 problem with `Retry-After`; the handler does not run |
 //! | store unreachable, failing, or slower than the store timeout (2 s) | 503 problem with `Retry-After` (fail closed); [`FailMode::Open`] runs the handler unprotected and logs a warning |
 //! | `GET`, `HEAD`, `OPTIONS`, `TRACE`, or unprotected routes | untouched, no store traffic |
 //!
@@ -125,6 +126,10 @@
 //!   response is sent anyway and the commit is retried in the background for up to the
 //!   lease, while retries get 409. Only a store that stays down longer than the lease frees
 //!   the key for a second run.
+//! * Each worker takes on at most [`DEFAULT_MAX_IN_FLIGHT`] keyed requests at once, at most
+//!   [`DEFAULT_MAX_DETACHED`] of them without their client ([`Idempotency::max_in_flight`],
+//!   [`Idempotency::max_detached`]); beyond that new keyed requests get 503 with
+//!   `Retry-After` at once, and nothing already running is cancelled.
 //! * A keyed request whose [`KeyScope`] cannot be determined is refused (400), never stored
 //!   in a key space shared with other principals.
 //! * Records of another version of this crate are never taken over: an in-flight one is in
@@ -143,6 +148,7 @@ mod record;
 mod replay;
 mod scope;
 mod store;
+mod workload;
 
 pub use body::IdempotentBody;
 pub use engine::FailMode;
@@ -164,6 +170,7 @@ pub use scope::{KeyScope, StorageKey};
 pub use store::{BeginOutcome, IdempotencyStore, LeaseToken, MemoryStore, StoreError};
 #[cfg(feature = "redis")]
 pub use store::{RedisPool, RedisStore};
+pub use workload::{DEFAULT_MAX_DETACHED, DEFAULT_MAX_IN_FLIGHT};
 
 /// What `#[idempotent]`'s generated code calls. Not public API: may change in any release.
 #[doc(hidden)]

@@ -19,6 +19,7 @@ use crate::policy::checked;
 use crate::replay::ReplayedHeaders;
 use crate::scope::KeyScope;
 use crate::store::{DynStore, IdempotencyStore, MemoryStore};
+use crate::workload::Workload;
 
 /// Idempotency middleware: makes retries of protected requests safe.
 ///
@@ -226,6 +227,40 @@ impl Idempotency {
         self
     }
 
+    /// The most keyed requests one worker processes at once (default
+    /// [`DEFAULT_MAX_IN_FLIGHT`](crate::DEFAULT_MAX_IN_FLIGHT), 1024), counting those whose
+    /// client went away. Beyond it new keyed requests get a 503 problem with `Retry-After` at
+    /// once; requests already running are never cancelled. Keyless requests are not counted.
+    ///
+    /// # Panics
+    ///
+    /// If `requests` is zero (a configuration mistake: nothing could be protected).
+    #[must_use]
+    pub fn max_in_flight(mut self, requests: usize) -> Self {
+        assert!(
+            requests > 0,
+            "Idempotency::max_in_flight must be at least 1"
+        );
+        self.settings.limits.max_in_flight = requests;
+        self
+    }
+
+    /// The most keyed requests one worker keeps running after their client went away
+    /// (default [`DEFAULT_MAX_DETACHED`](crate::DEFAULT_MAX_DETACHED), 256): their handlers
+    /// finish and commit, so the client's retry gets the replay. While that many are
+    /// running, new keyed requests get a 503 problem with `Retry-After` at once, so clients
+    /// that connect, send and hang up cannot pile up unbounded work.
+    ///
+    /// # Panics
+    ///
+    /// If `requests` is zero.
+    #[must_use]
+    pub fn max_detached(mut self, requests: usize) -> Self {
+        assert!(requests > 0, "Idempotency::max_detached must be at least 1");
+        self.settings.limits.max_detached = requests;
+        self
+    }
+
     /// Stores and replays responses with status >= 400 too (by default they release the
     /// key so a retry runs again).
     #[must_use]
@@ -267,6 +302,7 @@ where
             engine: Rc::new(Engine {
                 store: Rc::clone(&self.store),
                 settings: self.settings.clone(),
+                workload: Workload::new(self.settings.limits),
             }),
             methods: Rc::from(self.methods.as_slice()),
         }))

@@ -7,8 +7,10 @@ use actix_web::body::MessageBody;
 use actix_web::dev::{Service, ServiceRequest, ServiceResponse};
 use futures_util::future::{Either, LocalBoxFuture, MapOk, TryFutureExt};
 
-use crate::engine::{Engine, Response, with_handler_body};
+use crate::engine::{Engine, Response, refuse, with_handler_body};
+use crate::error::IdempotencyError;
 use crate::policy::Policy;
+use crate::workload::ClientAttached;
 
 mod app;
 mod route;
@@ -45,7 +47,8 @@ where
 }
 
 /// Processes `req` on its own task, so the handler runs to completion and commits even when
-/// the client disconnects and Actix drops the response future.
+/// the client disconnects and Actix drops the response future. A keyed request takes a slot
+/// of the worker's workload first, or is refused with 503 when a cap is reached.
 fn process<S, B>(
     engine: Rc<Engine>,
     policy: Policy,
@@ -56,9 +59,26 @@ where
     S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = actix_web::Error> + 'static,
     B: MessageBody + 'static,
 {
-    let task = actix_rt::spawn(engine.process(policy, req, service));
+    let slot = if req.headers().contains_key(&engine.settings.header) {
+        let Some(slot) = engine.workload.admit() else {
+            tracing::debug!("idempotency: worker at its keyed-work cap; answering 503");
+            let retry_after = engine.settings.retry_after;
+            let error = IdempotencyError::Overloaded { retry_after };
+            return answer::<S, B>(refuse(req.into_parts().0, &error));
+        };
+        Some(slot)
+    } else {
+        None
+    };
+    let client = ClientAttached::new(slot.clone());
+    let task = actix_rt::spawn(async move {
+        let _slot = slot;
+        engine.process(policy, req, service).await
+    });
     Either::Right(Box::pin(async move {
-        task.await.map_err(|error| {
+        let answered = task.await;
+        client.finish();
+        answered.map_err(|error| {
             tracing::error!(%error, "idempotency: request task failed");
             actix_web::error::ErrorInternalServerError("request processing failed")
         })?
