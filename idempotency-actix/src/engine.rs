@@ -5,7 +5,6 @@
 //! commit (or release) before the response leaves.
 
 use std::cell::{Cell, RefCell};
-use std::future::poll_fn;
 use std::panic::AssertUnwindSafe;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
@@ -20,6 +19,7 @@ use futures_util::StreamExt;
 use futures_util::future::{Either, FutureExt, select};
 
 use crate::body::IdempotentBody;
+use crate::capture::{CapturingBody, Commit};
 use crate::error::IdempotencyError;
 use crate::fingerprint::{Fingerprint, FingerprintParts};
 use crate::key::IdempotencyKey;
@@ -28,7 +28,7 @@ use crate::record::StoredResponse;
 use crate::replay::{ReplayedHeaders, replay_response};
 use crate::scope::{KeyScope, StorageKey};
 use crate::store::{BeginOutcome, DynStore, LeaseToken, StoreError};
-use crate::workload::{WorkLimits, Workload};
+use crate::workload::{WorkLimits, WorkSlot, Workload};
 
 /// What to do when the store fails or times out.
 ///
@@ -140,11 +140,15 @@ pub(crate) fn refuse<B>(request: HttpRequest, error: &IdempotencyError) -> Respo
 
 impl Engine {
     /// Processes a protected request under `policy`, calling `service` at most once.
+    ///
+    /// `slot` is the request's share of the worker's workload (keyed requests); a streamed
+    /// response keeps it until its record is complete.
     pub(crate) async fn process<S, B>(
         self: Rc<Self>,
         policy: Policy,
         mut req: ServiceRequest,
         service: Rc<S>,
+        slot: Option<Rc<WorkSlot>>,
     ) -> Result<Response<B>, actix_web::Error>
     where
         S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = actix_web::Error>
@@ -210,7 +214,7 @@ impl Engine {
                     store: Rc::clone(&self.store),
                     store_timeout: self.settings.store_timeout,
                 });
-                self.run_and_commit(policy, lock, req, service).await
+                self.run_and_commit(policy, lock, req, service, slot).await
             }
             Ok(BeginOutcome::Completed(stored)) => {
                 tracing::debug!(key = storage_key.as_str(), "idempotency: replayed");
@@ -296,11 +300,12 @@ impl Engine {
     }
 
     async fn run_and_commit<S, B>(
-        &self,
+        self: &Rc<Self>,
         policy: Policy,
         lock: Rc<HeldLock>,
         req: ServiceRequest,
         service: Rc<S>,
+        slot: Option<Rc<WorkSlot>>,
     ) -> Result<Response<B>, actix_web::Error>
     where
         S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = actix_web::Error>
@@ -311,8 +316,6 @@ impl Engine {
             key_present: true,
             lock: Some(Rc::clone(&lock)),
         });
-        // The lease is renewed until the response is captured, not just while the handler
-        // runs: a streamed body can take longer than the lease.
         let work = self.run_and_capture(policy, &lock, req, service);
         let outcome = while_renewing_lease(work, &lock).await;
         let (storage_key, token) = (&lock.storage_key, &lock.token);
@@ -347,7 +350,31 @@ impl Engine {
                 ttl,
             } => {
                 self.commit(&lock, stored, ttl).await;
-                response.map_err(|()| IdempotencyError::HandlerPanicked.into())
+                Ok(response)
+            }
+            Handled::Streamed {
+                response,
+                body,
+                stored,
+                ttl,
+                limit,
+            } => {
+                // The lease is renewed until the record is complete: the body may take
+                // longer than the lease.
+                let renewals = AbortOnDrop(actix_rt::spawn({
+                    let lock = Rc::clone(&lock);
+                    async move { keep_renewing(&lock).await }
+                }));
+                let (engine, held) = (Rc::clone(self), slot.clone());
+                let commit: Commit = Box::new(move |body| {
+                    Box::pin(async move {
+                        let stored = StoredResponse { body, ..stored };
+                        engine.commit(&lock, stored, ttl).await;
+                        drop((renewals, held));
+                    })
+                });
+                let body = CapturingBody::new(body, limit, commit, slot);
+                Ok(response.map_body(|_, ()| IdempotentBody::produced(BoxBody::new(body))))
             }
         }
     }
@@ -384,36 +411,49 @@ impl Engine {
         let status = response.status();
         let headers = self.settings.replayed_headers.select(response.headers());
         let (response, body) = response.into_parts();
-        let (response, stored_body) =
+        let stored = |body| StoredResponse {
+            status,
+            headers,
+            body,
+        };
+        let ttl = policy.ttl;
+        let limit = policy.max_stored_body;
+        let (response, stored) =
             if status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
                 // These statuses have no content (RFC 9110 §15.3.5, §15.4.5), yet Actix would
-                // write a handler's body after the head; it is dropped, so the original and
-                // the replay both end at the head, without `Content-Length`.
+                // write a handler's body after the head; it is dropped, so the original and the
+                // replay both end at the head, without `Content-Length`.
                 drop(body);
                 let response = response.set_body(IdempotentBody::produced(BoxBody::new(())));
-                (Ok(response), Some(Bytes::new()))
+                (response, stored(Some(Bytes::new())))
+            } else if matches!(body.size(), BodySize::Sized(size) if size > limit as u64) {
+                // The client gets all of it; a retry gets the status and headers.
+                (
+                    response.set_body(IdempotentBody::handler(body)),
+                    stored(None),
+                )
             } else {
-                let captured = AssertUnwindSafe(capture_body(body, policy.max_stored_body))
-                    .catch_unwind()
-                    .await;
-                match captured {
-                    Ok((body, Captured::Body(bytes))) => (Ok(response.set_body(body)), Some(bytes)),
-                    // The handler ran and said what happened; the client gets all of the body the
-                    // handler produces (or its error), and a retry gets the status and headers.
-                    Ok((body, Captured::TooLarge | Captured::Failed)) => {
-                        (Ok(response.set_body(body)), None)
+                match body.try_into_bytes() {
+                    Ok(bytes) => {
+                        let kept = (bytes.len() <= limit).then(|| bytes.clone());
+                        let body = IdempotentBody::produced(BoxBody::new(bytes));
+                        (response.set_body(body), stored(kept))
                     }
-                    Err(_panic) => (Err(()), None),
+                    Err(body) => {
+                        return Handled::Streamed {
+                            response: ServiceResponse::new(request, response),
+                            body,
+                            stored: stored(None),
+                            ttl,
+                            limit,
+                        };
+                    }
                 }
             };
         Handled::Stored {
-            response: response.map(|response| ServiceResponse::new(request, response)),
-            stored: StoredResponse {
-                status,
-                headers,
-                body: stored_body,
-            },
-            ttl: policy.ttl,
+            response: ServiceResponse::new(request, response),
+            stored,
+            ttl,
         }
     }
 
@@ -493,44 +533,64 @@ enum Handled<B> {
     Failed(actix_web::Error),
     /// A response the policy does not store (status >= 400 by default).
     NotStored(Response<B>),
-    /// A response to store; `response` is `Err` when reading its body panicked.
+    /// A response to store whose body is known: committed before it is returned.
     Stored {
-        response: Result<Response<B>, ()>,
+        response: Response<B>,
         stored: StoredResponse,
         ttl: Duration,
     },
+    /// A response to store whose body streams: forwarded as it comes, and committed (with
+    /// `stored` and the captured body) before the response is complete.
+    Streamed {
+        response: ServiceResponse<()>,
+        body: B,
+        stored: StoredResponse,
+        ttl: Duration,
+        limit: usize,
+    },
 }
 
-/// Runs `work` to completion while renewing the lease of `lock` every third of it. The
-/// lease is read afresh at every tick, so a route layer that changes it is honoured at once.
+/// Runs `work` to completion while renewing the lease of `lock` every third of it.
 async fn while_renewing_lease<T>(work: impl Future<Output = T>, lock: &HeldLock) -> T {
-    let renewals = async {
-        loop {
-            let lease = lock.lease.get();
-            actix_rt::time::sleep((lease / 3).min(RENEWAL_TICK)).await;
-            if lock.renewed_at.get().elapsed() < lock.lease.get() / 3 {
-                continue;
-            }
-            match lock.renew().await {
-                Ok(true) => {}
-                Ok(false) => {
-                    tracing::warn!(
-                        key = lock.storage_key.as_str(),
-                        "idempotency: lease lost while the handler ran"
-                    );
-                    return;
-                }
-                Err(error) => {
-                    tracing::warn!(key = lock.storage_key.as_str(), %error, "idempotency: lease renewal failed; will retry");
-                }
-            }
-        }
-    };
     let work = std::pin::pin!(work);
-    let renewals = std::pin::pin!(renewals);
+    let renewals = std::pin::pin!(keep_renewing(lock));
     match select(work, renewals).await {
         Either::Left((output, _)) => output,
         Either::Right(((), work)) => work.await,
+    }
+}
+
+/// Renews the lease of `lock` every third of it until the lease is lost. The lease is read
+/// afresh at every tick, so a route layer that changes it is honoured at once.
+async fn keep_renewing(lock: &HeldLock) {
+    loop {
+        let lease = lock.lease.get();
+        actix_rt::time::sleep((lease / 3).min(RENEWAL_TICK)).await;
+        if lock.renewed_at.get().elapsed() < lock.lease.get() / 3 {
+            continue;
+        }
+        match lock.renew().await {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::warn!(
+                    key = lock.storage_key.as_str(),
+                    "idempotency: lease lost while the handler ran"
+                );
+                return;
+            }
+            Err(error) => {
+                tracing::warn!(key = lock.storage_key.as_str(), %error, "idempotency: lease renewal failed; will retry");
+            }
+        }
+    }
+}
+
+/// A background task that stops when this is dropped.
+struct AbortOnDrop(actix_rt::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
@@ -582,64 +642,6 @@ async fn read_body(req: &mut ServiceRequest, limit: usize) -> Result<Bytes, Idem
         body.extend_from_slice(&chunk);
     }
     Ok(body.freeze())
-}
-
-/// What [`capture_body`] could keep of a response body.
-enum Captured {
-    Body(Bytes),
-    TooLarge,
-    Failed,
-}
-
-/// Reads up to `limit` bytes of `body` to store them, and gives back a body that sends the
-/// client everything (what was read, then the rest).
-async fn capture_body<B>(body: B, limit: usize) -> (IdempotentBody<B>, Captured)
-where
-    B: MessageBody + 'static,
-{
-    if let BodySize::Sized(size) = body.size()
-        && size > limit as u64
-    {
-        return (IdempotentBody::handler(body), Captured::TooLarge);
-    }
-    let body = match body.try_into_bytes() {
-        Ok(bytes) => {
-            let captured = if bytes.len() > limit {
-                Captured::TooLarge
-            } else {
-                Captured::Body(bytes.clone())
-            };
-            return (IdempotentBody::produced(BoxBody::new(bytes)), captured);
-        }
-        Err(body) => body,
-    };
-    let mut body = Box::pin(body);
-    let mut collected = BytesMut::new();
-    loop {
-        match poll_fn(|cx| body.as_mut().poll_next(cx)).await {
-            None => {
-                let bytes = collected.freeze();
-                return (
-                    IdempotentBody::produced(BoxBody::new(bytes.clone())),
-                    Captured::Body(bytes),
-                );
-            }
-            Some(Ok(chunk)) => {
-                collected.extend_from_slice(&chunk);
-                if collected.len() > limit {
-                    let prefix = collected.freeze();
-                    return (IdempotentBody::resumed(prefix, body), Captured::TooLarge);
-                }
-            }
-            Some(Err(error)) => {
-                let prefix = (!collected.is_empty()).then(|| collected.freeze());
-                return (
-                    IdempotentBody::failed(prefix, error.into()),
-                    Captured::Failed,
-                );
-            }
-        }
-    }
 }
 
 /// Methods that are idempotent by definition and never touched.

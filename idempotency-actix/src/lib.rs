@@ -111,16 +111,22 @@
 //! # Guarantees and limits
 //!
 //! * The handler of a protected request runs while its record holds a lease (30 s by
-//!   default) that is renewed every third of it until the response is captured (a streamed
+//!   default) that is renewed every third of it until its record is complete (a streamed
 //!   body may take longer than the lease), so a slow handler is not run twice.
 //! * The commit is fenced by the lease token: a request that lost its lease never
 //!   overwrites another request's record.
 //! * The handler runs on its own task: a client that disconnects does not cancel it, and
 //!   its response is committed for the retry.
-//! * The commit happens before the response is sent, so a retry issued after a response
-//!   arrived always gets the replay. A response whose status is stored completes its record
-//!   even when its body is too large or fails midway (the replay then has the status and
-//!   headers only): the handler ran, so it never runs again.
+//! * The commit happens before the response is complete, so a retry issued after a response
+//!   arrived always gets the replay. A body that is known at once is committed before the
+//!   response is sent; a streamed body (server-sent events, NDJSON progress) is forwarded
+//!   chunk by chunk as the handler produces it, and committed before its last chunk (known
+//!   size) or its end (unknown size) reaches the client. A response whose status is stored
+//!   completes its record even when its body is too large, fails or panics midway (the
+//!   replay then has the status and headers only): the handler ran, so it never runs again.
+//!   A stream that outgrows the stored-body limit completes its record then and stops
+//!   renewing its lease, so an endless stream holds nothing; one whose client left is read
+//!   on to its end (or the limit) and committed.
 //! * Every store operation is bounded by the store timeout (2 s). If `begin` times out, the
 //!   lock it may still create is released in the background; if the commit fails, the
 //!   response is sent anyway and the commit is retried in the background for up to the
@@ -138,6 +144,7 @@
 #![forbid(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 mod body;
+mod capture;
 mod engine;
 mod error;
 mod fingerprint;

@@ -71,10 +71,7 @@ where
         None
     };
     let client = ClientAttached::new(slot.clone());
-    let task = actix_rt::spawn(async move {
-        let _slot = slot;
-        engine.process(policy, req, service).await
-    });
+    let task = actix_rt::spawn(engine.process(policy, req, service, slot));
     Either::Right(Box::pin(async move {
         let answered = task.await;
         client.finish();
