@@ -642,3 +642,22 @@ impl RawExchange {
         rest
     }
 }
+
+/// Holds handlers back until the test opens it: lets a test act while a handler is
+/// provably still running (or a body half produced), without timing assumptions.
+#[derive(Clone, Default)]
+pub struct Gate(Arc<std::sync::atomic::AtomicBool>);
+
+impl Gate {
+    /// Lets every waiting and future handler pass.
+    pub fn open(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+
+    /// Waits until the gate is open.
+    pub async fn passed(&self) {
+        while !self.0.load(Ordering::SeqCst) {
+            actix_rt::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    }
+}

@@ -4,8 +4,6 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use actix_web::body::SizedStream;
@@ -13,23 +11,7 @@ use actix_web::web::{self, Bytes};
 use actix_web::{App, HttpResponse};
 use futures_util::{Stream, StreamExt};
 use idempotency_actix::{Idempotency, IdempotentRoute, KeyScope, RedisStore};
-use idempotency_actix_tests::{RunCounter, redis_url, unique_prefix};
-
-/// Holds the last chunk of `/progress` until the test opens it.
-#[derive(Clone, Default)]
-struct Gate(Arc<AtomicBool>);
-
-impl Gate {
-    fn open(&self) {
-        self.0.store(true, Ordering::SeqCst);
-    }
-
-    async fn passed(&self) {
-        while !self.0.load(Ordering::SeqCst) {
-            actix_rt::time::sleep(Duration::from_millis(5)).await;
-        }
-    }
-}
+use idempotency_actix_tests::{Gate, RunCounter, redis_url, unique_prefix};
 
 const FIRST: &[u8] = b"{\"progress\":50}\n";
 const LAST: &[u8] = b"{\"progress\":100}\n";

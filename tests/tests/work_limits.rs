@@ -6,30 +6,12 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use actix_web::http::StatusCode;
 use actix_web::{App, HttpResponse, HttpServer, web};
 use idempotency_actix::{Idempotency, IdempotentRoute, KeyScope, RedisStore};
-use idempotency_actix_tests::{PrivateRedis, RawExchange, Reply, RunCounter};
-
-/// Holds `/work` handlers until the test opens it.
-#[derive(Clone, Default)]
-struct Gate(Arc<AtomicBool>);
-
-impl Gate {
-    fn open(&self) {
-        self.0.store(true, Ordering::SeqCst);
-    }
-
-    async fn passed(&self) {
-        while !self.0.load(Ordering::SeqCst) {
-            actix_rt::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
-}
+use idempotency_actix_tests::{Gate, PrivateRedis, RawExchange, Reply, RunCounter};
 
 async fn work(runs: web::Data<RunCounter>, gate: web::Data<Gate>) -> HttpResponse {
     let seq = runs.record();
