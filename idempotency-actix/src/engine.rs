@@ -192,11 +192,12 @@ impl Engine {
             .begin_or_wait(&storage_key, &fingerprint, &token, &policy)
             .await;
         if begun.is_err() {
-            // A `begin` that timed out may still land; release it (compare-and-delete on our
-            // token) so the key is not blocked for a whole lease.
+            // A `begin` that timed out may still land, even after a first release found
+            // nothing; release (compare-and-delete on our token) until one removes it or a
+            // lease has passed, so the key is not blocked for a whole lease.
             let store = Rc::clone(&self.store);
             let (key, token) = (storage_key.clone(), token.clone());
-            self.retry_in_background(policy.lease, move || {
+            self.retry_in_background(policy.lease, Until::Succeeded, move || {
                 let (store, key, token) = (Rc::clone(&store), key.clone(), token.clone());
                 async move { store.release(&key, &token).await }
             });
@@ -478,7 +479,7 @@ impl Engine {
                 );
                 let store = Rc::clone(&self.store);
                 let (key, token) = (storage_key.clone(), token.clone());
-                self.retry_in_background(lock.lease.get(), move || {
+                self.retry_in_background(lock.lease.get(), Until::Answered, move || {
                     let (store, key, token, stored) = (
                         Rc::clone(&store),
                         key.clone(),
@@ -491,9 +492,9 @@ impl Engine {
         }
     }
 
-    /// Retries `operation` with backoff until it answers (`true` or `false`) or `lease` has
-    /// passed: after that the record it concerns has expired by itself.
-    fn retry_in_background<F, Fut>(&self, lease: Duration, operation: F)
+    /// Retries `operation` with backoff (50 ms doubling to 1 s) until it is done as `until`
+    /// says or `lease` has passed: after that the record it concerns has expired by itself.
+    fn retry_in_background<F, Fut>(&self, lease: Duration, until: Until, operation: F)
     where
         F: Fn() -> Fut + 'static,
         Fut: Future<Output = Result<bool, StoreError>> + 'static,
@@ -502,19 +503,26 @@ impl Engine {
         let deadline = Instant::now() + lease;
         actix_rt::spawn(async move {
             let mut pause = Duration::from_millis(50);
+            let mut answered = false;
             while Instant::now() + pause < deadline {
                 actix_rt::time::sleep(pause).await;
                 match within(timeout, operation()).await {
-                    Ok(done) => {
+                    Ok(done) if done || until == Until::Answered => {
                         tracing::info!(done, "idempotency: background store operation answered");
                         return;
                     }
-                    Err(_) => pause = (pause * 2).min(Duration::from_secs(1)),
+                    Ok(_) => answered = true,
+                    Err(_) => {}
                 }
+                pause = (pause * 2).min(Duration::from_secs(1));
             }
-            tracing::error!(
-                "idempotency: store unreachable for a whole lease; the record expires by itself"
-            );
+            if answered {
+                tracing::debug!("idempotency: a timed-out begin never landed; nothing to release");
+            } else {
+                tracing::error!(
+                    "idempotency: store unreachable for a whole lease; the record expires by itself"
+                );
+            }
         });
     }
 
@@ -523,6 +531,16 @@ impl Engine {
             tracing::error!(key = storage_key.as_str(), %error, "idempotency: release failed; the key frees itself when its lease expires");
         }
     }
+}
+
+/// When a background store operation is done.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Until {
+    /// When the store answers at all (a commit: `false` means the lease was lost).
+    Answered,
+    /// When it answers `true` (releasing a `begin` that timed out: `false` only means it has
+    /// not landed yet).
+    Succeeded,
 }
 
 /// What became of a request whose lock was acquired.

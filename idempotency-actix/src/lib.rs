@@ -128,7 +128,8 @@
 //!   renewing its lease, so an endless stream holds nothing; one whose client left is read
 //!   on to its end (or the limit) and committed.
 //! * Every store operation is bounded by the store timeout (2 s). If `begin` times out, the
-//!   lock it may still create is released in the background; if the commit fails, the
+//!   lock it may still create is released in the background (until a release removes it
+//!   or a lease has passed, so a `begin` that lands late still loses); if the commit fails, the
 //!   response is sent anyway and the commit is retried in the background for up to the
 //!   lease, while retries get 409. Only a store that stays down longer than the lease frees
 //!   the key for a second run.

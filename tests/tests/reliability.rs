@@ -10,8 +10,13 @@ use std::time::{Duration, Instant};
 use actix_web::http::StatusCode;
 use actix_web::web::{self, Bytes};
 use actix_web::{App, HttpResponse, HttpServer};
-use idempotency_actix::{FailMode, Idempotency, IdempotentRoute, RedisPool, RedisStore};
-use idempotency_actix_tests::{PrivateRedis, RawExchange, RunCounter, redis_pool, unique_prefix};
+use idempotency_actix::{
+    BeginOutcome, FailMode, Fingerprint, Idempotency, IdempotencyStore, IdempotentRoute, KeyScope,
+    LeaseToken, RedisPool, RedisStore, StorageKey, StoreError, StoredResponse,
+};
+use idempotency_actix_tests::{
+    Gate, PrivateRedis, RawExchange, RunCounter, redis_pool, unique_prefix,
+};
 
 #[derive(serde::Deserialize)]
 struct Delay {
@@ -546,4 +551,106 @@ async fn graceful_shutdown_lets_in_flight_requests_finish_and_commit() {
     assert!(retry.replayed);
     assert_eq!(retry.body, reply.body);
     assert_eq!(runs.get(), 1);
+}
+
+/// A store whose `begin`s land only once its gate is open, even when the caller gave up
+/// waiting: a `begin` that timed out and runs late, after the engine's first release.
+#[derive(Clone)]
+struct LateBegins {
+    inner: idempotency_actix::MemoryStore,
+    gate: Gate,
+    releases: RunCounter,
+}
+
+impl IdempotencyStore for LateBegins {
+    async fn begin(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        token: &LeaseToken,
+        lease: Duration,
+    ) -> Result<BeginOutcome, StoreError> {
+        let (store, gate) = (self.inner.clone(), self.gate.clone());
+        let (key, fingerprint, token) = (key.clone(), *fingerprint, token.clone());
+        // On a task of its own: it lands even if the caller stops waiting.
+        actix_rt::spawn(async move {
+            gate.passed().await;
+            store.begin(&key, &fingerprint, &token, lease).await
+        })
+        .await
+        .unwrap()
+    }
+
+    async fn renew(
+        &self,
+        key: &StorageKey,
+        token: &LeaseToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.renew(key, token, lease).await
+    }
+
+    async fn commit(
+        &self,
+        key: &StorageKey,
+        token: &LeaseToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.commit(key, token, response, ttl).await
+    }
+
+    async fn release(&self, key: &StorageKey, token: &LeaseToken) -> Result<bool, StoreError> {
+        self.releases.record();
+        self.inner.release(key, token).await
+    }
+}
+
+#[actix_web::test]
+async fn a_begin_that_lands_after_its_release_does_not_block_the_key() {
+    let runs = RunCounter::default();
+    let store = LateBegins {
+        inner: idempotency_actix::MemoryStore::new(),
+        gate: Gate::default(),
+        releases: RunCounter::default(),
+    };
+    let server = {
+        let (runs, store) = (runs.clone(), store.clone());
+        actix_test::start(move || {
+            App::new()
+                .app_data(web::Data::new(runs.clone()))
+                .wrap(
+                    Idempotency::new(store.clone())
+                        .store_timeout(Duration::from_millis(200))
+                        .scope(KeyScope::global()),
+                )
+                .service(
+                    web::resource("/orders")
+                        .wrap(IdempotentRoute::new().lease(Duration::from_secs(120)))
+                        .route(web::post().to(create)),
+                )
+        })
+    };
+    let client = awc::Client::default();
+    let url = server.url("/orders");
+
+    let timed_out = post(&client, &url, "late").await;
+    assert_eq!(timed_out.status, StatusCode::SERVICE_UNAVAILABLE);
+    // The engine's first release finds nothing; only then does the `begin` land.
+    store.releases.wait_for(1).await;
+    store.gate.open();
+
+    // The late lock is released by the engine's next attempts: the retry runs well within
+    // the two-minute lease.
+    for _ in 0..100 {
+        let retry = post(&client, &url, "late").await;
+        if retry.status == StatusCode::CONFLICT {
+            actix_rt::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        }
+        assert_eq!(retry.status, StatusCode::CREATED);
+        assert_eq!(runs.get(), 1);
+        return;
+    }
+    panic!("the late begin blocked the key");
 }
