@@ -86,6 +86,13 @@ pub enum IdempotencyError {
     NotConfigured,
 }
 
+/// `Retry-After` in whole seconds, rounded up (advising 1.5 s as 1 would invite a retry that
+/// comes too early), and never 0, which invites a hot loop.
+fn retry_after_seconds(delay: Duration) -> u64 {
+    let rounded_up = delay.as_secs() + u64::from(delay.subsec_nanos() > 0);
+    rounded_up.max(1)
+}
+
 /// The RFC 9457 problem document.
 #[derive(Serialize)]
 struct Problem<'a> {
@@ -166,10 +173,28 @@ impl ResponseError for IdempotencyError {
             HeaderValue::from_static("application/problem+json"),
         ));
         if let Some(retry_after) = self.retry_after() {
-            // Retry-After is whole seconds; never advise 0, which invites a hot loop.
-            response.insert_header((header::RETRY_AFTER, retry_after.as_secs().max(1)));
+            response.insert_header((header::RETRY_AFTER, retry_after_seconds(retry_after)));
         }
         // Serializing a struct of strings and an integer cannot fail.
         response.body(serde_json::to_vec(&problem).unwrap_or_default())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_rounds_up_to_whole_seconds() {
+        let seconds = |millis| retry_after_seconds(Duration::from_millis(millis));
+        assert_eq!(seconds(1500), 2);
+        assert_eq!(seconds(1000), 1);
+        assert_eq!(seconds(1001), 2);
+        assert_eq!(seconds(1), 1);
+        let error = IdempotencyError::InFlight {
+            retry_after: Duration::from_millis(1500),
+        };
+        let response = error.error_response();
+        assert_eq!(response.headers().get(header::RETRY_AFTER).unwrap(), "2");
     }
 }

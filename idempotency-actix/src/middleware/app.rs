@@ -162,10 +162,15 @@ impl Idempotency {
         self
     }
 
-    /// What `Retry-After` advises on 409 and 503 answers (default 1 s).
+    /// What `Retry-After` advises on 409 and 503 answers (default 1 s), sent in whole
+    /// seconds rounded up (1.5 s is sent as 2).
+    ///
+    /// # Panics
+    ///
+    /// If the duration is zero or over [`MAX_DURATION`](crate::MAX_DURATION).
     #[must_use]
     pub fn retry_after(mut self, delay: Duration) -> Self {
-        self.settings.retry_after = delay;
+        self.settings.retry_after = checked(delay);
         self
     }
 
