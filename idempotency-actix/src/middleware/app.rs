@@ -33,6 +33,12 @@ use crate::workload::Workload;
 /// A request is processed once even when both this layer and a route layer apply: the
 /// outer one takes it, and the route's ttl and storage options still apply at commit.
 ///
+/// Response compression belongs outside it: wrap `Compress` *after* `Idempotency`
+/// (`.wrap(Idempotency::memory()).wrap(Compress::default())`; Actix runs the last `wrap`
+/// first), so records keep the identity body and every answer is encoded for its own
+/// client. The other order would store the first client's `Content-Encoding` and replay it
+/// to clients that cannot decode it.
+///
 /// Built per worker inside the `HttpServer::new` closure: it holds `Rc`s, and the stores
 /// it wraps are shared handles (a bb8 pool, a [`MemoryStore`]).
 ///
