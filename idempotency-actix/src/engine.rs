@@ -41,6 +41,7 @@ use crate::workload::{WorkLimits, WorkSlot, Workload};
 /// let idempotency = Idempotency::memory().on_store_error(FailMode::Open);
 /// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum FailMode {
     /// Refuse with 503 and `Retry-After`; the handler does not run (the default: a payment
     /// that cannot be protected is not taken).
@@ -652,8 +653,7 @@ async fn read_body(req: &mut ServiceRequest, limit: usize) -> Result<Bytes, Idem
     let mut payload = req.take_payload();
     let mut body = BytesMut::new();
     while let Some(chunk) = payload.next().await {
-        let chunk =
-            chunk.map_err(|error| IdempotencyError::RequestBodyUnreadable(error.to_string()))?;
+        let chunk = chunk.map_err(IdempotencyError::RequestBodyUnreadable)?;
         if body.len() + chunk.len() > limit {
             return Err(IdempotencyError::RequestBodyTooLarge { limit });
         }

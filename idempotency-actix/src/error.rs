@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use actix_web::error::PayloadError;
 use actix_web::http::StatusCode;
 use actix_web::http::header::{self, HeaderValue};
 use actix_web::{HttpResponse, ResponseError};
@@ -45,9 +46,10 @@ pub enum IdempotencyError {
         /// The limit in bytes.
         limit: usize,
     },
-    /// The request body could not be read. 400.
-    #[error("the request body could not be read: {0}")]
-    RequestBodyUnreadable(String),
+    /// The request body could not be read (the client sent a broken body or went away). 400;
+    /// the source says what went wrong.
+    #[error("the request body could not be read")]
+    RequestBodyUnreadable(#[source] PayloadError),
     /// A request with this key is still being processed. 409 with `Retry-After`.
     #[error("a request with this idempotency key is still being processed")]
     InFlight {
@@ -183,6 +185,13 @@ impl ResponseError for IdempotencyError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unreadable_body_keeps_its_source() {
+        let error = IdempotencyError::RequestBodyUnreadable(PayloadError::Incomplete(None));
+        assert!(std::error::Error::source(&error).is_some());
+        assert_eq!(error.status_code(), StatusCode::BAD_REQUEST);
+    }
 
     #[test]
     fn retry_after_rounds_up_to_whole_seconds() {

@@ -51,7 +51,7 @@ use crate::key::IdempotencyKey;
 /// }));
 ///
 /// // By a header the gateway sets after authentication:
-/// let by_header = Idempotency::memory().scope(KeyScope::header("x-tenant-id"));
+/// let by_header = Idempotency::memory().scope(KeyScope::header("x-tenant-id").unwrap());
 ///
 /// // One key space for all callers, on purpose (no warning):
 /// let shared = Idempotency::memory().scope(KeyScope::global());
@@ -77,15 +77,14 @@ impl KeyScope {
         Self(ScopeSource::Global)
     }
 
-    /// Scopes keys by the value of a request header.
+    /// Scopes keys by the value of a request header (a [`HeaderName`], or a string checked
+    /// to be one) that a trusted gateway sets after authentication.
     ///
-    /// # Panics
+    /// # Errors
     ///
-    /// Panics if `name` is not a valid header name (a configuration mistake).
-    pub fn header(name: &str) -> Self {
-        let name = HeaderName::try_from(name)
-            .unwrap_or_else(|_| panic!("KeyScope::header: {name:?} is not a header name"));
-        Self(ScopeSource::Header(name))
+    /// When `name` is not a valid header name.
+    pub fn header<N: TryInto<HeaderName>>(name: N) -> Result<Self, N::Error> {
+        Ok(Self(ScopeSource::Header(name.try_into()?)))
     }
 
     /// Scopes keys by what `scope_of` returns for the request.

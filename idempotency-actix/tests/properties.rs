@@ -52,18 +52,20 @@ fn stored_response() -> impl Strategy<Value = StoredResponse> {
         proptest::collection::vec(header, 0..8),
         proptest::option::of(proptest::collection::vec(any::<u8>(), 0..2048)),
     )
-        .prop_map(|(status, headers, body)| StoredResponse {
-            status: StatusCode::from_u16(status).unwrap(),
-            headers: headers
-                .into_iter()
-                .map(|(name, value)| {
-                    (
-                        HeaderName::try_from(name).unwrap(),
-                        HeaderValue::from_bytes(&value).unwrap(),
-                    )
-                })
-                .collect(),
-            body: body.map(Bytes::from),
+        .prop_map(|(status, headers, body)| {
+            StoredResponse::new(
+                StatusCode::from_u16(status).unwrap(),
+                headers
+                    .into_iter()
+                    .map(|(name, value)| {
+                        (
+                            HeaderName::try_from(name).unwrap(),
+                            HeaderValue::from_bytes(&value).unwrap(),
+                        )
+                    })
+                    .collect(),
+                body.map(Bytes::from),
+            )
         })
 }
 

@@ -531,7 +531,9 @@ async fn protect_methods_covers_untagged_routes(backend: Backend) {
 }
 
 async fn scopes_keep_principals_apart(backend: Backend) {
-    let h = start(backend, "scopes", |i| i.scope(KeyScope::header("x-tenant")));
+    let h = start(backend, "scopes", |i| {
+        i.scope(KeyScope::header("x-tenant").unwrap())
+    });
     let key = h.key("shared");
     let send = |tenant: &'static str| {
         let request = h

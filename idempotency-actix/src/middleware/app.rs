@@ -102,16 +102,25 @@ impl Idempotency {
         self
     }
 
-    /// The request header that carries the key (default `Idempotency-Key`).
+    /// The request header that carries the key (default `Idempotency-Key`): a
+    /// [`HeaderName`], or a string checked to be one.
     ///
-    /// # Panics
+    /// # Errors
     ///
-    /// Panics if `name` is not a valid header name (a configuration mistake).
-    #[must_use]
-    pub fn header(mut self, name: &str) -> Self {
-        self.settings.header = HeaderName::try_from(name)
-            .unwrap_or_else(|_| panic!("Idempotency::header: {name:?} is not a header name"));
-        self
+    /// When `name` is not a valid header name (for a `&str`:
+    /// [`InvalidHeaderName`](actix_web::http::header::InvalidHeaderName)).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::Idempotency;
+    ///
+    /// let idempotency = Idempotency::memory().header("x-request-key").unwrap();
+    /// assert!(Idempotency::memory().header("not a header").is_err());
+    /// ```
+    pub fn header<N: TryInto<HeaderName>>(mut self, name: N) -> Result<Self, N::Error> {
+        self.settings.header = name.try_into()?;
+        Ok(self)
     }
 
     /// The prefix of every storage key (default `idempotency:`): separates apps, or tests,
