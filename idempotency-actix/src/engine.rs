@@ -23,7 +23,7 @@ use crate::capture::{CapturingBody, Commit};
 use crate::error::IdempotencyError;
 use crate::fingerprint::{Fingerprint, FingerprintParts};
 use crate::key::IdempotencyKey;
-use crate::policy::{Policy, RoutePolicy};
+use crate::policy::{IdempotencyPolicy, Policy};
 use crate::record::StoredResponse;
 use crate::replay::{ReplayedHeaders, replay_response};
 use crate::scope::{KeyScope, StorageKey};
@@ -119,7 +119,7 @@ pub(crate) struct HeldLock {
     pub(crate) body_len: usize,
     pub(crate) lease: Cell<Duration>,
     pub(crate) renewed_at: Cell<Instant>,
-    pub(crate) route_policy: RefCell<Option<RoutePolicy>>,
+    pub(crate) route_policy: RefCell<Option<IdempotencyPolicy>>,
     store: Rc<dyn DynStore>,
     store_timeout: Duration,
 }

@@ -169,8 +169,8 @@ pub use middleware::{
     IdempotentRouteMiddleware,
 };
 pub use policy::{
-    DEFAULT_LEASE, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_STORED_BODY, DEFAULT_TTL, MAX_DURATION,
-    Policy, RoutePolicy,
+    DEFAULT_LEASE, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_STORED_BODY, DEFAULT_TTL,
+    IdempotencyPolicy, MAX_DURATION, Policy,
 };
 pub use record::{RECORD_VERSION, RecordError, StoredResponse};
 pub use replay::{BODY_OMITTED_HEADER, REPLAYED_HEADER, ReplayedHeaders};
@@ -184,6 +184,6 @@ pub use workload::{DEFAULT_MAX_DETACHED, DEFAULT_MAX_IN_FLIGHT};
 #[doc(hidden)]
 pub mod __private {
     pub use crate::middleware::IdempotentRoute;
-    pub use crate::policy::RoutePolicy;
+    pub use crate::policy::IdempotencyPolicy;
     pub use ::core::time::Duration;
 }

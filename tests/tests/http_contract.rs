@@ -11,7 +11,9 @@ use actix_web::http::{Method, StatusCode, header::HeaderValue};
 use actix_web::web::{self, Bytes};
 use actix_web::{App, HttpRequest, HttpResponse};
 use futures_util::stream;
-use idempotency_actix::{Idempotency, IdempotentRoute, KeyScope, MemoryStore, RedisPool};
+use idempotency_actix::{
+    Idempotency, IdempotencyPolicy, IdempotentRoute, KeyScope, MemoryStore, RedisPool,
+};
 use idempotency_actix_tests::{Reply, RunCounter, redis_pool, unique_prefix};
 
 /// Which store a test server uses; cheap to clone into each worker's app factory.
@@ -122,21 +124,25 @@ fn start(backend: Backend, test: &str, configure: fn(Idempotency) -> Idempotency
                 )
                 .service(
                     web::resource("/required")
-                        .wrap(IdempotentRoute::new().required())
+                        .wrap(IdempotentRoute::with_policy(
+                            IdempotencyPolicy::default().required(),
+                        ))
                         .route(web::post().to(create)),
                 )
                 .service(
                     web::resource("/limited")
-                        .wrap(
-                            IdempotentRoute::new()
+                        .wrap(IdempotentRoute::with_policy(
+                            IdempotencyPolicy::default()
                                 .max_request_body(1024)
                                 .max_stored_body(4096),
-                        )
+                        ))
                         .route(web::post().to(create)),
                 )
                 .service(
                     web::resource("/stored-errors")
-                        .wrap(IdempotentRoute::new().store_errors())
+                        .wrap(IdempotentRoute::with_policy(
+                            IdempotencyPolicy::default().store_errors(),
+                        ))
                         .route(web::post().to(create)),
                 )
                 .service(
@@ -146,12 +152,16 @@ fn start(backend: Backend, test: &str, configure: fn(Idempotency) -> Idempotency
                 )
                 .service(
                     web::resource("/large")
-                        .wrap(IdempotentRoute::new().max_stored_body(4096))
+                        .wrap(IdempotentRoute::with_policy(
+                            IdempotencyPolicy::default().max_stored_body(4096),
+                        ))
                         .route(web::post().to(large)),
                 )
                 .service(
                     web::resource("/large-sized")
-                        .wrap(IdempotentRoute::new().max_stored_body(4096))
+                        .wrap(IdempotentRoute::with_policy(
+                            IdempotencyPolicy::default().max_stored_body(4096),
+                        ))
                         .route(web::post().to(large_sized)),
                 )
                 .service(web::resource("/untagged").route(web::post().to(plain)))
@@ -244,7 +254,9 @@ async fn no_key_on_a_required_route_is_400(backend: Backend) {
 }
 
 async fn an_app_wide_required_key_is_400(backend: Backend) {
-    let h = start(backend, "app_required", |i| i.require_key());
+    let h = start(backend, "app_required", |i| {
+        i.policy(IdempotencyPolicy::default().required())
+    });
     h.post("/orders", None, "{}").await.assert_problem(400);
     assert_eq!(h.runs.get(), 0);
 }

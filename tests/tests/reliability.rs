@@ -11,8 +11,9 @@ use actix_web::http::StatusCode;
 use actix_web::web::{self, Bytes};
 use actix_web::{App, HttpResponse, HttpServer};
 use idempotency_actix::{
-    BeginOutcome, FailMode, Fingerprint, Idempotency, IdempotencyStore, IdempotentRoute, KeyScope,
-    LeaseToken, RedisPool, RedisStore, StorageKey, StoreError, StoredResponse,
+    BeginOutcome, FailMode, Fingerprint, Idempotency, IdempotencyPolicy, IdempotencyStore,
+    IdempotentRoute, KeyScope, LeaseToken, RedisPool, RedisStore, StorageKey, StoreError,
+    StoredResponse,
 };
 use idempotency_actix_tests::{
     Gate, PrivateRedis, RawExchange, RunCounter, redis_pool, unique_prefix,
@@ -158,7 +159,11 @@ async fn a_handler_slower_than_its_lease_is_never_duplicated() {
         redis_pool().await,
         unique_prefix("lease"),
         runs.clone(),
-        || IdempotentRoute::new().lease(Duration::from_millis(900)),
+        || {
+            IdempotentRoute::with_policy(
+                IdempotencyPolicy::default().lease(Duration::from_millis(900)),
+            )
+        },
         |i| i,
     ));
     let client = awc::Client::default();
@@ -184,7 +189,11 @@ async fn a_streamed_response_slower_than_its_lease_is_never_duplicated() {
         redis_pool().await,
         unique_prefix("slow_stream"),
         runs.clone(),
-        || IdempotentRoute::new().lease(Duration::from_millis(900)),
+        || {
+            IdempotentRoute::with_policy(
+                IdempotencyPolicy::default().lease(Duration::from_millis(900)),
+            )
+        },
         |i| i,
     ));
     let client = awc::Client::default();
@@ -246,7 +255,11 @@ async fn a_retry_can_wait_for_the_first_request_and_replay_it() {
         redis_pool().await,
         unique_prefix("wait"),
         runs.clone(),
-        || IdempotentRoute::new().wait_for_completion(Duration::from_secs(5)),
+        || {
+            IdempotentRoute::with_policy(
+                IdempotencyPolicy::default().wait_for_completion(Duration::from_secs(5)),
+            )
+        },
         |i| i,
     ));
     let client = awc::Client::default();
@@ -271,7 +284,7 @@ async fn waiting_is_bounded_then_409() {
         unique_prefix("wait_bound"),
         runs.clone(),
         IdempotentRoute::new,
-        |i| i.wait_for_completion(Duration::from_millis(200)),
+        |i| i.policy(IdempotencyPolicy::default().wait_for_completion(Duration::from_millis(200))),
     ));
     let client = awc::Client::default();
     let url = server.url("/orders?delay_ms=1500");
@@ -626,7 +639,9 @@ async fn a_begin_that_lands_after_its_release_does_not_block_the_key() {
                 )
                 .service(
                     web::resource("/orders")
-                        .wrap(IdempotentRoute::new().lease(Duration::from_secs(120)))
+                        .wrap(IdempotentRoute::with_policy(
+                            IdempotencyPolicy::default().lease(Duration::from_secs(120)),
+                        ))
                         .route(web::post().to(create)),
                 )
         })

@@ -9,8 +9,8 @@ use actix_web::http::{Method, StatusCode};
 use actix_web::web::{self, Bytes};
 use actix_web::{App, HttpResponse};
 use idempotency_actix::{
-    BeginOutcome, FailMode, Fingerprint, Idempotency, IdempotencyStore, IdempotentRoute,
-    LeaseToken, MemoryStore, RedisStore, StorageKey, StoreError, StoredResponse,
+    BeginOutcome, FailMode, Fingerprint, Idempotency, IdempotencyPolicy, IdempotencyStore,
+    IdempotentRoute, LeaseToken, MemoryStore, RedisStore, StorageKey, StoreError, StoredResponse,
 };
 use idempotency_actix_tests::{
     RunCounter, keys_under, redis_connection, redis_pool, unique_prefix,
@@ -89,7 +89,9 @@ async fn redis_holds_the_ttl_and_never_the_raw_key() {
             )
             .service(
                 web::resource("/short")
-                    .wrap(IdempotentRoute::new().ttl(Duration::from_secs(90)))
+                    .wrap(IdempotentRoute::with_policy(
+                        IdempotencyPolicy::default().ttl(Duration::from_secs(90)),
+                    ))
                     .route(web::post().to(create)),
             );
         },
@@ -138,17 +140,23 @@ async fn app_and_route_layers_together_process_once_with_the_route_ttl() {
         |c| {
             c.service(
                 web::resource("/orders")
-                    .wrap(IdempotentRoute::new().ttl(Duration::from_secs(90)))
+                    .wrap(IdempotentRoute::with_policy(
+                        IdempotencyPolicy::default().ttl(Duration::from_secs(90)),
+                    ))
                     .route(web::post().to(create)),
             )
             .service(
                 web::resource("/small")
-                    .wrap(IdempotentRoute::new().max_request_body(8))
+                    .wrap(IdempotentRoute::with_policy(
+                        IdempotencyPolicy::default().max_request_body(8),
+                    ))
                     .route(web::post().to(create)),
             )
             .service(
                 web::resource("/short-lease")
-                    .wrap(IdempotentRoute::new().lease(Duration::from_secs(5)))
+                    .wrap(IdempotentRoute::with_policy(
+                        IdempotencyPolicy::default().lease(Duration::from_secs(5)),
+                    ))
                     .route(web::post().to(slow_create)),
             );
         },
@@ -453,11 +461,13 @@ async fn a_shorter_route_lease_is_renewed_in_time_under_an_app_layer() {
                     Idempotency::redis(pool.clone())
                         .key_prefix(prefix.clone())
                         .protect_methods([Method::POST])
-                        .lease(Duration::from_secs(3)),
+                        .policy(IdempotencyPolicy::default().lease(Duration::from_secs(3))),
                 )
                 .service(
                     web::resource("/orders")
-                        .wrap(IdempotentRoute::new().lease(Duration::from_millis(600)))
+                        .wrap(IdempotentRoute::with_policy(
+                            IdempotencyPolicy::default().lease(Duration::from_millis(600)),
+                        ))
                         .route(web::post().to(very_slow_create)),
                 )
         })

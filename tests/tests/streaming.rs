@@ -10,7 +10,7 @@ use actix_web::body::SizedStream;
 use actix_web::web::{self, Bytes};
 use actix_web::{App, HttpResponse};
 use futures_util::{Stream, StreamExt};
-use idempotency_actix::{Idempotency, IdempotentRoute, KeyScope, RedisStore};
+use idempotency_actix::{Idempotency, IdempotencyPolicy, IdempotentRoute, KeyScope, RedisStore};
 use idempotency_actix_tests::{Gate, RunCounter, redis_url, unique_prefix};
 
 const FIRST: &[u8] = b"{\"progress\":50}\n";
@@ -78,7 +78,9 @@ fn start(test: &str, runs: &RunCounter, gate: &Gate) -> actix_test::TestServer {
             )
             .service(
                 web::resource("/endless")
-                    .wrap(IdempotentRoute::new().max_stored_body(4096))
+                    .wrap(IdempotentRoute::with_policy(
+                        IdempotencyPolicy::default().max_stored_body(4096),
+                    ))
                     .route(web::post().to(endless)),
             )
     })

@@ -15,7 +15,7 @@ use actix_web::http::header::HeaderName;
 use super::{IdempotencyFuture, pass_through, process};
 use crate::engine::{Claimed, Engine, EngineHandle, FailMode, Response, Settings, is_safe_method};
 use crate::fingerprint::FingerprintParts;
-use crate::policy::checked;
+use crate::policy::{IdempotencyPolicy, checked};
 use crate::replay::ReplayedHeaders;
 use crate::scope::KeyScope;
 use crate::store::{DynStore, IdempotencyStore, MemoryStore};
@@ -189,61 +189,13 @@ impl Idempotency {
         self
     }
 
-    /// How long completed responses are replayed, unless a route says otherwise (default
-    /// 24 h).
-    ///
-    /// # Panics
-    ///
-    /// If the duration is zero or over [`MAX_DURATION`](crate::MAX_DURATION).
+    /// The defaults of every route below: `policy`'s options, on top of the crate's defaults
+    /// (ttl 24 h, lease 30 s, key optional, 1 MiB request and stored bodies, errors not
+    /// stored, no waiting). A route's own [`IdempotencyPolicy`] overrides them. Calling this
+    /// twice applies both, the later one winning where both set an option.
     #[must_use]
-    pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.settings.defaults.ttl = checked(ttl);
-        self
-    }
-
-    /// How long an in-flight record holds its key without renewal (default 30 s; renewed
-    /// every third of it while the handler runs).
-    ///
-    /// # Panics
-    ///
-    /// If the duration is zero or over [`MAX_DURATION`](crate::MAX_DURATION).
-    #[must_use]
-    pub fn lease(mut self, lease: Duration) -> Self {
-        self.settings.defaults.lease = checked(lease);
-        self
-    }
-
-    /// Refuses protected requests without a key (400), unless a route says otherwise.
-    #[must_use]
-    pub fn require_key(mut self) -> Self {
-        self.settings.defaults.required = true;
-        self
-    }
-
-    /// The largest body a keyed request may send (default 1 MiB; 413 above).
-    #[must_use]
-    pub fn max_request_body(mut self, bytes: usize) -> Self {
-        self.settings.defaults.max_request_body = bytes;
-        self
-    }
-
-    /// The largest response body that is stored (default 1 MiB).
-    #[must_use]
-    pub fn max_stored_body(mut self, bytes: usize) -> Self {
-        self.settings.defaults.max_stored_body = bytes;
-        self
-    }
-
-    /// A retry that finds its key in flight waits up to `bound` for the first request to
-    /// finish and replays its response, instead of answering 409 at once (the default).
-    /// The store is polled meanwhile (every 20 ms, backing off to 250 ms).
-    ///
-    /// # Panics
-    ///
-    /// If the duration is zero or over [`MAX_DURATION`](crate::MAX_DURATION).
-    #[must_use]
-    pub fn wait_for_completion(mut self, bound: Duration) -> Self {
-        self.settings.defaults.wait_for_completion = Some(checked(bound));
+    pub fn policy(mut self, policy: IdempotencyPolicy) -> Self {
+        self.settings.defaults = policy.apply_to(&self.settings.defaults);
         self
     }
 
@@ -278,14 +230,6 @@ impl Idempotency {
     pub fn max_detached(mut self, requests: usize) -> Self {
         assert!(requests > 0, "Idempotency::max_detached must be at least 1");
         self.settings.limits.max_detached = requests;
-        self
-    }
-
-    /// Stores and replays responses with status >= 400 too (by default they release the
-    /// key so a retry runs again).
-    #[must_use]
-    pub fn store_errors(mut self) -> Self {
-        self.settings.defaults.store_errors = true;
         self
     }
 }
