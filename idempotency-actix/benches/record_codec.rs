@@ -10,9 +10,9 @@ use idempotency_actix::{LeaseToken, StoredResponse};
 use std::hint::black_box;
 
 fn response(body_len: usize) -> StoredResponse {
-    StoredResponse {
-        status: StatusCode::CREATED,
-        headers: vec![
+    StoredResponse::new(
+        StatusCode::CREATED,
+        vec![
             (
                 HeaderName::from_static("content-type"),
                 HeaderValue::from_static("application/json"),
@@ -22,8 +22,8 @@ fn response(body_len: usize) -> StoredResponse {
                 HeaderValue::from_static("/orders/8e03978e-40d5-43e8-bc93-6894a57f9324"),
             ),
         ],
-        body: Some(Bytes::from(vec![b'x'; body_len])),
-    }
+        Some(Bytes::from(vec![b'x'; body_len])),
+    )
 }
 
 fn record_codec(c: &mut Criterion) {

@@ -10,8 +10,8 @@ use pin_project_lite::pin_project;
 
 pin_project! {
     /// The body of a response that went through idempotency middleware: the handler's own
-    /// body untouched, a body the middleware made (a replay or a problem document), or the
-    /// handler's body after the middleware read a prefix of it while storing it.
+    /// body untouched, or a body the middleware made (a replay, a problem document, or the
+    /// handler's body as it passes while the middleware stores it).
     ///
     /// Handlers never see this type; it appears in the middleware's `Service` signature.
     pub struct IdempotentBody<B> {
@@ -25,12 +25,8 @@ pin_project! {
     enum Kind<B> {
         // The handler's body, not read by the middleware.
         Handler { #[pin] body: B },
-        // A body the middleware produced, or a handler body it read whole.
+        // A body the middleware produced, or a handler body it reads while it passes.
         Produced { body: BoxBody },
-        // The handler's streaming body, of which `prefix` was already read.
-        Resumed { prefix: Option<Bytes>, rest: Pin<Box<B>> },
-        // The handler's body failed after `prefix` was read; the error follows it.
-        Failed { prefix: Option<Bytes>, error: Option<Box<dyn StdError>> },
     }
 }
 
@@ -46,24 +42,6 @@ impl<B> IdempotentBody<B> {
             kind: Kind::Produced { body },
         }
     }
-
-    pub(crate) fn resumed(prefix: Bytes, rest: Pin<Box<B>>) -> Self {
-        Self {
-            kind: Kind::Resumed {
-                prefix: Some(prefix),
-                rest,
-            },
-        }
-    }
-
-    pub(crate) fn failed(prefix: Option<Bytes>, error: Box<dyn StdError>) -> Self {
-        Self {
-            kind: Kind::Failed {
-                prefix,
-                error: Some(error),
-            },
-        }
-    }
 }
 
 impl<B> MessageBody for IdempotentBody<B>
@@ -76,7 +54,6 @@ where
         match &self.kind {
             Kind::Handler { body } => body.size(),
             Kind::Produced { body } => body.size(),
-            Kind::Resumed { .. } | Kind::Failed { .. } => BodySize::Stream,
         }
     }
 
@@ -89,17 +66,6 @@ where
                 .poll_next(cx)
                 .map(|chunk| chunk.map(|result| result.map_err(Into::into))),
             KindProjection::Produced { body } => Pin::new(body).poll_next(cx),
-            KindProjection::Resumed { prefix, rest } => match prefix.take() {
-                Some(prefix) => Poll::Ready(Some(Ok(prefix))),
-                None => rest
-                    .as_mut()
-                    .poll_next(cx)
-                    .map(|chunk| chunk.map(|result| result.map_err(Into::into))),
-            },
-            KindProjection::Failed { prefix, error } => match prefix.take() {
-                Some(prefix) => Poll::Ready(Some(Ok(prefix))),
-                None => Poll::Ready(error.take().map(Err)),
-            },
         }
     }
 }

@@ -5,13 +5,13 @@
 //! commit (or release) before the response leaves.
 
 use std::cell::{Cell, RefCell};
-use std::future::poll_fn;
 use std::panic::AssertUnwindSafe;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use actix_web::body::{BodySize, BoxBody, MessageBody};
 use actix_web::dev::{Payload, Service, ServiceRequest, ServiceResponse};
+use actix_web::http::StatusCode;
 use actix_web::http::header::{self, HeaderName};
 use actix_web::web::{Bytes, BytesMut};
 use actix_web::{HttpMessage, HttpRequest, ResponseError};
@@ -20,16 +20,18 @@ use futures_util::future::{Either, FutureExt, select};
 use tracing::Instrument;
 
 use crate::body::IdempotentBody;
+use crate::capture::{CapturingBody, Commit};
 use crate::error::IdempotencyError;
 use crate::fingerprint::{Fingerprint, FingerprintParts};
 use crate::instrument::{self, LockHeld, Outcome, RequestRecord, StoreOperation, StoreTimer};
 use crate::key::IdempotencyKey;
-use crate::policy::{Policy, RoutePolicy};
+use crate::policy::{IdempotencyPolicy, Policy};
 use crate::record::StoredResponse;
 use crate::replay::{ReplayedHeaders, replay_response};
 use crate::replay_cache::ReplayCache;
 use crate::scope::{KeyScope, StorageKey};
 use crate::store::{BeginOutcome, DynStore, LeaseToken, StoreError};
+use crate::workload::{WorkLimits, WorkSlot, Workload};
 
 /// The transaction a transactional route's claim comes with.
 #[cfg(feature = "postgres")]
@@ -49,6 +51,7 @@ enum Transaction {}
 /// let idempotency = Idempotency::memory().on_store_error(FailMode::Open);
 /// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum FailMode {
     /// Refuse with 503 and `Retry-After`; the handler does not run (the default: a payment
     /// that cannot be protected is not taken).
@@ -71,6 +74,7 @@ pub(crate) struct Settings {
     pub(crate) retry_after: Duration,
     pub(crate) defaults: Policy,
     pub(crate) replay_cache: Option<ReplayCache>,
+    pub(crate) limits: WorkLimits,
 }
 
 impl Default for Settings {
@@ -86,6 +90,7 @@ impl Default for Settings {
             retry_after: Duration::from_secs(1),
             defaults: Policy::default(),
             replay_cache: None,
+            limits: WorkLimits::default(),
         }
     }
 }
@@ -94,6 +99,8 @@ impl Default for Settings {
 pub(crate) struct Engine {
     pub(crate) store: Rc<dyn DynStore>,
     pub(crate) settings: Settings,
+    /// This worker's keyed work, against `settings.limits`.
+    pub(crate) workload: Rc<Workload>,
 }
 
 /// Request extension: the engine of the nearest `Idempotency` above, for route layers.
@@ -124,7 +131,7 @@ pub(crate) struct HeldLock {
     pub(crate) body_len: usize,
     pub(crate) lease: Cell<Duration>,
     pub(crate) renewed_at: Cell<Instant>,
-    pub(crate) route_policy: RefCell<Option<RoutePolicy>>,
+    pub(crate) route_policy: RefCell<Option<IdempotencyPolicy>>,
     store: Rc<dyn DynStore>,
     store_timeout: Duration,
 }
@@ -137,7 +144,7 @@ pub(crate) fn with_handler_body<B>(response: ServiceResponse<B>) -> Response<B> 
 }
 
 pub(crate) fn refuse<B>(request: HttpRequest, error: &IdempotencyError) -> Response<B> {
-    instrument::refused(&request.extensions(), error);
+    instrument::refused(&request, error);
     let response = error.error_response();
     ServiceResponse::new(
         request,
@@ -148,11 +155,15 @@ pub(crate) fn refuse<B>(request: HttpRequest, error: &IdempotencyError) -> Respo
 impl Engine {
     /// Processes a protected request under `policy`, calling `service` at most once, in
     /// the request's span; its outcome is recorded once, when it is done.
+    ///
+    /// `slot` is the request's share of the worker's workload (keyed requests); a streamed
+    /// response keeps it until its record is complete.
     pub(crate) async fn process<S, B>(
         self: Rc<Self>,
         policy: Policy,
         req: ServiceRequest,
         service: Rc<S>,
+        slot: Option<Rc<WorkSlot>>,
     ) -> Result<Response<B>, actix_web::Error>
     where
         S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = actix_web::Error>
@@ -161,7 +172,10 @@ impl Engine {
     {
         let record = RequestRecord::start(&req);
         let span = record.span();
-        let result = self.protect(policy, req, service).instrument(span).await;
+        let result = self
+            .protect(policy, req, service, slot)
+            .instrument(span)
+            .await;
         record.finish(&result);
         result
     }
@@ -171,6 +185,7 @@ impl Engine {
         policy: Policy,
         mut req: ServiceRequest,
         service: Rc<S>,
+        slot: Option<Rc<WorkSlot>>,
     ) -> Result<Response<B>, actix_web::Error>
     where
         S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = actix_web::Error>
@@ -221,14 +236,20 @@ impl Engine {
             .begin_or_claim_transaction(&storage_key, &fingerprint, &token, &policy)
             .await;
         if begun.is_err() {
-            // A `begin` that timed out may still land; release it (compare-and-delete on our
-            // token) so the key is not blocked for a whole lease.
+            // A `begin` that timed out may still land, even after a first release found
+            // nothing; release (compare-and-delete on our token) until one removes it or a
+            // lease has passed, so the key is not blocked for a whole lease.
             let store = Rc::clone(&self.store);
             let (key, token) = (storage_key.clone(), token.clone());
-            self.retry_in_background(StoreOperation::Release, policy.lease, move || {
-                let (store, key, token) = (Rc::clone(&store), key.clone(), token.clone());
-                async move { store.release(&key, &token).await }
-            });
+            self.retry_in_background(
+                StoreOperation::Release,
+                policy.lease,
+                Until::Succeeded,
+                move || {
+                    let (store, key, token) = (Rc::clone(&store), key.clone(), token.clone());
+                    async move { store.release(&key, &token).await }
+                },
+            );
         }
         match begun {
             Ok(BeginOutcome::Acquired) => {
@@ -253,7 +274,7 @@ impl Engine {
                 }
                 #[cfg(not(feature = "postgres"))]
                 let _ = transaction; // never one without the feature
-                self.run_and_commit(policy, lock, req, service).await
+                self.run_and_commit(policy, lock, req, service, slot).await
             }
             Ok(BeginOutcome::Completed(stored)) => {
                 tracing::debug!(key = storage_key.as_str(), "idempotency: replayed");
@@ -390,11 +411,12 @@ impl Engine {
     }
 
     async fn run_and_commit<S, B>(
-        &self,
+        self: &Rc<Self>,
         policy: Policy,
         lock: Rc<HeldLock>,
         req: ServiceRequest,
         service: Rc<S>,
+        slot: Option<Rc<WorkSlot>>,
     ) -> Result<Response<B>, actix_web::Error>
     where
         S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = actix_web::Error>
@@ -405,8 +427,6 @@ impl Engine {
             key_present: true,
             lock: Some(Rc::clone(&lock)),
         });
-        // The lease is renewed until the response is captured, not just while the handler
-        // runs: a streamed body can take longer than the lease.
         let work = self.run_and_capture(policy, &lock, req, service);
         let outcome = while_renewing_lease(work, &lock).await;
         let (storage_key, token) = (&lock.storage_key, &lock.token);
@@ -430,7 +450,7 @@ impl Engine {
                 tracing::debug!(
                     key = storage_key.as_str(),
                     status = response.status().as_u16(),
-                    "idempotency: error response; key released"
+                    "idempotency: response not stored (error or informational); key released"
                 );
                 self.release(storage_key, token).await;
                 Ok(response)
@@ -441,7 +461,31 @@ impl Engine {
                 ttl,
             } => {
                 self.commit(&lock, stored, ttl).await;
-                response.map_err(|()| IdempotencyError::HandlerPanicked.into())
+                Ok(response)
+            }
+            Handled::Streamed {
+                response,
+                body,
+                stored,
+                ttl,
+                limit,
+            } => {
+                // The lease is renewed until the record is complete: the body may take
+                // longer than the lease.
+                let renewals = AbortOnDrop(actix_rt::spawn({
+                    let lock = Rc::clone(&lock);
+                    async move { keep_renewing(&lock).await }
+                }));
+                let (engine, held) = (Rc::clone(self), slot.clone());
+                let commit: Commit = Box::new(move |body| {
+                    Box::pin(async move {
+                        let stored = StoredResponse { body, ..stored };
+                        engine.commit(&lock, stored, ttl).await;
+                        drop((renewals, held));
+                    })
+                });
+                let body = CapturingBody::new(body, limit, commit, slot);
+                Ok(response.map_body(|_, ()| IdempotentBody::produced(BoxBody::new(body))))
             }
         }
     }
@@ -478,26 +522,49 @@ impl Engine {
         let status = response.status();
         let headers = self.settings.replayed_headers.select(response.headers());
         let (response, body) = response.into_parts();
-        let captured = AssertUnwindSafe(capture_body(body, policy.max_stored_body))
-            .catch_unwind()
-            .await;
-        let (response, stored_body) = match captured {
-            Ok((body, Captured::Body(bytes))) => (Ok(response.set_body(body)), Some(bytes)),
-            // The handler ran and said what happened; the client gets all of the body the
-            // handler produces (or its error), and a retry gets the status and headers.
-            Ok((body, Captured::TooLarge | Captured::Failed)) => {
-                (Ok(response.set_body(body)), None)
-            }
-            Err(_panic) => (Err(()), None),
+        let stored = |body| StoredResponse {
+            status,
+            headers,
+            body,
         };
+        let ttl = policy.ttl;
+        let limit = policy.max_stored_body;
+        let (response, stored) =
+            if status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
+                // These statuses have no content (RFC 9110 §15.3.5, §15.4.5), yet Actix would
+                // write a handler's body after the head; it is dropped, so the original and the
+                // replay both end at the head, without `Content-Length`.
+                drop(body);
+                let response = response.set_body(IdempotentBody::produced(BoxBody::new(())));
+                (response, stored(Some(Bytes::new())))
+            } else if matches!(body.size(), BodySize::Sized(size) if size > limit as u64) {
+                // The client gets all of it; a retry gets the status and headers.
+                (
+                    response.set_body(IdempotentBody::handler(body)),
+                    stored(None),
+                )
+            } else {
+                match body.try_into_bytes() {
+                    Ok(bytes) => {
+                        let kept = (bytes.len() <= limit).then(|| bytes.clone());
+                        let body = IdempotentBody::produced(BoxBody::new(bytes));
+                        (response.set_body(body), stored(kept))
+                    }
+                    Err(body) => {
+                        return Handled::Streamed {
+                            response: ServiceResponse::new(request, response),
+                            body,
+                            stored: stored(None),
+                            ttl,
+                            limit,
+                        };
+                    }
+                }
+            };
         Handled::Stored {
-            response: response.map(|response| ServiceResponse::new(request, response)),
-            stored: StoredResponse {
-                status,
-                headers,
-                body: stored_body,
-            },
-            ttl: policy.ttl,
+            response: ServiceResponse::new(request, response),
+            stored,
+            ttl,
         }
     }
 
@@ -525,23 +592,34 @@ impl Engine {
                 );
                 let store = Rc::clone(&self.store);
                 let (key, token) = (storage_key.clone(), token.clone());
-                self.retry_in_background(StoreOperation::Commit, lock.lease.get(), move || {
-                    let (store, key, token, stored) = (
-                        Rc::clone(&store),
-                        key.clone(),
-                        token.clone(),
-                        stored.clone(),
-                    );
-                    async move { store.commit(&key, &token, &stored, ttl).await }
-                });
+                self.retry_in_background(
+                    StoreOperation::Commit,
+                    lock.lease.get(),
+                    Until::Answered,
+                    move || {
+                        let (store, key, token, stored) = (
+                            Rc::clone(&store),
+                            key.clone(),
+                            token.clone(),
+                            stored.clone(),
+                        );
+                        async move { store.commit(&key, &token, &stored, ttl).await }
+                    },
+                );
             }
         }
     }
 
-    /// Retries `operation` with backoff until it answers (`true` or `false`) or `lease` has
-    /// passed: after that the record it concerns has expired by itself.
-    fn retry_in_background<F, Fut>(&self, kind: StoreOperation, lease: Duration, operation: F)
-    where
+    /// Retries `operation` (a store operation of `kind`) with backoff (50 ms doubling to
+    /// 1 s) until it is done as `until` says or `lease` has passed: after that the record it
+    /// concerns has expired by itself.
+    fn retry_in_background<F, Fut>(
+        &self,
+        kind: StoreOperation,
+        lease: Duration,
+        until: Until,
+        operation: F,
+    ) where
         F: Fn() -> Fut + 'static,
         Fut: Future<Output = Result<bool, StoreError>> + 'static,
     {
@@ -549,20 +627,27 @@ impl Engine {
         let deadline = Instant::now() + lease;
         actix_rt::spawn(async move {
             let mut pause = Duration::from_millis(50);
+            let mut answered = false;
             while Instant::now() + pause < deadline {
                 actix_rt::time::sleep(pause).await;
                 instrument::background_retry(kind);
                 match within(kind, timeout, operation()).await {
-                    Ok(done) => {
+                    Ok(done) if done || until == Until::Answered => {
                         tracing::info!(done, "idempotency: background store operation answered");
                         return;
                     }
-                    Err(_) => pause = (pause * 2).min(Duration::from_secs(1)),
+                    Ok(_) => answered = true,
+                    Err(_) => {}
                 }
+                pause = (pause * 2).min(Duration::from_secs(1));
             }
-            tracing::error!(
-                "idempotency: store unreachable for a whole lease; the record expires by itself"
-            );
+            if answered {
+                tracing::debug!("idempotency: a timed-out begin never landed; nothing to release");
+            } else {
+                tracing::error!(
+                    "idempotency: store unreachable for a whole lease; the record expires by itself"
+                );
+            }
         });
     }
 
@@ -577,6 +662,16 @@ impl Engine {
     }
 }
 
+/// When a background store operation is done.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Until {
+    /// When the store answers at all (a commit: `false` means the lease was lost).
+    Answered,
+    /// When it answers `true` (releasing a `begin` that timed out: `false` only means it has
+    /// not landed yet).
+    Succeeded,
+}
+
 /// What became of a request whose lock was acquired.
 pub(crate) enum Handled<B> {
     /// The handler panicked.
@@ -585,44 +680,64 @@ pub(crate) enum Handled<B> {
     Failed(actix_web::Error),
     /// A response the policy does not store (status >= 400 by default).
     NotStored(Response<B>),
-    /// A response to store; `response` is `Err` when reading its body panicked.
+    /// A response to store whose body is known: committed before it is returned.
     Stored {
-        response: Result<Response<B>, ()>,
+        response: Response<B>,
         stored: StoredResponse,
         ttl: Duration,
     },
+    /// A response to store whose body streams: forwarded as it comes, and committed (with
+    /// `stored` and the captured body) before the response is complete.
+    Streamed {
+        response: ServiceResponse<()>,
+        body: B,
+        stored: StoredResponse,
+        ttl: Duration,
+        limit: usize,
+    },
 }
 
-/// Runs `work` to completion while renewing the lease of `lock` every third of it. The
-/// lease is read afresh at every tick, so a route layer that changes it is honoured at once.
+/// Runs `work` to completion while renewing the lease of `lock` every third of it.
 async fn while_renewing_lease<T>(work: impl Future<Output = T>, lock: &HeldLock) -> T {
-    let renewals = async {
-        loop {
-            let lease = lock.lease.get();
-            actix_rt::time::sleep((lease / 3).min(RENEWAL_TICK)).await;
-            if lock.renewed_at.get().elapsed() < lock.lease.get() / 3 {
-                continue;
-            }
-            match lock.renew().await {
-                Ok(true) => {}
-                Ok(false) => {
-                    tracing::warn!(
-                        key = lock.storage_key.as_str(),
-                        "idempotency: lease lost while the handler ran"
-                    );
-                    return;
-                }
-                Err(error) => {
-                    tracing::warn!(key = lock.storage_key.as_str(), %error, "idempotency: lease renewal failed; will retry");
-                }
-            }
-        }
-    };
     let work = std::pin::pin!(work);
-    let renewals = std::pin::pin!(renewals);
+    let renewals = std::pin::pin!(keep_renewing(lock));
     match select(work, renewals).await {
         Either::Left((output, _)) => output,
         Either::Right(((), work)) => work.await,
+    }
+}
+
+/// Renews the lease of `lock` every third of it until the lease is lost. The lease is read
+/// afresh at every tick, so a route layer that changes it is honoured at once.
+async fn keep_renewing(lock: &HeldLock) {
+    loop {
+        let lease = lock.lease.get();
+        actix_rt::time::sleep((lease / 3).min(RENEWAL_TICK)).await;
+        if lock.renewed_at.get().elapsed() < lock.lease.get() / 3 {
+            continue;
+        }
+        match lock.renew().await {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::warn!(
+                    key = lock.storage_key.as_str(),
+                    "idempotency: lease lost while the handler ran"
+                );
+                return;
+            }
+            Err(error) => {
+                tracing::warn!(key = lock.storage_key.as_str(), %error, "idempotency: lease renewal failed; will retry");
+            }
+        }
+    }
+}
+
+/// A background task that stops when this is dropped.
+struct AbortOnDrop(actix_rt::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
@@ -670,72 +785,13 @@ async fn read_body(req: &mut ServiceRequest, limit: usize) -> Result<Bytes, Idem
     let mut payload = req.take_payload();
     let mut body = BytesMut::new();
     while let Some(chunk) = payload.next().await {
-        let chunk =
-            chunk.map_err(|error| IdempotencyError::RequestBodyUnreadable(error.to_string()))?;
+        let chunk = chunk.map_err(IdempotencyError::RequestBodyUnreadable)?;
         if body.len() + chunk.len() > limit {
             return Err(IdempotencyError::RequestBodyTooLarge { limit });
         }
         body.extend_from_slice(&chunk);
     }
     Ok(body.freeze())
-}
-
-/// What [`capture_body`] could keep of a response body.
-enum Captured {
-    Body(Bytes),
-    TooLarge,
-    Failed,
-}
-
-/// Reads up to `limit` bytes of `body` to store them, and gives back a body that sends the
-/// client everything (what was read, then the rest).
-async fn capture_body<B>(body: B, limit: usize) -> (IdempotentBody<B>, Captured)
-where
-    B: MessageBody + 'static,
-{
-    if let BodySize::Sized(size) = body.size()
-        && size > limit as u64
-    {
-        return (IdempotentBody::handler(body), Captured::TooLarge);
-    }
-    let body = match body.try_into_bytes() {
-        Ok(bytes) => {
-            let captured = if bytes.len() > limit {
-                Captured::TooLarge
-            } else {
-                Captured::Body(bytes.clone())
-            };
-            return (IdempotentBody::produced(BoxBody::new(bytes)), captured);
-        }
-        Err(body) => body,
-    };
-    let mut body = Box::pin(body);
-    let mut collected = BytesMut::new();
-    loop {
-        match poll_fn(|cx| body.as_mut().poll_next(cx)).await {
-            None => {
-                let bytes = collected.freeze();
-                return (
-                    IdempotentBody::produced(BoxBody::new(bytes.clone())),
-                    Captured::Body(bytes),
-                );
-            }
-            Some(Ok(chunk)) => {
-                collected.extend_from_slice(&chunk);
-                if collected.len() > limit {
-                    let prefix = collected.freeze();
-                    return (IdempotentBody::resumed(prefix, body), Captured::TooLarge);
-                }
-            }
-            Some(Err(error)) => {
-                let prefix = (!collected.is_empty()).then(|| collected.freeze());
-                return (
-                    IdempotentBody::failed(prefix, error.into()),
-                    Captured::Failed,
-                );
-            }
-        }
-    }
 }
 
 /// Methods that are idempotent by definition and never touched.

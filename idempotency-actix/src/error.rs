@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use actix_web::error::PayloadError;
 use actix_web::http::StatusCode;
 use actix_web::http::header::{self, HeaderValue};
 use actix_web::{HttpResponse, ResponseError};
@@ -45,9 +46,10 @@ pub enum IdempotencyError {
         /// The limit in bytes.
         limit: usize,
     },
-    /// The request body could not be read. 400.
-    #[error("the request body could not be read: {0}")]
-    RequestBodyUnreadable(String),
+    /// The request body could not be read (the client sent a broken body or went away). 400;
+    /// the source says what went wrong.
+    #[error("the request body could not be read")]
+    RequestBodyUnreadable(#[source] PayloadError),
     /// A request with this key is still being processed. 409 with `Retry-After`.
     #[error("a request with this idempotency key is still being processed")]
     InFlight {
@@ -67,6 +69,15 @@ pub enum IdempotencyError {
         /// What `Retry-After` advises.
         retry_after: Duration,
     },
+    /// The worker already runs as much keyed work as it may (see
+    /// [`Idempotency::max_in_flight`](crate::Idempotency::max_in_flight) and
+    /// [`Idempotency::max_detached`](crate::Idempotency::max_detached)). 503 with
+    /// `Retry-After`; the handler did not run.
+    #[error("the server is busy with other requests; retry later with the same key")]
+    Overloaded {
+        /// What `Retry-After` advises.
+        retry_after: Duration,
+    },
     /// The handler panicked. 500; the key was released, so a retry runs the handler again.
     #[error("the handler panicked")]
     HandlerPanicked,
@@ -75,6 +86,13 @@ pub enum IdempotencyError {
         "idempotency is not configured: wrap the App in Idempotency::redis(..), Idempotency::memory() or Idempotency::new(..)"
     )]
     NotConfigured,
+}
+
+/// `Retry-After` in whole seconds, rounded up (advising 1.5 s as 1 would invite a retry that
+/// comes too early), and never 0, which invites a hot loop.
+fn retry_after_seconds(delay: Duration) -> u64 {
+    let rounded_up = delay.as_secs() + u64::from(delay.subsec_nanos() > 0);
+    rounded_up.max(1)
 }
 
 /// The RFC 9457 problem document.
@@ -97,6 +115,7 @@ impl IdempotencyError {
             Self::InFlight { .. } => ("in-flight", "Request in progress"),
             Self::FingerprintMismatch => ("key-reused", "Idempotency-Key reused"),
             Self::StoreUnavailable { .. } => ("store-unavailable", "Idempotency store unavailable"),
+            Self::Overloaded { .. } => ("overloaded", "Server busy"),
             Self::HandlerPanicked => ("handler-panicked", "Internal server error"),
             Self::NotConfigured => ("not-configured", "Internal server error"),
         }
@@ -115,9 +134,9 @@ impl IdempotencyError {
 
     fn retry_after(&self) -> Option<Duration> {
         match self {
-            Self::InFlight { retry_after } | Self::StoreUnavailable { retry_after, .. } => {
-                Some(*retry_after)
-            }
+            Self::InFlight { retry_after }
+            | Self::StoreUnavailable { retry_after, .. }
+            | Self::Overloaded { retry_after } => Some(*retry_after),
             _ => None,
         }
     }
@@ -133,7 +152,9 @@ impl ResponseError for IdempotencyError {
             Self::RequestBodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::InFlight { .. } => StatusCode::CONFLICT,
             Self::FingerprintMismatch => StatusCode::UNPROCESSABLE_ENTITY,
-            Self::StoreUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::StoreUnavailable { .. } | Self::Overloaded { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             Self::HandlerPanicked | Self::NotConfigured => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -154,10 +175,35 @@ impl ResponseError for IdempotencyError {
             HeaderValue::from_static("application/problem+json"),
         ));
         if let Some(retry_after) = self.retry_after() {
-            // Retry-After is whole seconds; never advise 0, which invites a hot loop.
-            response.insert_header((header::RETRY_AFTER, retry_after.as_secs().max(1)));
+            response.insert_header((header::RETRY_AFTER, retry_after_seconds(retry_after)));
         }
         // Serializing a struct of strings and an integer cannot fail.
         response.body(serde_json::to_vec(&problem).unwrap_or_default())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unreadable_body_keeps_its_source() {
+        let error = IdempotencyError::RequestBodyUnreadable(PayloadError::Incomplete(None));
+        assert!(std::error::Error::source(&error).is_some());
+        assert_eq!(error.status_code(), StatusCode::BAD_REQUEST);
+    }
+
+    #[test]
+    fn retry_after_rounds_up_to_whole_seconds() {
+        let seconds = |millis| retry_after_seconds(Duration::from_millis(millis));
+        assert_eq!(seconds(1500), 2);
+        assert_eq!(seconds(1000), 1);
+        assert_eq!(seconds(1001), 2);
+        assert_eq!(seconds(1), 1);
+        let error = IdempotencyError::InFlight {
+            retry_after: Duration::from_millis(1500),
+        };
+        let response = error.error_response();
+        assert_eq!(response.headers().get(header::RETRY_AFTER).unwrap(), "2");
     }
 }

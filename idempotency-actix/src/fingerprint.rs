@@ -88,7 +88,7 @@ fn hash_field(hasher: &mut blake3::Hasher, bytes: &[u8]) {
 /// use idempotency_actix::{FingerprintParts, Idempotency};
 ///
 /// let idempotency = Idempotency::memory()
-///     .fingerprint(FingerprintParts::default().header("api-version"));
+///     .fingerprint(FingerprintParts::default().header("api-version").unwrap());
 /// ```
 #[derive(Debug, Clone, Default)]
 pub struct FingerprintParts {
@@ -96,18 +96,15 @@ pub struct FingerprintParts {
 }
 
 impl FingerprintParts {
-    /// Also fingerprints the value of the header `name` (all its values, in order).
+    /// Also fingerprints the value of the header `name` (all its values, in order): a
+    /// [`HeaderName`], or a string checked to be one.
     ///
-    /// # Panics
+    /// # Errors
     ///
-    /// Panics if `name` is not a valid header name; this is a configuration mistake found
-    /// when the app is built, never while serving.
-    #[must_use]
-    pub fn header(mut self, name: &str) -> Self {
-        let name = HeaderName::try_from(name)
-            .unwrap_or_else(|_| panic!("FingerprintParts::header: {name:?} is not a header name"));
-        self.headers.push(name);
-        self
+    /// When `name` is not a valid header name.
+    pub fn header<N: TryInto<HeaderName>>(mut self, name: N) -> Result<Self, N::Error> {
+        self.headers.push(name.try_into()?);
+        Ok(self)
     }
 
     /// The fingerprint of `req` whose body was `body`.
@@ -170,7 +167,7 @@ mod tests {
 
     #[test]
     fn chosen_headers_are_part_of_the_fingerprint() {
-        let parts = FingerprintParts::default().header("api-version");
+        let parts = FingerprintParts::default().header("api-version").unwrap();
         let v1 = TestRequest::post()
             .uri("/a")
             .insert_header(("api-version", "1"))

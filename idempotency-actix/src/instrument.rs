@@ -19,8 +19,8 @@
 use std::cell::Cell;
 use std::rc::Rc;
 
-use actix_web::HttpMessage;
 use actix_web::dev::{Extensions, ServiceRequest, ServiceResponse};
+use actix_web::{HttpMessage, HttpRequest};
 use tracing::Span;
 
 use crate::error::IdempotencyError;
@@ -68,11 +68,13 @@ pub enum Outcome {
     StoreError,
     /// The store failed or timed out and the handler ran unprotected (fail open).
     FailOpen,
+    /// 503: the worker was at its cap of keyed work; the handler did not run.
+    Overloaded,
 }
 
 impl Outcome {
     /// Every outcome, for dashboards and tests.
-    pub const ALL: [Self; 12] = [
+    pub const ALL: [Self; 13] = [
         Self::Executed,
         Self::Replayed,
         Self::Conflict,
@@ -85,11 +87,12 @@ impl Outcome {
         Self::TooLarge,
         Self::StoreError,
         Self::FailOpen,
+        Self::Overloaded,
     ];
 
     /// The label value: `executed`, `replayed`, `conflict`, `mismatch`, `invalid_key`,
     /// `missing_key`, `no_key`, `missing_scope`, `body_unreadable`, `too_large`,
-    /// `store_error` or `fail_open`.
+    /// `store_error`, `fail_open` or `overloaded`.
     pub const fn as_str(self) -> &'static str {
         match self {
             Self::Executed => "executed",
@@ -104,6 +107,7 @@ impl Outcome {
             Self::TooLarge => "too_large",
             Self::StoreError => "store_error",
             Self::FailOpen => "fail_open",
+            Self::Overloaded => "overloaded",
         }
     }
 
@@ -118,6 +122,7 @@ impl Outcome {
             IdempotencyError::InFlight { .. } => Self::Conflict,
             IdempotencyError::FingerprintMismatch => Self::Mismatch,
             IdempotencyError::StoreUnavailable { .. } => Self::StoreError,
+            IdempotencyError::Overloaded { .. } => Self::Overloaded,
             // A panic is the outcome of an executed request; a route layer without an
             // `Idempotency` above it has no request record to count in (it logs an error).
             IdempotencyError::HandlerPanicked | IdempotencyError::NotConfigured => return None,
@@ -343,10 +348,31 @@ pub(crate) fn decided(extensions: &Extensions, outcome: Outcome) {
     }
 }
 
-/// Records the outcome of a request refused with `error`.
-pub(crate) fn refused(extensions: &Extensions, error: &IdempotencyError) {
-    if let Some(outcome) = Outcome::of_refusal(error) {
-        decided(extensions, outcome);
+/// Records the outcome of a request refused with `error`: in its record when the engine
+/// keeps one, else (refused before the engine took it, e.g. overloaded) counted at once.
+pub(crate) fn refused(request: &HttpRequest, error: &IdempotencyError) {
+    let Some(outcome) = Outcome::of_refusal(error) else {
+        return;
+    };
+    let extensions = request.extensions();
+    if extensions.contains::<Rc<RequestState>>() {
+        decided(&extensions, outcome);
+    } else {
+        count_now(request, outcome);
+    }
+}
+
+/// Counts the outcome of a request that has no record.
+#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+fn count_now(request: &HttpRequest, outcome: Outcome) {
+    #[cfg(feature = "metrics")]
+    {
+        describe_once();
+        let route = request
+            .match_pattern()
+            .unwrap_or_else(|| UNMATCHED_ROUTE.to_owned());
+        ::metrics::counter!(names::REQUESTS, "route" => route, "outcome" => outcome.as_str())
+            .increment(1);
     }
 }
 

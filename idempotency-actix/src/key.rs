@@ -7,28 +7,37 @@ pub const MAX_KEY_LENGTH: usize = 255;
 
 /// A validated idempotency key taken from a request header.
 ///
-/// Two syntaxes are accepted and mean the same key:
+/// The header is an RFC 8941 structured field whose value is one *item*: the key, optionally
+/// followed by parameters. Two forms of the key are accepted and mean the same key:
 ///
-/// * the RFC 8941 sf-string form that draft-ietf-httpapi-idempotency-key-header
-///   specifies: `"8e03978e-40d5-43e8-bc93-6894a57f9324"`, with `\"` and `\\` as the only
-///   escapes;
-/// * the bare form most clients send: `8e03978e-40d5-43e8-bc93-6894a57f9324`.
+/// * the sf-string form that draft-ietf-httpapi-idempotency-key-header specifies:
+///   `"8e03978e-40d5-43e8-bc93-6894a57f9324"`, with `\"` and `\\` as the only escapes;
+/// * the bare form most clients send: `8e03978e-40d5-43e8-bc93-6894a57f9324`, any visible
+///   ASCII except `"`, `,` and `;`, taken literally as text (`42` is the key `42`, not a number).
 ///
 /// So `abc` and `"abc"` are the same key. A key is 1 to [`MAX_KEY_LENGTH`] characters of
 /// printable ASCII (a space is allowed only inside the quoted form).
 ///
+/// Parameters (`"abc";v=1`, `abc;v=1`) must follow RFC 8941's syntax and are ignored: both
+/// are the key `abc`. A `;` therefore always starts a parameter, also after a bare key. A list
+/// (`k1, k2`, what a proxy makes of two header lines) is refused with
+/// [`KeyError::List`], like a repeated header.
+///
 /// # Examples
 ///
 /// ```
-/// use idempotency_actix::IdempotencyKey;
+/// use idempotency_actix::{IdempotencyKey, KeyError};
 ///
 /// let bare = IdempotencyKey::parse(b"order-1234").unwrap();
 /// let quoted = IdempotencyKey::parse(br#""order-1234""#).unwrap();
+/// let with_parameter = IdempotencyKey::parse(br#""order-1234";v=1"#).unwrap();
 /// assert_eq!(bare, quoted);
+/// assert_eq!(bare, with_parameter);
 /// assert_eq!(bare.as_str(), "order-1234");
 ///
 /// assert!(IdempotencyKey::parse(b"").is_err());
 /// assert!(IdempotencyKey::parse(br#""unbalanced"#).is_err());
+/// assert_eq!(IdempotencyKey::parse(b"k1, k2"), Err(KeyError::List));
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct IdempotencyKey(String);
@@ -60,27 +69,46 @@ pub enum KeyError {
     /// A backslash in a quoted key that escapes something other than `"` or `\`.
     #[error("the idempotency key has an invalid escape; only \\\" and \\\\ are allowed")]
     InvalidEscape,
-    /// Characters after the closing quote of a quoted key.
+    /// Characters after the closing quote of a quoted key (or after its parameters).
     #[error("the idempotency key has characters after its closing quote")]
     TrailingCharacters,
+    /// A parameter after the key that is not RFC 8941 parameter syntax (`;name` or
+    /// `;name=value`, with a lowercase name and a string, token, number, byte sequence or
+    /// boolean as value).
+    #[error("the idempotency key has a malformed parameter")]
+    InvalidParameter,
+    /// The header holds a list of keys (`k1, k2`), as when a proxy combines two header lines.
+    #[error("the idempotency key header holds more than one key")]
+    List,
     /// The header appeared more than once.
     #[error("the idempotency key header appears more than once")]
     Repeated,
 }
 
 impl IdempotencyKey {
-    /// Parses a header value in the sf-string or the bare form.
+    /// Parses a header value: an sf-string or a bare key, then parameters, which are ignored.
     ///
     /// # Errors
     ///
     /// Returns a [`KeyError`] that says what is wrong with the value.
     pub fn parse(value: &[u8]) -> Result<Self, KeyError> {
         let value = value.trim_ascii();
-        let key = match value.split_first() {
+        let (key, rest) = match value.split_first() {
             None => return Err(KeyError::Empty),
             Some((b'"', quoted)) => parse_sf_string(quoted)?,
             Some(_) => parse_bare(value)?,
         };
+        let after_parameters = skip_parameters(rest)?;
+        if let Some(&first) = after_parameters.first() {
+            return Err(match after_parameters.trim_ascii_start().first() {
+                Some(b',') => KeyError::List,
+                // A space inside a bare key is what the client most likely meant.
+                _ if value[0] != b'"' && rest.len() == after_parameters.len() => {
+                    KeyError::InvalidByte { byte: first }
+                }
+                _ => KeyError::TrailingCharacters,
+            });
+        }
         let length = key.len();
         if length == 0 {
             return Err(KeyError::Empty);
@@ -141,23 +169,23 @@ impl std::fmt::Debug for IdempotencyKey {
     }
 }
 
-/// Parses what follows the opening quote of an RFC 8941 §3.3.3 sf-string.
-fn parse_sf_string(rest: &[u8]) -> Result<String, KeyError> {
+/// Parses what follows the opening quote of an RFC 8941 §3.3.3 sf-string; returns the string
+/// and what follows its closing quote.
+fn parse_sf_string(rest: &[u8]) -> Result<(String, &[u8]), KeyError> {
     let mut key = String::with_capacity(rest.len());
-    let mut bytes = rest.iter().copied();
-    while let Some(byte) = bytes.next() {
+    let mut at = 0;
+    while let Some(&byte) = rest.get(at) {
+        at += 1;
         match byte {
-            b'\\' => match bytes.next() {
-                Some(escaped @ (b'"' | b'\\')) => key.push(char::from(escaped)),
+            b'\\' => match rest.get(at) {
+                Some(&escaped @ (b'"' | b'\\')) => {
+                    key.push(char::from(escaped));
+                    at += 1;
+                }
                 Some(_) => return Err(KeyError::InvalidEscape),
                 None => return Err(KeyError::UnbalancedQuote),
             },
-            b'"' => {
-                return match bytes.next() {
-                    None => Ok(key),
-                    Some(_) => Err(KeyError::TrailingCharacters),
-                };
-            }
+            b'"' => return Ok((key, &rest[at..])),
             0x20..=0x7e => key.push(char::from(byte)),
             _ => return Err(KeyError::InvalidByte { byte }),
         }
@@ -165,9 +193,15 @@ fn parse_sf_string(rest: &[u8]) -> Result<String, KeyError> {
     Err(KeyError::UnbalancedQuote)
 }
 
-/// Parses the bare form: visible ASCII (0x21..=0x7e) without quotes.
-fn parse_bare(value: &[u8]) -> Result<String, KeyError> {
-    for &byte in value {
+/// Parses the bare form up to the first delimiter (`;`, `,`, a space or a tab): visible ASCII
+/// (0x21..=0x7e) without quotes. Returns the key and what follows it.
+fn parse_bare(value: &[u8]) -> Result<(String, &[u8]), KeyError> {
+    let end = value
+        .iter()
+        .position(|byte| matches!(byte, b';' | b',' | b' ' | b'\t'))
+        .unwrap_or(value.len());
+    let (key, rest) = value.split_at(end);
+    for &byte in key {
         match byte {
             b'"' => return Err(KeyError::UnbalancedQuote),
             0x21..=0x7e => {}
@@ -175,7 +209,93 @@ fn parse_bare(value: &[u8]) -> Result<String, KeyError> {
         }
     }
     // Every byte was checked to be ASCII above.
-    Ok(value.iter().map(|&byte| char::from(byte)).collect())
+    Ok((key.iter().map(|&byte| char::from(byte)).collect(), rest))
+}
+
+/// Skips RFC 8941 §3.1.2 parameters (`*( ";" *SP key [ "=" bare-item ] )`), checking their
+/// syntax; returns what follows them.
+fn skip_parameters(mut rest: &[u8]) -> Result<&[u8], KeyError> {
+    while let Some((b';', after)) = rest.split_first() {
+        let after = skip_spaces(after);
+        let name_end = match after.first() {
+            Some(b'a'..=b'z' | b'*') => after
+                .iter()
+                .position(
+                    |byte| !matches!(byte, b'a'..=b'z' | b'0'..=b'9' | b'_' | b'-' | b'.' | b'*'),
+                )
+                .unwrap_or(after.len()),
+            _ => return Err(KeyError::InvalidParameter),
+        };
+        rest = match after[name_end..].split_first() {
+            Some((b'=', value)) => skip_bare_item(value)?,
+            _ => &after[name_end..],
+        };
+    }
+    Ok(rest)
+}
+
+/// Skips one RFC 8941 §3.3 bare item (integer, decimal, string, token, byte sequence or
+/// boolean), checking its syntax; returns what follows it.
+fn skip_bare_item(value: &[u8]) -> Result<&[u8], KeyError> {
+    let invalid = KeyError::InvalidParameter;
+    let run = |from: usize, allowed: fn(&u8) -> bool| {
+        from + value[from..]
+            .iter()
+            .position(|byte| !allowed(byte))
+            .unwrap_or(value.len() - from)
+    };
+    match value.first() {
+        Some(b'"') => parse_sf_string(&value[1..])
+            .map(|(_, rest)| rest)
+            .map_err(|_| invalid),
+        Some(b'?') => match value.get(1) {
+            Some(b'0' | b'1') => Ok(&value[2..]),
+            _ => Err(invalid),
+        },
+        Some(b':') => {
+            let end = run(1, |byte| {
+                byte.is_ascii_alphanumeric() || b"+/=".contains(byte)
+            });
+            match value.get(end) {
+                Some(b':') => Ok(&value[end + 1..]),
+                _ => Err(invalid),
+            }
+        }
+        Some(byte) if byte.is_ascii_alphabetic() || *byte == b'*' => {
+            Ok(&value[run(1, |byte| is_tchar(*byte) || b":/".contains(byte))..])
+        }
+        Some(b'-' | b'0'..=b'9') => {
+            let sign = usize::from(value[0] == b'-');
+            let integer_end = run(sign, u8::is_ascii_digit);
+            let integer_digits = integer_end - sign;
+            if value.get(integer_end) != Some(&b'.') {
+                return match integer_digits {
+                    1..=15 => Ok(&value[integer_end..]),
+                    _ => Err(invalid),
+                };
+            }
+            let fraction_end = run(integer_end + 1, u8::is_ascii_digit);
+            match (integer_digits, fraction_end - integer_end - 1) {
+                (1..=12, 1..=3) => Ok(&value[fraction_end..]),
+                _ => Err(invalid),
+            }
+        }
+        _ => Err(invalid),
+    }
+}
+
+/// RFC 9110 `tchar`: the characters of a token.
+fn is_tchar(byte: u8) -> bool {
+    byte.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&byte)
+}
+
+/// Skips the spaces (not tabs: RFC 8941 allows only spaces) after a parameter's `;`.
+fn skip_spaces(bytes: &[u8]) -> &[u8] {
+    let start = bytes
+        .iter()
+        .position(|&byte| byte != b' ')
+        .unwrap_or(bytes.len());
+    &bytes[start..]
 }
 
 #[cfg(test)]
@@ -281,7 +401,56 @@ mod tests {
     #[test]
     fn characters_after_the_closing_quote_are_rejected() {
         assert_eq!(parse(br#""abc"def"#), Err(KeyError::TrailingCharacters));
-        assert_eq!(parse(br#""a";b"#), Err(KeyError::TrailingCharacters));
+        assert_eq!(parse(br#""a";b x"#), Err(KeyError::TrailingCharacters));
+    }
+
+    #[test]
+    fn parameters_are_accepted_and_ignored() {
+        for value in [
+            r#""abc";v=1"#,
+            "abc;v=1",
+            r#""abc"; v=1;a;b=?0;c="x\"y";d=-1.25;e=:YWJj:;f=tok/en:1;*g=*"#,
+            "abc;v",
+        ] {
+            assert_eq!(parse(value.as_bytes()), Ok("abc".to_owned()), "{value}");
+        }
+    }
+
+    #[test]
+    fn malformed_parameters_are_rejected() {
+        for value in [
+            "abc;",
+            "abc;V=1",
+            "abc;v=",
+            "abc;v=\"x",
+            "abc;v=?2",
+            "abc;v=:YWJj",
+            "abc;v=1234567890123456",
+            "abc;v=1.2345",
+            "abc;v=1.",
+            "abc;v=-",
+            r#""abc";9=1"#,
+        ] {
+            assert_eq!(
+                parse(value.as_bytes()),
+                Err(KeyError::InvalidParameter),
+                "{value}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_list_of_keys_is_rejected() {
+        for value in [
+            "k1, k2",
+            "k1,k2",
+            r#""k1", "k2""#,
+            r#""k1";v=1, k2"#,
+            "k1 ,k2",
+            "k1,",
+        ] {
+            assert_eq!(parse(value.as_bytes()), Err(KeyError::List), "{value}");
+        }
     }
 
     #[test]

@@ -10,8 +10,11 @@
 //! # Quickstart
 //!
 //! ```no_run
-//! use actix_web::{App, HttpResponse, HttpServer, post, web};
-//! use idempotency_actix::{Idempotency, RedisStore, idempotent};
+//! use actix_web::body::MessageBody;
+//! use actix_web::dev::{ServiceRequest, ServiceResponse};
+//! use actix_web::middleware::{Next, from_fn};
+//! use actix_web::{App, Error, HttpMessage, HttpResponse, HttpServer, post, web};
+//! use idempotency_actix::{Idempotency, KeyScope, RedisStore, idempotent};
 //!
 //! #[idempotent(ttl = "24h")]
 //! #[post("/orders")]
@@ -19,12 +22,31 @@
 //!     HttpResponse::Created().json(order.into_inner())
 //! }
 //!
+//! /// Who is calling, as your authentication verified it.
+//! #[derive(Clone)]
+//! struct UserId(String);
+//!
+//! async fn authenticate(
+//!     req: ServiceRequest,
+//!     next: Next<impl MessageBody>,
+//! ) -> Result<ServiceResponse<impl MessageBody>, Error> {
+//!     let user = verify_token(&req)?; // a session, a JWT's `sub`, an API key's owner, …
+//!     req.extensions_mut().insert(UserId(user));
+//!     next.call(req).await
+//! }
+//! # fn verify_token(_: &ServiceRequest) -> Result<String, Error> { Ok("user-1".to_owned()) }
+//!
 //! #[actix_web::main]
 //! async fn main() -> std::io::Result<()> {
 //!     let pool = RedisStore::pool("redis://127.0.0.1:6379").expect("a valid Redis URL");
 //!     HttpServer::new(move || {
+//!         // Keys belong to the caller: two users sending the same key never share a response.
+//!         let by_user = KeyScope::from_fn(|req| {
+//!             req.extensions().get::<UserId>().map(|user| user.0.clone())
+//!         });
 //!         App::new()
-//!             .wrap(Idempotency::redis(pool.clone()))
+//!             .wrap(Idempotency::redis(pool.clone()).scope(by_user))
+//!             .wrap(from_fn(authenticate)) // wrapped last, so it runs first
 //!             .service(create_order)
 //!     })
 //!     .bind("127.0.0.1:8080")?
@@ -33,20 +55,27 @@
 //! }
 //! ```
 //!
+//! Choosing the scope is part of setting up: see [`KeyScope`] for the patterns. An app that
+//! chooses none has one key space for all callers and logs a warning at start saying so;
+//! `KeyScope::global()` makes that choice explicit.
+//!
 //! # What clients see
 //!
 //! | situation | response |
 //! |---|---|
 //! | no key, key not required | the handler runs, nothing is stored |
 //! | no key, `required` | 400 problem |
-//! | malformed key (empty, over 255 characters, not printable ASCII, bad sf-string, repeated header) | 400 problem |
+//! | malformed key (empty, over 255 characters, not printable ASCII, bad sf-string or parameter, repeated header, a list `k1, k2`) | 400 problem |
 //! | first request with a key | the handler runs once; its response is returned as produced |
 //! | retry after completion, same request | stored status, headers and body plus `Idempotent-Replayed: true` |
 //! | retry with the same key, another method, path, query or body | 422 problem |
 //! | retry while the first is still running | 409 problem with `Retry-After` |
+//! | handler answers 1xx (not a final response) | passed through as Actix sends it; never stored, key released |
+//! | handler answers 204 or 304 | stored and replayed without a body or `Content-Length` |
 //! | handler answers >= 400 or panics | response returned (a panic becomes a 500 problem); key released, a retry runs again (`store_errors` stores them instead) |
 //! | keyed request body over the limit (1 MiB) | 413 problem; the handler does not run |
 //! | response body over the stored limit (1 MiB) | sent whole; the record completes without a body, so a retry never re-runs; the replay has the stored status and headers, an empty body and `Idempotent-Body-Omitted: true` |
+//! | the worker at its cap of keyed work (1024 in flight, 256 detached) | 503 problem with `Retry-After`; the handler does not run |
 //! | store unreachable, failing, or slower than the store timeout (2 s) | 503 problem with `Retry-After` (fail closed); [`FailMode::Open`] runs the handler unprotected and logs a warning |
 //! | `GET`, `HEAD`, `OPTIONS`, `TRACE`, or unprotected routes | untouched, no store traffic |
 //!
@@ -133,21 +162,32 @@
 //! # Guarantees and limits
 //!
 //! * The handler of a protected request runs while its record holds a lease (30 s by
-//!   default) that is renewed every third of it until the response is captured (a streamed
+//!   default) that is renewed every third of it until its record is complete (a streamed
 //!   body may take longer than the lease), so a slow handler is not run twice.
 //! * The commit is fenced by the lease token: a request that lost its lease never
 //!   overwrites another request's record.
 //! * The handler runs on its own task: a client that disconnects does not cancel it, and
 //!   its response is committed for the retry.
-//! * The commit happens before the response is sent, so a retry issued after a response
-//!   arrived always gets the replay. A response whose status is stored completes its record
-//!   even when its body is too large or fails midway (the replay then has the status and
-//!   headers only): the handler ran, so it never runs again.
+//! * The commit happens before the response is complete, so a retry issued after a response
+//!   arrived always gets the replay. A body that is known at once is committed before the
+//!   response is sent; a streamed body (server-sent events, NDJSON progress) is forwarded
+//!   chunk by chunk as the handler produces it, and committed before its last chunk (known
+//!   size) or its end (unknown size) reaches the client. A response whose status is stored
+//!   completes its record even when its body is too large, fails or panics midway (the
+//!   replay then has the status and headers only): the handler ran, so it never runs again.
+//!   A stream that outgrows the stored-body limit completes its record then and stops
+//!   renewing its lease, so an endless stream holds nothing; one whose client left is read
+//!   on to its end (or the limit) and committed.
 //! * Every store operation is bounded by the store timeout (2 s). If `begin` times out, the
-//!   lock it may still create is released in the background; if the commit fails, the
+//!   lock it may still create is released in the background (until a release removes it
+//!   or a lease has passed, so a `begin` that lands late still loses); if the commit fails, the
 //!   response is sent anyway and the commit is retried in the background for up to the
 //!   lease, while retries get 409. Only a store that stays down longer than the lease frees
 //!   the key for a second run.
+//! * Each worker takes on at most [`DEFAULT_MAX_IN_FLIGHT`] keyed requests at once, at most
+//!   [`DEFAULT_MAX_DETACHED`] of them without their client ([`Idempotency::max_in_flight`],
+//!   [`Idempotency::max_detached`]); beyond that new keyed requests get 503 with
+//!   `Retry-After` at once, and nothing already running is cancelled.
 //! * A keyed request whose [`KeyScope`] cannot be determined is refused (400), never stored
 //!   in a key space shared with other principals.
 //! * Records of another version of this crate are never taken over: an in-flight one is in
@@ -156,6 +196,7 @@
 #![forbid(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 mod body;
+mod capture;
 mod engine;
 mod error;
 mod fingerprint;
@@ -174,6 +215,7 @@ mod scope;
 mod store;
 #[cfg(feature = "postgres")]
 mod transaction;
+mod workload;
 
 pub use body::IdempotentBody;
 pub use engine::FailMode;
@@ -194,8 +236,8 @@ pub use openapi::{
     IdempotencyOpenApi, KEY_PATTERN, PROBLEM_SCHEMA, document_operation, problem_schema,
 };
 pub use policy::{
-    DEFAULT_LEASE, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_STORED_BODY, DEFAULT_TTL, MAX_DURATION,
-    Policy, RoutePolicy,
+    DEFAULT_LEASE, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_STORED_BODY, DEFAULT_TTL,
+    IdempotencyPolicy, MAX_DURATION, Policy,
 };
 pub use protected_route::ProtectedRoute;
 pub use record::{RECORD_VERSION, RecordError, StoredResponse};
@@ -212,12 +254,13 @@ pub use store::{DEFAULT_TABLE, EXPIRY_BATCH, PostgresPool, PostgresStore, TableN
 pub use store::{RedisPool, RedisStore};
 #[cfg(feature = "postgres")]
 pub use transaction::IdempotentTransaction;
+pub use workload::{DEFAULT_MAX_DETACHED, DEFAULT_MAX_IN_FLIGHT};
 
 /// What `#[idempotent]`'s generated code calls. Not public API: may change in any release.
 #[doc(hidden)]
 pub mod __private {
     pub use crate::middleware::IdempotentRoute;
-    pub use crate::policy::RoutePolicy;
+    pub use crate::policy::IdempotencyPolicy;
     pub use crate::protected_route::ProtectedRoute;
     pub use ::core::time::Duration;
 }

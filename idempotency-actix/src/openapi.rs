@@ -17,9 +17,11 @@ use crate::protected_route::ProtectedRoute;
 /// The name of the RFC 9457 problem schema added to the spec's components.
 pub const PROBLEM_SCHEMA: &str = "IdempotencyProblem";
 
-/// The syntax of a key, as a regular expression: the bare form (visible ASCII but `"`) or
-/// the IETF draft's sf-string form (printable ASCII in quotes, `\"` and `\\` escaped).
-pub const KEY_PATTERN: &str = r#"^(?:[!#-~]+|"(?:[ !#-\[\]-~]|\\["\\])+")$"#;
+/// The syntax of a key, as a regular expression: the bare form (visible ASCII but `"`, `,`
+/// and `;`, which end a bare key) or the IETF draft's sf-string form (printable ASCII in
+/// quotes, `\"` and `\\` escaped). Every value it matches is accepted; the middleware also
+/// accepts RFC 8941 parameters after the key, which it ignores.
+pub const KEY_PATTERN: &str = r#"^(?:[!#-+\x2D-:<-~]+|"(?:[ !#-\[\]-~]|\\["\\])+")$"#;
 
 /// A [`utoipa::Modify`] that documents protected routes in a utoipa-generated spec.
 ///

@@ -1,4 +1,5 @@
-//! [`Policy`] and [`RoutePolicy`]: how a protected request is treated, app-wide and per route.
+//! [`IdempotencyPolicy`] and [`Policy`]: how a protected request is treated, app-wide and per
+//! route.
 
 use std::time::Duration;
 
@@ -32,11 +33,11 @@ pub(crate) const fn checked(duration: Duration) -> Duration {
 ///
 /// ```
 /// use std::time::Duration;
-/// use idempotency_actix::{Policy, RoutePolicy};
+/// use idempotency_actix::{Policy, IdempotencyPolicy};
 ///
 /// let defaults = Policy::default();
 /// assert_eq!(defaults.ttl, Duration::from_secs(86_400));
-/// let route = RoutePolicy::default().ttl(Duration::from_secs(60)).required();
+/// let route = IdempotencyPolicy::default().ttl(Duration::from_secs(60)).required();
 /// let effective = route.apply_to(&defaults);
 /// assert_eq!(effective.ttl, Duration::from_secs(60));
 /// assert!(effective.required);
@@ -87,16 +88,44 @@ impl Default for Policy {
 
 impl Policy {
     /// Whether a response with `status` completes the record (otherwise the key is
-    /// released).
+    /// released). An informational status (1xx) is never stored, even with `store_errors`:
+    /// it is not a final response, and replaying one would leave clients waiting for the
+    /// response that follows it.
     pub(crate) fn stores_status(&self, status: actix_web::http::StatusCode) -> bool {
-        self.store_errors || status.as_u16() < 400
+        !status.is_informational() && (self.store_errors || status.as_u16() < 400)
     }
 }
 
-/// A route's overrides of the app's [`Policy`]; what `#[idempotent(...)]` and
-/// [`IdempotentRoute`](crate::IdempotentRoute) carry. Unset fields keep the app's value.
+/// The one policy type: how protected requests are treated, as overrides of the defaults.
+/// Unset options keep the value of the level above.
+///
+/// The same type, with the same option names, sets the app's defaults
+/// ([`Idempotency::policy`](crate::Idempotency::policy)) and one route's policy
+/// ([`IdempotentRoute::with_policy`](crate::IdempotentRoute::with_policy), which is what
+/// `#[idempotent(ttl = "..", required, ..)]` generates).
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use actix_web::{App, HttpResponse, web};
+/// use idempotency_actix::{Idempotency, IdempotencyPolicy, IdempotentRoute, KeyScope};
+///
+/// // App-wide: a one-hour ttl and a required key.
+/// let defaults = IdempotencyPolicy::default().ttl(Duration::from_secs(3600)).required();
+/// // One route: store error responses too.
+/// let route = IdempotentRoute::with_policy(IdempotencyPolicy::default().store_errors());
+///
+/// let app = App::new()
+///     .wrap(Idempotency::memory().scope(KeyScope::global()).policy(defaults))
+///     .service(
+///         web::resource("/charges")
+///             .wrap(route)
+///             .route(web::post().to(HttpResponse::Ok)),
+///     );
+/// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct RoutePolicy {
+pub struct IdempotencyPolicy {
     ttl: Option<Duration>,
     lease: Option<Duration>,
     required: Option<bool>,
@@ -107,7 +136,7 @@ pub struct RoutePolicy {
     transactional: Option<bool>,
 }
 
-impl RoutePolicy {
+impl IdempotencyPolicy {
     /// Completed responses of this route are replayed for `ttl`.
     ///
     /// # Panics
@@ -215,18 +244,33 @@ mod tests {
     #[test]
     #[should_panic(expected = "more than zero")]
     fn a_zero_lease_is_refused() {
-        let _ = RoutePolicy::default().lease(Duration::ZERO);
+        let _ = IdempotencyPolicy::default().lease(Duration::ZERO);
     }
 
     #[test]
     #[should_panic(expected = "at most 365 days")]
     fn an_endless_ttl_is_refused() {
-        let _ = RoutePolicy::default().ttl(Duration::MAX);
+        let _ = IdempotencyPolicy::default().ttl(Duration::MAX);
+    }
+
+    #[test]
+    fn informational_statuses_are_never_stored() {
+        use actix_web::http::StatusCode;
+        let store_errors = IdempotencyPolicy::default()
+            .store_errors()
+            .apply_to(&Policy::default());
+        for policy in [Policy::default(), store_errors] {
+            for status in [100, 101, 103, 199] {
+                assert!(!policy.stores_status(StatusCode::from_u16(status).unwrap()));
+            }
+            assert!(policy.stores_status(StatusCode::NO_CONTENT));
+            assert!(policy.stores_status(StatusCode::NOT_MODIFIED));
+        }
     }
 
     #[test]
     fn a_year_is_accepted() {
-        let policy = RoutePolicy::default()
+        let policy = IdempotencyPolicy::default()
             .ttl(MAX_DURATION)
             .apply_to(&Policy::default());
         assert_eq!(policy.ttl, MAX_DURATION);

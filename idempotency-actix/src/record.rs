@@ -32,15 +32,16 @@ const FLAG_BODY_STORED: u8 = 1;
 /// use actix_web::web::Bytes;
 /// use idempotency_actix::StoredResponse;
 ///
-/// let response = StoredResponse {
-///     status: StatusCode::CREATED,
-///     headers: vec![(HeaderName::from_static("location"), HeaderValue::from_static("/orders/7"))],
-///     body: Some(Bytes::from_static(b"{\"id\":7}")),
-/// };
+/// let response = StoredResponse::new(
+///     StatusCode::CREATED,
+///     vec![(HeaderName::from_static("location"), HeaderValue::from_static("/orders/7"))],
+///     Some(Bytes::from_static(b"{\"id\":7}")),
+/// );
 /// let bytes = response.encode();
 /// assert_eq!(StoredResponse::decode(&bytes).unwrap(), response);
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct StoredResponse {
     /// The handler's status code.
     pub status: StatusCode,
@@ -68,6 +69,19 @@ pub enum RecordError {
 }
 
 impl StoredResponse {
+    /// A stored response: what a replay answers (`body: None` when it was not stored).
+    pub fn new(
+        status: StatusCode,
+        headers: Vec<(HeaderName, HeaderValue)>,
+        body: Option<Bytes>,
+    ) -> Self {
+        Self {
+            status,
+            headers,
+            body,
+        }
+    }
+
     /// Encodes the response in the current record version.
     pub fn encode(&self) -> Vec<u8> {
         let headers_len: usize = self

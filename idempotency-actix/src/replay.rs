@@ -45,7 +45,7 @@ const NEVER_REPLAYED: [HeaderName; 11] = [
 /// use idempotency_actix::{Idempotency, ReplayedHeaders};
 ///
 /// let idempotency = Idempotency::memory()
-///     .replayed_headers(ReplayedHeaders::only(["location", "content-type"]));
+///     .replayed_headers(ReplayedHeaders::only(["location", "content-type"]).unwrap());
 /// ```
 #[derive(Debug, Clone, Default)]
 pub struct ReplayedHeaders {
@@ -58,23 +58,24 @@ impl ReplayedHeaders {
         Self::default()
     }
 
-    /// Only the listed headers (and never the ones never replayed).
+    /// Only the listed headers (and never the ones never replayed): [`HeaderName`]s, or
+    /// strings checked to be header names.
     ///
-    /// # Panics
+    /// # Errors
     ///
-    /// Panics if a name is not a valid header name (a configuration mistake).
-    pub fn only<'a>(names: impl IntoIterator<Item = &'a str>) -> Self {
+    /// When a name is not a valid header name.
+    pub fn only<I>(names: I) -> Result<Self, <I::Item as TryInto<HeaderName>>::Error>
+    where
+        I: IntoIterator,
+        I::Item: TryInto<HeaderName>,
+    {
         let names = names
             .into_iter()
-            .map(|name| {
-                HeaderName::try_from(name).unwrap_or_else(|_| {
-                    panic!("ReplayedHeaders::only: {name:?} is not a header name")
-                })
-            })
-            .collect();
-        Self {
+            .map(TryInto::try_into)
+            .collect::<Result<_, _>>()?;
+        Ok(Self {
             allow_list: Some(names),
-        }
+        })
     }
 
     fn is_replayed(&self, name: &HeaderName) -> bool {
@@ -159,7 +160,8 @@ mod tests {
 
     #[test]
     fn an_allow_list_narrows_but_never_reopens() {
-        let only = ReplayedHeaders::only(["location", "set-cookie"]);
+        let only = ReplayedHeaders::only(["location", "set-cookie"]).unwrap();
+        assert!(ReplayedHeaders::only(["location", "bad name"]).is_err());
         assert_eq!(names(only.select(&headers())), ["location"]);
     }
 }

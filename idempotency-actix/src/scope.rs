@@ -10,8 +10,21 @@ use crate::key::IdempotencyKey;
 /// Decides whose key a request's key is: the tenant, user or API client it belongs to.
 ///
 /// Records are stored under a digest of (scope, key), so two principals that send the same
-/// key (and even the same body) never see each other's responses. The default scope is
-/// empty: one key space for the whole app.
+/// key (and even the same body) never see each other's responses. Choose one with
+/// [`Idempotency::scope`](crate::Idempotency::scope): an app that never does has one key
+/// space for all callers (any caller can replay another's response by guessing its key, or
+/// squat a key before its owner uses it) and logs a warning at start;
+/// [`KeyScope::global`] chooses that on purpose.
+///
+/// Scope by the *authenticated principal*, the identity your authentication established:
+///
+/// * a user id that an authentication middleware verified and stored in the request's
+///   extensions (the example below), or that an extractor reads;
+/// * the subject of a verified token (a JWT's `sub`, an API key's owner), or a header that
+///   a trusted gateway sets after authentication ([`KeyScope::header`]).
+///
+/// Do not scope by the raw `Authorization` value: a token refreshed between two retries
+/// would put the retry in another key space and run the handler twice.
 ///
 /// A keyed request whose scope cannot be determined (the header is missing, the function
 /// returns `None`) is refused with a 400 problem, never stored in a shared key space: a
@@ -30,15 +43,18 @@ use crate::key::IdempotencyKey;
 /// use actix_web::HttpMessage;
 /// use idempotency_actix::{Idempotency, KeyScope};
 ///
-/// // By a header the gateway sets after authentication:
-/// let by_header = Idempotency::memory().scope(KeyScope::header("x-tenant-id"));
-///
-/// // By anything the request carries, e.g. a user id an auth middleware stored:
+/// // By the user id an authentication middleware verified and stored:
 /// #[derive(Clone)]
 /// struct UserId(u64);
 /// let by_user = Idempotency::memory().scope(KeyScope::from_fn(|req| {
 ///     req.extensions().get::<UserId>().map(|user| user.0.to_string())
 /// }));
+///
+/// // By a header the gateway sets after authentication:
+/// let by_header = Idempotency::memory().scope(KeyScope::header("x-tenant-id").unwrap());
+///
+/// // One key space for all callers, on purpose (no warning):
+/// let shared = Idempotency::memory().scope(KeyScope::global());
 /// ```
 #[derive(Clone, Default)]
 pub struct KeyScope(ScopeSource);
@@ -54,20 +70,21 @@ enum ScopeSource {
 type ScopeFn = Rc<dyn Fn(&ServiceRequest) -> Option<String>>;
 
 impl KeyScope {
-    /// One key space for the whole app (the default).
+    /// One key space for all callers of the app: what an app that chose no scope gets, but
+    /// chosen on purpose (no warning at start). Fit for apps whose callers are one trusted
+    /// party, or where keys are unguessable and a shared space is acceptable.
     pub fn global() -> Self {
         Self(ScopeSource::Global)
     }
 
-    /// Scopes keys by the value of a request header.
+    /// Scopes keys by the value of a request header (a [`HeaderName`], or a string checked
+    /// to be one) that a trusted gateway sets after authentication.
     ///
-    /// # Panics
+    /// # Errors
     ///
-    /// Panics if `name` is not a valid header name (a configuration mistake).
-    pub fn header(name: &str) -> Self {
-        let name = HeaderName::try_from(name)
-            .unwrap_or_else(|_| panic!("KeyScope::header: {name:?} is not a header name"));
-        Self(ScopeSource::Header(name))
+    /// When `name` is not a valid header name.
+    pub fn header<N: TryInto<HeaderName>>(name: N) -> Result<Self, N::Error> {
+        Ok(Self(ScopeSource::Header(name.try_into()?)))
     }
 
     /// Scopes keys by what `scope_of` returns for the request.

@@ -17,11 +17,13 @@ use std::panic::AssertUnwindSafe;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use actix_web::body::MessageBody;
+use actix_web::body::{BodyStream, BoxBody, MessageBody};
 use actix_web::dev::{Payload, Service, ServiceRequest, ServiceResponse};
+use actix_web::web::{Bytes, BytesMut};
 use actix_web::{FromRequest, HttpMessage, HttpRequest};
-use futures_util::FutureExt;
+use futures_util::{FutureExt, StreamExt};
 
+use crate::body::IdempotentBody;
 use crate::engine::{Claimed, Engine, Handled, HeldLock, Response, refuse, with_handler_body};
 use crate::error::IdempotencyError;
 use crate::fingerprint::Fingerprint;
@@ -252,14 +254,35 @@ impl Engine {
         let key = lock.storage_key.as_str();
         let (response, stored, ttl) = match outcome {
             Handled::Stored {
-                response: Ok(response),
+                response,
                 stored,
                 ttl,
             } => (response, stored, ttl),
-            Handled::Stored {
-                response: Err(()), ..
-            }
-            | Handled::Panicked => {
+            Handled::Streamed {
+                response,
+                body,
+                mut stored,
+                ttl,
+                limit,
+            } => match AssertUnwindSafe(read_before_commit(body, limit))
+                .catch_unwind()
+                .await
+            {
+                Ok((body, kept)) => {
+                    stored.body = kept;
+                    let response = response.map_body(|_, ()| IdempotentBody::produced(body));
+                    (response, stored, ttl)
+                }
+                Err(_panic) => {
+                    tracing::error!(
+                        key,
+                        "idempotency: response body panicked; transaction rolled back"
+                    );
+                    self.roll_back(transaction).await;
+                    return Err(IdempotencyError::HandlerPanicked.into());
+                }
+            },
+            Handled::Panicked => {
                 tracing::error!(
                     key,
                     "idempotency: handler panicked; transaction rolled back"
@@ -393,5 +416,37 @@ impl Engine {
                 retry_after,
             },
         )
+    }
+}
+
+/// Reads a streamed response body before the transaction commits, since nothing may leave
+/// before then: all of it when it fits in `limit` (stored and sent), else what was read is
+/// sent before the rest and the record completes without a body, as on other routes. A body
+/// that fails midway is sent up to its failure and stored without a body.
+async fn read_before_commit<B>(body: B, limit: usize) -> (BoxBody, Option<Bytes>)
+where
+    B: MessageBody + 'static,
+{
+    let mut body = Box::pin(body);
+    let mut read = BytesMut::new();
+    loop {
+        match std::future::poll_fn(|cx| body.as_mut().poll_next(cx)).await {
+            None => {
+                let bytes = read.freeze();
+                return (BoxBody::new(bytes.clone()), Some(bytes));
+            }
+            Some(Ok(chunk)) => {
+                read.extend_from_slice(&chunk);
+                if read.len() > limit {
+                    let rest = futures_util::stream::poll_fn(move |cx| body.as_mut().poll_next(cx));
+                    let all = futures_util::stream::once(ready(Ok(read.freeze()))).chain(rest);
+                    return (BoxBody::new(BodyStream::new(all)), None);
+                }
+            }
+            Some(Err(error)) => {
+                let failed = futures_util::stream::iter([Ok(read.freeze()), Err(error)]);
+                return (BoxBody::new(BodyStream::new(failed)), None);
+            }
+        }
     }
 }

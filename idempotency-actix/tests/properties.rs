@@ -7,7 +7,7 @@
 use actix_web::http::StatusCode;
 use actix_web::http::header::{HeaderName, HeaderValue};
 use actix_web::web::Bytes;
-use idempotency_actix::{IdempotencyKey, MAX_KEY_LENGTH, StoredResponse};
+use idempotency_actix::{IdempotencyKey, KeyError, MAX_KEY_LENGTH, StoredResponse};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed};
 
@@ -20,9 +20,9 @@ fn config() -> Config {
     }
 }
 
-/// Bare keys: visible ASCII without quotes.
+/// Bare keys: visible ASCII without quotes and the structured-field delimiters `,` and `;`.
 fn bare_key() -> impl Strategy<Value = String> {
-    proptest::string::string_regex(r#"[!#-~]{1,255}"#).unwrap()
+    proptest::string::string_regex(r#"[!#-+\x2d-:<-~]{1,255}"#).unwrap()
 }
 
 /// Any printable ASCII, spaces, quotes and backslashes included.
@@ -52,18 +52,20 @@ fn stored_response() -> impl Strategy<Value = StoredResponse> {
         proptest::collection::vec(header, 0..8),
         proptest::option::of(proptest::collection::vec(any::<u8>(), 0..2048)),
     )
-        .prop_map(|(status, headers, body)| StoredResponse {
-            status: StatusCode::from_u16(status).unwrap(),
-            headers: headers
-                .into_iter()
-                .map(|(name, value)| {
-                    (
-                        HeaderName::try_from(name).unwrap(),
-                        HeaderValue::from_bytes(&value).unwrap(),
-                    )
-                })
-                .collect(),
-            body: body.map(Bytes::from),
+        .prop_map(|(status, headers, body)| {
+            StoredResponse::new(
+                StatusCode::from_u16(status).unwrap(),
+                headers
+                    .into_iter()
+                    .map(|(name, value)| {
+                        (
+                            HeaderName::try_from(name).unwrap(),
+                            HeaderValue::from_bytes(&value).unwrap(),
+                        )
+                    })
+                    .collect(),
+                body.map(Bytes::from),
+            )
         })
 }
 
@@ -85,6 +87,21 @@ proptest! {
         let quoted = IdempotencyKey::parse(sf_string(&key).as_bytes()).unwrap();
         prop_assert_eq!(bare.as_str(), key.as_str());
         prop_assert_eq!(bare, quoted);
+    }
+
+    #[test]
+    fn parameters_are_ignored(key in bare_key(), name in "[a-z*][a-z0-9_.*-]{0,8}", value in 0u32..) {
+        let plain = IdempotencyKey::parse(key.as_bytes()).unwrap();
+        for form in [key.clone(), sf_string(&key)] {
+            let with_parameters = format!("{form};{name}={value}; {name};b=?1");
+            prop_assert_eq!(&IdempotencyKey::parse(with_parameters.as_bytes()).unwrap(), &plain);
+        }
+    }
+
+    #[test]
+    fn a_list_is_never_one_key(first in bare_key(), second in printable()) {
+        let list = format!("{first}, {}", sf_string(&second));
+        prop_assert_eq!(IdempotencyKey::parse(list.as_bytes()), Err(KeyError::List));
     }
 
     #[test]

@@ -183,7 +183,7 @@ fn route_layer(arguments: &Arguments) -> TokenStream {
     } = arguments;
     let millis = |value: u64| quote!(#private::Duration::from_millis(#value));
     let bytes = |value: u64| Literal::u64_unsuffixed(value);
-    let mut policy = quote!(#private::RoutePolicy::default());
+    let mut policy = quote!(#private::IdempotencyPolicy::default());
     if let Some(ttl) = ttl {
         let ttl = millis(*ttl);
         policy.extend(quote!(.ttl(#ttl)));
@@ -276,7 +276,7 @@ mod tests {
         let expected = quote!(
             #[post(
                 "/orders",
-                wrap = ":: idempotency_actix :: __private :: IdempotentRoute :: with_policy (:: idempotency_actix :: __private :: RoutePolicy :: default () . ttl (:: idempotency_actix :: __private :: Duration :: from_millis (90000u64)) . required ())",
+                wrap = ":: idempotency_actix :: __private :: IdempotentRoute :: with_policy (:: idempotency_actix :: __private :: IdempotencyPolicy :: default () . ttl (:: idempotency_actix :: __private :: Duration :: from_millis (90000u64)) . required ())",
                 name = "orders",
                 wrap = "Logger::default()"
             )]

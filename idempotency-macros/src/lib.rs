@@ -42,17 +42,19 @@ use proc_macro::TokenStream;
 ///
 /// # Arguments
 ///
-/// Every argument is optional; a bare `#[idempotent]` keeps all of the App's defaults.
+/// Every argument is optional; a bare `#[idempotent]` keeps all of the App's defaults. Each
+/// argument is the option of the same name of `IdempotencyPolicy`, the one policy type that
+/// also sets the App's defaults (`Idempotency::policy`).
 ///
 /// | argument | effect on this route | App default |
 /// |---|---|---|
-/// | `ttl = "<duration>"` | how long a completed response is replayed: the TTL the store holds after commit | 24 h (`Idempotency::ttl`) |
-/// | `lease = "<duration>"` | how long an in-flight record holds the key without renewal; renewed every third of it while the handler runs, so it bounds how soon a crashed instance's key frees up | 30 s (`Idempotency::lease`) |
-/// | `required` | a request without a key is refused with a 400 problem | off (`Idempotency::require_key`) |
-/// | `store_errors` | responses with status >= 400 are stored and replayed too, instead of releasing the key so that a retry runs again | off (`Idempotency::store_errors`) |
-/// | `max_request_body = <bytes>` | the largest body a keyed request may send; larger is a 413 problem and the handler does not run | 1 MiB (`Idempotency::max_request_body`) |
-/// | `wait_for_completion = "<duration>"` | a retry that finds the key in flight waits up to this long for the first request to finish and replays its response, instead of a 409 problem at once | off (`Idempotency::wait_for_completion`) |
-/// | `max_stored_body = <bytes>` | the largest response body that is stored; a larger one is sent whole, and its record completes without a body (a retry gets the status and headers, an empty body and `Idempotent-Body-Omitted: true`) | 1 MiB (`Idempotency::max_stored_body`) |
+/// | `ttl = "<duration>"` | how long a completed response is replayed: the TTL the store holds after commit | 24 h (`Idempotency::policy`) |
+/// | `lease = "<duration>"` | how long an in-flight record holds the key without renewal; renewed every third of it while the handler runs, so it bounds how soon a crashed instance's key frees up | 30 s (`Idempotency::policy`) |
+/// | `required` | a request without a key is refused with a 400 problem | off (`Idempotency::policy`) |
+/// | `store_errors` | responses with status >= 400 are stored and replayed too, instead of releasing the key so that a retry runs again | off (`Idempotency::policy`) |
+/// | `max_request_body = <bytes>` | the largest body a keyed request may send; larger is a 413 problem and the handler does not run | 1 MiB (`Idempotency::policy`) |
+/// | `wait_for_completion = "<duration>"` | a retry that finds the key in flight waits up to this long for the first request to finish and replays its response, instead of a 409 problem at once | off (`Idempotency::policy`) |
+/// | `max_stored_body = <bytes>` | the largest response body that is stored; a larger one is sent whole, and its record completes without a body (a retry gets the status and headers, an empty body and `Idempotent-Body-Omitted: true`) | 1 MiB (`Idempotency::policy`) |
 /// | `transactional` | the record is claimed inside a PostgreSQL transaction that the handler writes through (`IdempotentTransaction`); its writes and the stored response commit together, or neither does. Needs the `postgres` feature and `Idempotency::postgres(store)`. A handler that takes `IdempotentTransaction` without it is a compile error | off |
 ///
 /// A duration is a string of a number and a unit, `ms`, `s`, `m`, `h` or `d`: `"500ms"`,
@@ -134,25 +136,24 @@ use proc_macro::TokenStream;
 /// # Routes registered by hand
 ///
 /// A route registered with `web::resource(..).route(..)` gets the same policy from
-/// `idempotency_actix::IdempotentRoute`, the layer the attribute attaches; its builder has
-/// one method per argument:
+/// `idempotency_actix::IdempotentRoute::with_policy`, the layer the attribute attaches, and
+/// an `IdempotencyPolicy` with one method per argument:
 ///
 /// ```
 /// use std::time::Duration;
 /// use actix_web::{App, HttpResponse, web};
-/// use idempotency_actix::{Idempotency, IdempotentRoute};
+/// use idempotency_actix::{Idempotency, IdempotencyPolicy, IdempotentRoute};
 ///
 /// async fn charge() -> HttpResponse {
 ///     HttpResponse::Ok().finish()
 /// }
 ///
+/// let policy = IdempotencyPolicy::default()
+///     .ttl(Duration::from_secs(24 * 60 * 60))
+///     .required();
 /// let app = App::new().wrap(Idempotency::memory()).service(
 ///     web::resource("/charges")
-///         .wrap(
-///             IdempotentRoute::new()
-///                 .ttl(Duration::from_secs(24 * 60 * 60))
-///                 .required(),
-///         )
+///         .wrap(IdempotentRoute::with_policy(policy))
 ///         .route(web::post().to(charge)),
 /// );
 /// ```

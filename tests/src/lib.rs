@@ -758,3 +758,127 @@ async fn connect(url: &str) -> tokio_postgres::Client {
     });
     client
 }
+
+/// One HTTP/1.1 exchange over a plain socket, for what awc cannot show: a final 1xx status,
+/// the exact framing headers, or the first chunk of a body before its last is produced.
+///
+/// Every read gives up after 10 s with a panic, so a response that never comes fails the
+/// test instead of hanging it.
+pub struct RawExchange {
+    reader: std::io::BufReader<std::net::TcpStream>,
+}
+
+/// The status line and headers of a [`RawExchange`]'s response.
+#[derive(Debug)]
+pub struct RawHead {
+    /// The status code.
+    pub status: u16,
+    /// The headers, names in lowercase, in the order received.
+    pub headers: Vec<(String, String)>,
+}
+
+impl RawHead {
+    /// The first header `name` (lowercase), if present.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(candidate, _)| candidate == name)
+            .map(|(_, value)| value.as_str())
+    }
+}
+
+impl RawExchange {
+    /// Sends `POST path` with `headers`, an empty body and `Connection: close` to `addr`.
+    ///
+    /// # Panics
+    ///
+    /// When the server cannot be reached.
+    pub fn post(addr: std::net::SocketAddr, path: &str, headers: &[(&str, &str)]) -> Self {
+        use std::io::Write;
+        let stream = std::net::TcpStream::connect(addr)
+            .unwrap_or_else(|error| panic!("connect to {addr}: {error}"));
+        stream
+            .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .expect("set a read timeout");
+        let mut request = format!("POST {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+        for (name, value) in headers {
+            request.push_str(&format!("{name}: {value}\r\n"));
+        }
+        request.push_str("Content-Length: 0\r\n\r\n");
+        (&stream)
+            .write_all(request.as_bytes())
+            .unwrap_or_else(|error| panic!("send to {addr}: {error}"));
+        Self {
+            reader: std::io::BufReader::new(stream),
+        }
+    }
+
+    /// Reads the status line and the headers.
+    ///
+    /// # Panics
+    ///
+    /// When they do not arrive within 10 s or are not HTTP/1.1.
+    pub fn read_head(&mut self) -> RawHead {
+        use std::io::BufRead;
+        let mut lines = Vec::new();
+        loop {
+            let mut line = String::new();
+            self.reader
+                .read_line(&mut line)
+                .unwrap_or_else(|error| panic!("reading the response head: {error}"));
+            assert!(
+                !line.is_empty(),
+                "the connection closed inside the head: {lines:?}"
+            );
+            let line = line.trim_end().to_owned();
+            if line.is_empty() {
+                break;
+            }
+            lines.push(line);
+        }
+        let status = lines[0]
+            .strip_prefix("HTTP/1.1 ")
+            .and_then(|rest| rest.get(..3))
+            .and_then(|code| code.parse().ok())
+            .unwrap_or_else(|| panic!("not an HTTP/1.1 status line: {:?}", lines[0]));
+        let headers = lines[1..]
+            .iter()
+            .map(|line| {
+                let (name, value) = line.split_once(':').expect("a header line");
+                (name.to_ascii_lowercase(), value.trim().to_owned())
+            })
+            .collect();
+        RawHead { status, headers }
+    }
+
+    /// Reads what the server sends next (at least one byte), as framed on the wire.
+    ///
+    /// # Panics
+    ///
+    /// When nothing arrives within 10 s or the connection closed.
+    pub fn read_some(&mut self) -> Vec<u8> {
+        use std::io::Read;
+        let mut buffer = vec![0; 64 * 1024];
+        let read = self
+            .reader
+            .read(&mut buffer)
+            .unwrap_or_else(|error| panic!("reading the response: {error}"));
+        assert!(read > 0, "the connection closed");
+        buffer.truncate(read);
+        buffer
+    }
+
+    /// Reads everything until the server closes the connection, as framed on the wire.
+    ///
+    /// # Panics
+    ///
+    /// When the server does not close it within 10 s of the last byte.
+    pub fn read_to_end(&mut self) -> Vec<u8> {
+        use std::io::Read;
+        let mut rest = Vec::new();
+        self.reader
+            .read_to_end(&mut rest)
+            .unwrap_or_else(|error| panic!("reading the response to its end: {error}"));
+        rest
+    }
+}

@@ -12,7 +12,7 @@ use actix_web::http::{Method, StatusCode};
 use actix_web::middleware::Next;
 use actix_web::web::{self, Bytes};
 use actix_web::{App, HttpResponse, delete, get, patch, post, route, routes};
-use idempotency_actix::{Idempotency, RedisPool, idempotent};
+use idempotency_actix::{Idempotency, IdempotencyPolicy, RedisPool, idempotent};
 use idempotency_actix_tests::{
     Reply, RunCounter, keys_under, redis_connection, redis_pool, unique_prefix,
 };
@@ -352,7 +352,7 @@ async fn ttl_argument_is_the_pttl_redis_holds_after_commit() {
 async fn bare_attribute_uses_the_app_defaults() {
     let mut h = Harness::start(
         "attr_bare",
-        |i| i.ttl(Duration::from_secs(120)),
+        |i| i.policy(IdempotencyPolicy::default().ttl(Duration::from_secs(120))),
         |c| {
             c.service(bare);
         },
@@ -684,7 +684,7 @@ async fn the_route_policy_overrides_an_app_that_protects_the_method_too() {
         "attr_both_layers",
         |i| {
             i.protect_methods([Method::POST])
-                .ttl(Duration::from_secs(3600))
+                .policy(IdempotencyPolicy::default().ttl(Duration::from_secs(3600)))
         },
         |c| {
             c.service(short_ttl).service(required);

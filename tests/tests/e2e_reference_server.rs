@@ -15,7 +15,7 @@ use actix_web::http::{Method, StatusCode};
 use actix_web::web::Bytes;
 use futures_util::future::join_all;
 use idempotency_actix_tests::{
-    ReferenceServer, Reply, keys_under, redis_connection, redis_url, unique_prefix,
+    RawExchange, ReferenceServer, Reply, keys_under, redis_connection, redis_url, unique_prefix,
 };
 use serde_json::{Value, json};
 
@@ -347,6 +347,44 @@ async fn payments_run_again_once_their_two_second_ttl_expired() {
 }
 
 #[actix_rt::test]
+async fn two_users_sending_the_same_key_and_body_each_run_the_handler() {
+    let (server, _prefix) = start_on_redis("e2e-principals", &[]).await;
+    let client = client();
+    let key = new_key();
+    let order = json!({ "item": "book", "qty": 1 });
+    let send = |user: &'static str| {
+        let request = client
+            .post(server.url("/orders"))
+            .insert_header(("Idempotency-Key", key.as_str()))
+            .insert_header(("X-User", user));
+        let order = order.clone();
+        async move {
+            Reply::read(request.send_json(&order).await.unwrap())
+                .await
+                .unwrap()
+        }
+    };
+
+    let alice = send("alice").await;
+    alice.assert_executed(StatusCode::CREATED);
+    let bob = send("bob").await;
+    bob.assert_executed(StatusCode::CREATED);
+    assert_ne!(
+        alice.json()["id"],
+        bob.json()["id"],
+        "bob got alice's order"
+    );
+    assert_ne!(alice.header("location"), bob.header("location"));
+    // Each user's retry replays their own response; an anonymous caller has keys of its own.
+    send("alice").await.assert_replay_of(&alice);
+    send("bob").await.assert_replay_of(&bob);
+    post_json(&client, &server.url("/orders"), Some(&key), &order)
+        .await
+        .assert_executed(StatusCode::CREATED);
+    assert_eq!(count(&client, &server, "orders").await, 3);
+}
+
+#[actix_rt::test]
 async fn flaky_error_responses_are_not_stored() {
     let (server, _prefix) = start_on_redis("e2e-flaky-500", &[]).await;
     let client = client();
@@ -376,6 +414,62 @@ async fn flaky_success_statuses_are_stored() {
         .await
         .assert_replay_of(&first);
     assert_eq!(count(&client, &server, "flaky").await, 1);
+}
+
+#[actix_rt::test]
+async fn informational_statuses_pass_through_and_are_never_stored() {
+    let (server, _prefix) = start_on_redis("e2e-flaky-1xx", &[]).await;
+    let client = client();
+    for status in [101, 103] {
+        let key = new_key();
+        let path = format!("/flaky?status={status}");
+        for _ in 0..2 {
+            // Plain Actix sends a handler's 1xx as it is; the middleware neither stores nor
+            // replays it, so the head comes at once and each retry runs the handler.
+            let head =
+                RawExchange::post(server.addr(), &path, &[("Idempotency-Key", &key)]).read_head();
+            assert_eq!(head.status, status, "{head:?}");
+            assert_eq!(head.header("idempotent-replayed"), None, "{head:?}");
+        }
+    }
+    assert_eq!(count(&client, &server, "flaky").await, 4);
+}
+
+#[actix_rt::test]
+async fn no_content_and_not_modified_are_replayed_without_a_body() {
+    let (server, _prefix) = start_on_redis("e2e-flaky-204", &[]).await;
+    let client = client();
+    for status in [204, 304] {
+        let key = new_key();
+        let path = format!("/flaky?status={status}");
+        let exchanges = (0..2).map(|_| {
+            let mut exchange =
+                RawExchange::post(server.addr(), &path, &[("Idempotency-Key", &key)]);
+            let head = exchange.read_head();
+            (head, exchange.read_to_end())
+        });
+        let [(first, first_body), (replay, replay_body)] =
+            <[_; 2]>::try_from(exchanges.collect::<Vec<_>>()).unwrap();
+        assert_eq!(first.status, status);
+        assert_eq!(first.header("idempotent-replayed"), None);
+        assert_eq!(replay.status, status);
+        assert_eq!(
+            replay.header("idempotent-replayed"),
+            Some("true"),
+            "{replay:?}"
+        );
+        for head in [&first, &replay] {
+            assert_eq!(head.header("content-length"), None, "{head:?}");
+            assert_eq!(head.header("transfer-encoding"), None, "{head:?}");
+            assert_eq!(head.header("content-type"), Some("application/json"));
+        }
+        assert_eq!(replay.header("idempotent-body-omitted"), None, "{replay:?}");
+        assert_eq!(
+            (first_body.as_slice(), replay_body.as_slice()),
+            (&[][..], &[][..])
+        );
+    }
+    assert_eq!(count(&client, &server, "flaky").await, 2);
 }
 
 #[actix_rt::test]

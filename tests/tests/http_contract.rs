@@ -14,7 +14,8 @@ use actix_web::web::{self, Bytes};
 use actix_web::{App, HttpRequest, HttpResponse};
 use futures_util::stream;
 use idempotency_actix::{
-    Idempotency, IdempotentRoute, KeyScope, MemoryStore, PostgresStore, RedisPool,
+    Idempotency, IdempotencyPolicy, IdempotentRoute, KeyScope, MemoryStore, PostgresStore,
+    RedisPool,
 };
 use idempotency_actix_tests::{Reply, RunCounter, TestDatabase, redis_pool, unique_prefix};
 
@@ -134,21 +135,25 @@ fn start(backend: Backend, test: &str, configure: fn(Idempotency) -> Idempotency
                 )
                 .service(
                     web::resource("/required")
-                        .wrap(IdempotentRoute::new().required())
+                        .wrap(IdempotentRoute::with_policy(
+                            IdempotencyPolicy::default().required(),
+                        ))
                         .route(web::post().to(create)),
                 )
                 .service(
                     web::resource("/limited")
-                        .wrap(
-                            IdempotentRoute::new()
+                        .wrap(IdempotentRoute::with_policy(
+                            IdempotencyPolicy::default()
                                 .max_request_body(1024)
                                 .max_stored_body(4096),
-                        )
+                        ))
                         .route(web::post().to(create)),
                 )
                 .service(
                     web::resource("/stored-errors")
-                        .wrap(IdempotentRoute::new().store_errors())
+                        .wrap(IdempotentRoute::with_policy(
+                            IdempotencyPolicy::default().store_errors(),
+                        ))
                         .route(web::post().to(create)),
                 )
                 .service(
@@ -158,12 +163,16 @@ fn start(backend: Backend, test: &str, configure: fn(Idempotency) -> Idempotency
                 )
                 .service(
                     web::resource("/large")
-                        .wrap(IdempotentRoute::new().max_stored_body(4096))
+                        .wrap(IdempotentRoute::with_policy(
+                            IdempotencyPolicy::default().max_stored_body(4096),
+                        ))
                         .route(web::post().to(large)),
                 )
                 .service(
                     web::resource("/large-sized")
-                        .wrap(IdempotentRoute::new().max_stored_body(4096))
+                        .wrap(IdempotentRoute::with_policy(
+                            IdempotencyPolicy::default().max_stored_body(4096),
+                        ))
                         .route(web::post().to(large_sized)),
                 )
                 .service(web::resource("/untagged").route(web::post().to(plain)))
@@ -256,7 +265,9 @@ async fn no_key_on_a_required_route_is_400(backend: Backend) {
 }
 
 async fn an_app_wide_required_key_is_400(backend: Backend) {
-    let h = start(backend, "app_required", |i| i.require_key());
+    let h = start(backend, "app_required", |i| {
+        i.policy(IdempotencyPolicy::default().required())
+    });
     h.post("/orders", None, "{}").await.assert_problem(400);
     assert_eq!(h.runs.get(), 0);
 }
@@ -273,6 +284,9 @@ async fn malformed_keys_are_400(backend: Backend) {
         HeaderValue::from_static("stray\"quote"),
         HeaderValue::from_static("\"bad\\escape\""),
         HeaderValue::from_static("\"trailing\"x"),
+        HeaderValue::from_static("k1, k2"),
+        HeaderValue::from_static("\"k1\", \"k2\""),
+        HeaderValue::from_static("k1;BAD=1"),
     ];
     for value in bad_values {
         let reply = h.post_with_key_bytes("/orders", value.clone()).await;
@@ -326,6 +340,12 @@ async fn quoted_and_bare_keys_are_the_same_key(backend: Backend) {
     let retry = h.post("/orders", Some(&quoted), "{}").await;
     assert!(retry.is_replay());
     assert_eq!(retry.body, first.body);
+    // RFC 8941 parameters are ignored, after either form.
+    for with_parameter in [format!("\"{key}\";v=1"), format!("{key};v=1")] {
+        let retry = h.post("/orders", Some(&with_parameter), "{}").await;
+        assert!(retry.is_replay(), "{with_parameter}");
+        assert_eq!(retry.body, first.body);
+    }
     assert_eq!(h.runs.get(), 1);
 }
 
@@ -534,7 +554,9 @@ async fn protect_methods_covers_untagged_routes(backend: Backend) {
 }
 
 async fn scopes_keep_principals_apart(backend: Backend) {
-    let h = start(backend, "scopes", |i| i.scope(KeyScope::header("x-tenant")));
+    let h = start(backend, "scopes", |i| {
+        i.scope(KeyScope::header("x-tenant").unwrap())
+    });
     let key = h.key("shared");
     let send = |tenant: &'static str| {
         let request = h

@@ -25,14 +25,14 @@ fn print() -> Fingerprint {
 }
 
 fn response() -> StoredResponse {
-    StoredResponse {
-        status: StatusCode::CREATED,
-        headers: vec![(
+    StoredResponse::new(
+        StatusCode::CREATED,
+        vec![(
             HeaderName::from_static("location"),
             HeaderValue::from_static("/orders/1"),
         )],
-        body: Some(Bytes::from_static(b"{\"id\":1}")),
-    }
+        Some(Bytes::from_static(b"{\"id\":1}")),
+    )
 }
 
 /// Begins `key` in `scope` (and commits it when `complete`) the way the middleware does.

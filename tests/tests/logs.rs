@@ -1,6 +1,7 @@
 //! What the middleware logs (DESIGN §9, issues 3 and 5): a route layer without an App-level
-//! `Idempotency` says what to add, fail-open warns, key values never reach the log, and a
-//! transaction taken on a route that is not transactional names the fix.
+//! `Idempotency` says what to add, fail-open warns, key values never reach the log, a
+//! transaction taken on a route that is not transactional names the fix, and an app that
+//! chose no key scope is warned once per process.
 
 #![allow(clippy::unwrap_used)]
 
@@ -9,7 +10,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use actix_web::http::StatusCode;
 use actix_web::{App, HttpResponse, web};
-use idempotency_actix::{FailMode, Idempotency, IdempotentRoute, MemoryStore, RedisStore};
+use idempotency_actix::{
+    FailMode, Idempotency, IdempotentRoute, KeyScope, MemoryStore, RedisStore,
+};
 
 /// Everything every test in this binary logged, at every level.
 fn log() -> Arc<Mutex<Vec<u8>>> {
@@ -91,7 +94,11 @@ async fn fail_open_runs_the_handler_and_warns() {
         // Nothing listens on port 1: the store fails at once.
         let pool = RedisStore::pool("redis://127.0.0.1:1").unwrap();
         App::new()
-            .wrap(Idempotency::redis(pool).on_store_error(FailMode::Open))
+            .wrap(
+                Idempotency::redis(pool)
+                    .on_store_error(FailMode::Open)
+                    .scope(KeyScope::global()),
+            )
             .service(
                 web::resource("/open")
                     .wrap(IdempotentRoute::new())
@@ -113,7 +120,7 @@ async fn key_values_never_reach_the_log() {
     log();
     let server = actix_test::start(|| {
         App::new()
-            .wrap(Idempotency::new(MemoryStore::new()))
+            .wrap(Idempotency::new(MemoryStore::new()).scope(KeyScope::global()))
             .service(
                 web::resource("/secret")
                     .wrap(IdempotentRoute::new())
@@ -145,7 +152,7 @@ async fn a_transaction_on_a_route_that_is_not_transactional_logs_the_fix() {
     log();
     let server = actix_test::start(|| {
         App::new()
-            .wrap(Idempotency::new(MemoryStore::new()))
+            .wrap(Idempotency::new(MemoryStore::new()).scope(KeyScope::global()))
             .service(
                 web::resource("/not-transactional")
                     .wrap(IdempotentRoute::new())
@@ -166,12 +173,66 @@ async fn a_transaction_on_a_route_that_is_not_transactional_logs_the_fix() {
     assert!(line.contains("Idempotency::postgres(store)"), "{line}");
 }
 
+/// The warning an app that chose no key scope logs.
+const SHARED_KEYS_WARNING: &str =
+    "no key scope chosen, so idempotency keys are shared by all callers";
+
+fn shared_keys_warnings() -> usize {
+    logged()
+        .lines()
+        .filter(|line| line.contains(SHARED_KEYS_WARNING))
+        .inspect(|line| assert!(line.contains("WARN"), "{line}"))
+        .count()
+}
+
+/// Every other test of this binary chooses a scope, so this one alone decides whether the
+/// process-wide warning appears.
+#[actix_web::test]
+async fn an_app_without_a_key_scope_warns_once_per_process() {
+    log();
+    let routes = |config: &mut web::ServiceConfig| {
+        config.service(
+            web::resource("/shared")
+                .wrap(IdempotentRoute::new())
+                .route(web::post().to(create)),
+        );
+    };
+    let chosen = actix_test::start_with(actix_test::config().workers(2), move || {
+        App::new()
+            .wrap(Idempotency::new(MemoryStore::new()).scope(KeyScope::global()))
+            .configure(routes)
+    });
+    assert_eq!(post(&chosen, "/shared", "a").await, StatusCode::CREATED);
+    assert_eq!(
+        shared_keys_warnings(),
+        0,
+        "an explicit global scope is a choice"
+    );
+
+    // Two servers of two workers each, and several requests: still one warning.
+    let unchosen = || {
+        actix_test::start_with(actix_test::config().workers(2), move || {
+            App::new()
+                .wrap(Idempotency::new(MemoryStore::new()))
+                .configure(routes)
+        })
+    };
+    let servers = [unchosen(), unchosen()];
+    for (n, server) in servers.iter().enumerate() {
+        for key in ["a", "b", "c"] {
+            let key = format!("{n}-{key}");
+            assert_eq!(post(server, "/shared", &key).await, StatusCode::CREATED);
+        }
+    }
+    assert_eq!(shared_keys_warnings(), 1, "{}", logged());
+}
+
 #[actix_web::test]
 async fn each_protected_request_has_a_span_with_route_outcome_and_status() {
     log();
     let server = actix_test::start(|| {
         App::new()
-            .wrap(Idempotency::new(MemoryStore::new()))
+            .wrap(Idempotency::new(MemoryStore::new()).scope(KeyScope::global()))
             .service(
                 web::resource("/spans/{id}")
                     .wrap(IdempotentRoute::new())

@@ -27,14 +27,14 @@ fn storage_key(i: u64) -> StorageKey {
 }
 
 fn stored(i: u64) -> StoredResponse {
-    StoredResponse {
-        status: StatusCode::CREATED,
-        headers: vec![(
+    StoredResponse::new(
+        StatusCode::CREATED,
+        vec![(
             actix_web::http::header::LOCATION,
             format!("/orders/{i}").try_into().unwrap(),
         )],
-        body: Some(Bytes::from(format!("{{\"id\":{i},\"item\":\"book\"}}"))),
-    }
+        Some(Bytes::from(format!("{{\"id\":{i},\"item\":\"book\"}}"))),
+    )
 }
 
 #[actix_web::test]

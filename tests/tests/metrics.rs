@@ -14,7 +14,9 @@ use std::time::Duration;
 
 use actix_web::http::StatusCode;
 use actix_web::{App, HttpResponse, web};
-use idempotency_actix::{FailMode, Idempotency, IdempotentRoute, MemoryStore, Outcome, RedisStore};
+use idempotency_actix::{
+    FailMode, Idempotency, IdempotencyPolicy, IdempotentRoute, MemoryStore, Outcome, RedisStore,
+};
 use idempotency_actix_tests::{Reply, RunCounter};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 
@@ -187,7 +189,10 @@ async fn every_outcome_is_counted_once_under_its_route_pattern() {
         let runs = runs.clone();
         move || {
             App::new()
-                .wrap(Idempotency::new(MemoryStore::new()).max_request_body(16))
+                .wrap(
+                    Idempotency::new(MemoryStore::new())
+                        .policy(IdempotencyPolicy::default().max_request_body(16)),
+                )
                 .service(counted(
                     "/m/orders/{id}",
                     runs.clone(),
@@ -196,7 +201,7 @@ async fn every_outcome_is_counted_once_under_its_route_pattern() {
                 .service(counted(
                     "/m/payments",
                     runs.clone(),
-                    IdempotentRoute::new().required(),
+                    IdempotentRoute::with_policy(IdempotencyPolicy::default().required()),
                 ))
         }
     });

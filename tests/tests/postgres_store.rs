@@ -27,11 +27,11 @@ fn print() -> Fingerprint {
 }
 
 fn response() -> StoredResponse {
-    StoredResponse {
-        status: StatusCode::CREATED,
-        headers: Vec::new(),
-        body: Some(Bytes::from_static(b"done")),
-    }
+    StoredResponse::new(
+        StatusCode::CREATED,
+        Vec::new(),
+        Some(Bytes::from_static(b"done")),
+    )
 }
 
 async fn rows(database: &TestDatabase, table: &str) -> i64 {

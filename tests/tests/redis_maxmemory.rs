@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use actix_web::http::StatusCode;
-use idempotency_actix::{Idempotency, RedisStore};
+use idempotency_actix::{Idempotency, IdempotencyPolicy, RedisStore};
 use idempotency_actix_tests::{FloodServer, PrivateRedis};
 
 /// The README's recommended setting, with a budget small enough to fill in seconds.
@@ -32,7 +32,10 @@ const BODY_BYTES: usize = 1024;
 fn server_on(redis: &PrivateRedis) -> FloodServer {
     let pool = RedisStore::pool(&redis.url()).unwrap();
     FloodServer::start(
-        move || Idempotency::redis(pool.clone()).lease(Duration::from_secs(1)),
+        move || {
+            Idempotency::redis(pool.clone())
+                .policy(IdempotencyPolicy::default().lease(Duration::from_secs(1)))
+        },
         BODY_BYTES,
     )
 }

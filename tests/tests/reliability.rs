@@ -10,8 +10,14 @@ use std::time::{Duration, Instant};
 use actix_web::http::StatusCode;
 use actix_web::web::{self, Bytes};
 use actix_web::{App, HttpResponse, HttpServer};
-use idempotency_actix::{FailMode, Idempotency, IdempotentRoute, RedisPool, RedisStore};
-use idempotency_actix_tests::{PrivateRedis, RunCounter, redis_pool, unique_prefix};
+use idempotency_actix::{
+    BeginOutcome, FailMode, Fingerprint, Idempotency, IdempotencyPolicy, IdempotencyStore,
+    IdempotentRoute, KeyScope, LeaseToken, RedisPool, RedisStore, StorageKey, StoreError,
+    StoredResponse,
+};
+use idempotency_actix_tests::{
+    Gate, PrivateRedis, RawExchange, RunCounter, redis_pool, unique_prefix,
+};
 
 #[derive(serde::Deserialize)]
 struct Delay {
@@ -153,7 +159,11 @@ async fn a_handler_slower_than_its_lease_is_never_duplicated() {
         redis_pool().await,
         unique_prefix("lease"),
         runs.clone(),
-        || IdempotentRoute::new().lease(Duration::from_millis(900)),
+        || {
+            IdempotentRoute::with_policy(
+                IdempotencyPolicy::default().lease(Duration::from_millis(900)),
+            )
+        },
         |i| i,
     ));
     let client = awc::Client::default();
@@ -179,7 +189,11 @@ async fn a_streamed_response_slower_than_its_lease_is_never_duplicated() {
         redis_pool().await,
         unique_prefix("slow_stream"),
         runs.clone(),
-        || IdempotentRoute::new().lease(Duration::from_millis(900)),
+        || {
+            IdempotentRoute::with_policy(
+                IdempotencyPolicy::default().lease(Duration::from_millis(900)),
+            )
+        },
         |i| i,
     ));
     let client = awc::Client::default();
@@ -211,21 +225,26 @@ async fn a_body_that_fails_after_the_handler_ran_is_never_run_again() {
     ));
     let client = awc::Client::default();
     let url = server.url("/broken");
-    // The client sees a broken response (the connection fails mid-body)...
-    let first = client
+    // The client sees a broken response: the chunk produced before the failure, then the
+    // connection closes without the chunked encoding's last chunk (awc would accept such an
+    // end at a chunk boundary, so the wire is read as it is).
+    let mut first = RawExchange::post(server.addr(), "/broken", &[("Idempotency-Key", "b")]);
+    assert_eq!(first.read_head().status, 200);
+    assert_eq!(first.read_to_end(), b"4\r\npart\r\n");
+    // ...and its retry learns the outcome without charging again: the status and headers,
+    // without a body.
+    let retry = client
         .post(&url)
         .insert_header(("idempotency-key", "b"))
-        .send_body("{}")
-        .await;
-    let broken = match first {
-        Err(_) => true,
-        Ok(mut response) => response.body().await.is_err(),
-    };
-    assert!(broken, "the body must not arrive whole");
-    // ...and its retry learns the outcome without charging again.
-    let retry = post(&client, &url, "b").await;
-    assert_eq!(retry.status, StatusCode::OK);
-    assert!(retry.replayed);
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(retry.status(), StatusCode::OK);
+    assert_eq!(retry.headers().get("idempotent-replayed").unwrap(), "true");
+    assert_eq!(
+        retry.headers().get("idempotent-body-omitted").unwrap(),
+        "true"
+    );
     assert_eq!(runs.get(), 1);
 }
 
@@ -236,7 +255,11 @@ async fn a_retry_can_wait_for_the_first_request_and_replay_it() {
         redis_pool().await,
         unique_prefix("wait"),
         runs.clone(),
-        || IdempotentRoute::new().wait_for_completion(Duration::from_secs(5)),
+        || {
+            IdempotentRoute::with_policy(
+                IdempotencyPolicy::default().wait_for_completion(Duration::from_secs(5)),
+            )
+        },
         |i| i,
     ));
     let client = awc::Client::default();
@@ -261,7 +284,7 @@ async fn waiting_is_bounded_then_409() {
         unique_prefix("wait_bound"),
         runs.clone(),
         IdempotentRoute::new,
-        |i| i.wait_for_completion(Duration::from_millis(200)),
+        |i| i.policy(IdempotencyPolicy::default().wait_for_completion(Duration::from_millis(200))),
     ));
     let client = awc::Client::default();
     let url = server.url("/orders?delay_ms=1500");
@@ -542,4 +565,108 @@ async fn graceful_shutdown_lets_in_flight_requests_finish_and_commit() {
     assert!(retry.replayed);
     assert_eq!(retry.body, reply.body);
     assert_eq!(runs.get(), 1);
+}
+
+/// A store whose `begin`s land only once its gate is open, even when the caller gave up
+/// waiting: a `begin` that timed out and runs late, after the engine's first release.
+#[derive(Clone)]
+struct LateBegins {
+    inner: idempotency_actix::MemoryStore,
+    gate: Gate,
+    releases: RunCounter,
+}
+
+impl IdempotencyStore for LateBegins {
+    async fn begin(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        token: &LeaseToken,
+        lease: Duration,
+    ) -> Result<BeginOutcome, StoreError> {
+        let (store, gate) = (self.inner.clone(), self.gate.clone());
+        let (key, fingerprint, token) = (key.clone(), *fingerprint, token.clone());
+        // On a task of its own: it lands even if the caller stops waiting.
+        actix_rt::spawn(async move {
+            gate.wait().await;
+            store.begin(&key, &fingerprint, &token, lease).await
+        })
+        .await
+        .unwrap()
+    }
+
+    async fn renew(
+        &self,
+        key: &StorageKey,
+        token: &LeaseToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.renew(key, token, lease).await
+    }
+
+    async fn commit(
+        &self,
+        key: &StorageKey,
+        token: &LeaseToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.commit(key, token, response, ttl).await
+    }
+
+    async fn release(&self, key: &StorageKey, token: &LeaseToken) -> Result<bool, StoreError> {
+        self.releases.record();
+        self.inner.release(key, token).await
+    }
+}
+
+#[actix_web::test]
+async fn a_begin_that_lands_after_its_release_does_not_block_the_key() {
+    let runs = RunCounter::default();
+    let store = LateBegins {
+        inner: idempotency_actix::MemoryStore::new(),
+        gate: Gate::default(),
+        releases: RunCounter::default(),
+    };
+    let server = {
+        let (runs, store) = (runs.clone(), store.clone());
+        actix_test::start(move || {
+            App::new()
+                .app_data(web::Data::new(runs.clone()))
+                .wrap(
+                    Idempotency::new(store.clone())
+                        .store_timeout(Duration::from_millis(200))
+                        .scope(KeyScope::global()),
+                )
+                .service(
+                    web::resource("/orders")
+                        .wrap(IdempotentRoute::with_policy(
+                            IdempotencyPolicy::default().lease(Duration::from_secs(120)),
+                        ))
+                        .route(web::post().to(create)),
+                )
+        })
+    };
+    let client = awc::Client::default();
+    let url = server.url("/orders");
+
+    let timed_out = post(&client, &url, "late").await;
+    assert_eq!(timed_out.status, StatusCode::SERVICE_UNAVAILABLE);
+    // The engine's first release finds nothing; only then does the `begin` land.
+    store.releases.wait_for(1).await;
+    store.gate.open();
+
+    // The late lock is released by the engine's next attempts: the retry runs well within
+    // the two-minute lease.
+    for _ in 0..100 {
+        let retry = post(&client, &url, "late").await;
+        if retry.status == StatusCode::CONFLICT {
+            actix_rt::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        }
+        assert_eq!(retry.status, StatusCode::CREATED);
+        assert_eq!(runs.get(), 1);
+        return;
+    }
+    panic!("the late begin blocked the key");
 }

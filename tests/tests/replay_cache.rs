@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use actix_web::http::StatusCode;
 use actix_web::{App, HttpResponse, web};
-use idempotency_actix::{Idempotency, IdempotentRoute, RedisPool, RedisStore, ReplayCache};
+use idempotency_actix::{
+    Idempotency, IdempotencyPolicy, IdempotentRoute, RedisPool, RedisStore, ReplayCache,
+};
 use idempotency_actix_tests::{PrivateRedis, Reply, RunCounter};
 
 async fn create(runs: web::Data<RunCounter>, body: web::Bytes) -> HttpResponse {
@@ -31,7 +33,9 @@ fn start(pool: RedisPool, cache: ReplayCache, runs: RunCounter) -> actix_test::T
             )
             .service(
                 web::resource("/short")
-                    .wrap(IdempotentRoute::new().ttl(Duration::from_secs(1)))
+                    .wrap(IdempotentRoute::with_policy(
+                        IdempotencyPolicy::default().ttl(Duration::from_secs(1)),
+                    ))
                     .route(web::post().to(create)),
             )
     })

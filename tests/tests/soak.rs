@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use actix_web::{App, HttpRequest, HttpResponse, web};
-use idempotency_actix::{Idempotency, IdempotentRoute, RedisStore};
+use idempotency_actix::{Idempotency, IdempotencyPolicy, IdempotentRoute, RedisStore};
 use idempotency_actix_tests::{PrivateRedis, keys_under, unique_prefix};
 
 const RUN_FOR: Duration = Duration::from_secs(20);
@@ -136,7 +136,7 @@ async fn soak_with_duplicates_and_redis_faults() {
                     Idempotency::redis(pool.clone())
                         .key_prefix(prefix.clone())
                         .store_timeout(STORE_TIMEOUT)
-                        .lease(LEASE),
+                        .policy(IdempotencyPolicy::default().lease(LEASE)),
                 )
                 .service(
                     web::resource("/charges")

@@ -32,14 +32,14 @@ fn print(body: &[u8]) -> Fingerprint {
 }
 
 fn response(body: &'static [u8]) -> StoredResponse {
-    StoredResponse {
-        status: StatusCode::CREATED,
-        headers: vec![(
+    StoredResponse::new(
+        StatusCode::CREATED,
+        vec![(
             HeaderName::from_static("location"),
             HeaderValue::from_static("/orders/1"),
         )],
-        body: Some(Bytes::from_static(body)),
-    }
+        Some(Bytes::from_static(body)),
+    )
 }
 
 async fn acquire(

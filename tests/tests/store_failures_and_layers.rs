@@ -9,8 +9,8 @@ use actix_web::http::{Method, StatusCode};
 use actix_web::web::{self, Bytes};
 use actix_web::{App, HttpResponse};
 use idempotency_actix::{
-    BeginOutcome, FailMode, Fingerprint, Idempotency, IdempotencyStore, IdempotentRoute,
-    LeaseToken, MemoryStore, RedisStore, StorageKey, StoreError, StoredResponse,
+    BeginOutcome, FailMode, Fingerprint, Idempotency, IdempotencyPolicy, IdempotencyStore,
+    IdempotentRoute, LeaseToken, MemoryStore, RedisStore, StorageKey, StoreError, StoredResponse,
 };
 use idempotency_actix_tests::{
     RunCounter, keys_under, redis_connection, redis_pool, unique_prefix,
@@ -89,7 +89,9 @@ async fn redis_holds_the_ttl_and_never_the_raw_key() {
             )
             .service(
                 web::resource("/short")
-                    .wrap(IdempotentRoute::new().ttl(Duration::from_secs(90)))
+                    .wrap(IdempotentRoute::with_policy(
+                        IdempotencyPolicy::default().ttl(Duration::from_secs(90)),
+                    ))
                     .route(web::post().to(create)),
             );
         },
@@ -138,17 +140,23 @@ async fn app_and_route_layers_together_process_once_with_the_route_ttl() {
         |c| {
             c.service(
                 web::resource("/orders")
-                    .wrap(IdempotentRoute::new().ttl(Duration::from_secs(90)))
+                    .wrap(IdempotentRoute::with_policy(
+                        IdempotencyPolicy::default().ttl(Duration::from_secs(90)),
+                    ))
                     .route(web::post().to(create)),
             )
             .service(
                 web::resource("/small")
-                    .wrap(IdempotentRoute::new().max_request_body(8))
+                    .wrap(IdempotentRoute::with_policy(
+                        IdempotencyPolicy::default().max_request_body(8),
+                    ))
                     .route(web::post().to(create)),
             )
             .service(
                 web::resource("/short-lease")
-                    .wrap(IdempotentRoute::new().lease(Duration::from_secs(5)))
+                    .wrap(IdempotentRoute::with_policy(
+                        IdempotencyPolicy::default().lease(Duration::from_secs(5)),
+                    ))
                     .route(web::post().to(slow_create)),
             );
         },
@@ -453,11 +461,13 @@ async fn a_shorter_route_lease_is_renewed_in_time_under_an_app_layer() {
                     Idempotency::redis(pool.clone())
                         .key_prefix(prefix.clone())
                         .protect_methods([Method::POST])
-                        .lease(Duration::from_secs(3)),
+                        .policy(IdempotencyPolicy::default().lease(Duration::from_secs(3))),
                 )
                 .service(
                     web::resource("/orders")
-                        .wrap(IdempotentRoute::new().lease(Duration::from_millis(600)))
+                        .wrap(IdempotentRoute::with_policy(
+                            IdempotencyPolicy::default().lease(Duration::from_millis(600)),
+                        ))
                         .route(web::post().to(very_slow_create)),
                 )
         })
@@ -556,4 +566,72 @@ async fn a_record_of_another_version_is_never_taken_over() {
         0,
         "no record of another format is ever taken over"
     );
+}
+
+/// 4 KiB of JSON-ish text, which gzip shrinks.
+async fn compressible(runs: web::Data<RunCounter>) -> HttpResponse {
+    let seq = runs.record();
+    HttpResponse::Created()
+        .content_type("application/json")
+        .body(format!(
+            "{{\"seq\":{seq},\"pad\":\"{}\"}}",
+            "a".repeat(4096)
+        ))
+}
+
+/// `Compress` wrapped after `Idempotency` (so it runs outside it) compresses each answer for
+/// its own client: the record holds the identity body, and a retry from a client that does
+/// not accept gzip gets it plain, whichever layer processed the request.
+#[actix_web::test]
+async fn compress_wrapped_after_idempotency_encodes_each_replay_for_its_client() {
+    for app_layer_processes in [false, true] {
+        let runs = RunCounter::default();
+        let (pool, prefix) = (redis_pool().await, unique_prefix("compress"));
+        let server = {
+            let runs = runs.clone();
+            actix_test::start(move || {
+                let mut idempotency = Idempotency::redis(pool.clone())
+                    .key_prefix(prefix.clone())
+                    .scope(idempotency_actix::KeyScope::global());
+                if app_layer_processes {
+                    idempotency = idempotency.protect_methods([Method::POST]);
+                }
+                App::new()
+                    .app_data(web::Data::new(runs.clone()))
+                    .wrap(idempotency)
+                    .wrap(actix_web::middleware::Compress::default())
+                    .service(
+                        web::resource("/report")
+                            .wrap(IdempotentRoute::new())
+                            .route(web::post().to(compressible)),
+                    )
+            })
+        };
+        let send = |encoding: &'static str| {
+            server
+                .post("/report")
+                .no_decompress()
+                .insert_header(("idempotency-key", "report"))
+                .insert_header(("accept-encoding", encoding))
+                .send()
+        };
+
+        let mut gzipped = send("gzip").await.unwrap();
+        assert_eq!(gzipped.status(), StatusCode::CREATED);
+        assert_eq!(gzipped.headers().get("content-encoding").unwrap(), "gzip");
+        let gzipped = gzipped.body().await.unwrap();
+
+        let mut plain = send("identity").await.unwrap();
+        assert_eq!(plain.status(), StatusCode::CREATED);
+        assert_eq!(plain.headers().get("idempotent-replayed").unwrap(), "true");
+        assert_eq!(plain.headers().get("content-encoding"), None);
+        let plain = plain.body().await.unwrap();
+        assert!(
+            plain.starts_with(b"{\"seq\":1,"),
+            "{app_layer_processes}: {plain:?}"
+        );
+        assert_eq!(plain.len(), 4096 + 18);
+        assert!(gzipped.len() < plain.len() / 4);
+        assert_eq!(runs.get(), 1, "{app_layer_processes}");
+    }
 }

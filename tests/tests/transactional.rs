@@ -12,7 +12,8 @@ use std::time::Duration;
 use actix_web::http::StatusCode;
 use actix_web::{App, HttpResponse, post, web};
 use idempotency_actix::{
-    Idempotency, IdempotentRoute, IdempotentTransaction, MemoryStore, PostgresStore, idempotent,
+    Idempotency, IdempotencyPolicy, IdempotentRoute, IdempotentTransaction, MemoryStore,
+    PostgresStore, idempotent,
 };
 use idempotency_actix_tests::{Reply, RunCounter, TestDatabase};
 
@@ -135,16 +136,18 @@ async fn start(connections: u32) -> Harness {
                 .service(by_attribute)
                 .service(
                     web::resource("/ledger-by-hand")
-                        .wrap(IdempotentRoute::new().transactional())
+                        .wrap(IdempotentRoute::with_policy(
+                            IdempotencyPolicy::default().transactional(),
+                        ))
                         .route(web::post().to(by_hand)),
                 )
                 .service(
                     web::resource("/ledger-waits")
-                        .wrap(
-                            IdempotentRoute::new()
+                        .wrap(IdempotentRoute::with_policy(
+                            IdempotencyPolicy::default()
                                 .transactional()
                                 .wait_for_completion(Duration::from_secs(10)),
-                        )
+                        ))
                         .route(web::post().to(by_hand)),
                 )
                 .service(

@@ -16,7 +16,8 @@
 //! | `GET /ledger` | none, with `DATABASE_URL` only | `{"rows"}`: the committed rows of `ledger` |
 //!
 //! Each route but `/stats` counts the runs of its handler; `seq` is the count after this run.
-//! The counters live in one [`Counters`] shared by all workers.
+//! The counters live in one [`Counters`] shared by all workers. Idempotency keys are scoped
+//! by the caller named in [`PRINCIPAL_HEADER`] (`X-User`).
 
 mod config;
 mod ledger;
@@ -26,9 +27,9 @@ mod routes;
 
 use std::net::SocketAddr;
 
-use actix_web::dev::Server;
+use actix_web::dev::{Server, ServiceRequest};
 use actix_web::{App, HttpServer, web};
-use idempotency_actix::{Idempotency, PostgresStore, RedisPool, RedisStore, ReplayCache};
+use idempotency_actix::{Idempotency, KeyScope, PostgresStore, RedisPool, RedisStore, ReplayCache};
 
 pub use self::config::{ConfigError, PROTECTABLE_METHODS, ServerConfig};
 pub use self::ledger::{
@@ -40,6 +41,23 @@ pub use self::routes::{
 
 /// The size of the replay cache with `REPLAY_CACHE=on`.
 pub const REPLAY_CACHE_BYTES: u64 = 64 * 1024 * 1024;
+
+/// The header that names the caller. The reference server has no authentication of its own:
+/// it trusts this header as a gateway that authenticated the caller would set, and scopes
+/// idempotency keys by it, so two users never share a key. Requests without it belong to the
+/// principal `anonymous`; a repeated one cannot be attributed and a keyed request with it is
+/// refused (400).
+pub const PRINCIPAL_HEADER: &str = "x-user";
+
+/// The principal a request's idempotency keys belong to (see [`PRINCIPAL_HEADER`]).
+fn principal(req: &ServiceRequest) -> Option<String> {
+    let mut values = req.headers().get_all(PRINCIPAL_HEADER);
+    match (values.next(), values.next()) {
+        (None, _) => Some("anonymous".to_owned()),
+        (Some(user), None) => Some(format!("user:{}", user.to_str().ok()?)),
+        (Some(_), Some(_)) => None,
+    }
+}
 
 /// The store the reference app runs on.
 #[derive(Clone)]
@@ -195,6 +213,7 @@ pub async fn start(config: &ServerConfig) -> Result<Running, StartError> {
                 Store::Redis(pool) => Idempotency::redis(pool.clone()),
                 Store::Postgres(store) => Idempotency::postgres(store.clone()),
             };
+            idempotency = idempotency.scope(KeyScope::from_fn(principal));
             if let Some(prefix) = &prefix {
                 idempotency = idempotency.key_prefix(prefix.clone());
             }

@@ -2,6 +2,7 @@
 
 use std::future::{Ready, ready};
 use std::rc::Rc;
+use std::sync::Once;
 use std::time::Duration;
 
 use actix_service::{Service, Transform, forward_ready};
@@ -14,11 +15,12 @@ use actix_web::http::header::HeaderName;
 use super::{IdempotencyFuture, pass_through, process};
 use crate::engine::{Claimed, Engine, EngineHandle, FailMode, Response, Settings, is_safe_method};
 use crate::fingerprint::FingerprintParts;
-use crate::policy::checked;
+use crate::policy::{IdempotencyPolicy, checked};
 use crate::replay::ReplayedHeaders;
 use crate::replay_cache::ReplayCache;
 use crate::scope::KeyScope;
 use crate::store::{DynStore, IdempotencyStore, MemoryStore, MemoryStoreBuilder};
+use crate::workload::Workload;
 
 /// Idempotency middleware: makes retries of protected requests safe.
 ///
@@ -31,6 +33,12 @@ use crate::store::{DynStore, IdempotencyStore, MemoryStore, MemoryStoreBuilder};
 ///
 /// A request is processed once even when both this layer and a route layer apply: the
 /// outer one takes it, and the route's ttl and storage options still apply at commit.
+///
+/// Response compression belongs outside it: wrap `Compress` *after* `Idempotency`
+/// (`.wrap(Idempotency::memory()).wrap(Compress::default())`; Actix runs the last `wrap`
+/// first), so records keep the identity body and every answer is encoded for its own
+/// client. The other order would store the first client's `Content-Encoding` and replay it
+/// to clients that cannot decode it.
 ///
 /// Built per worker inside the `HttpServer::new` closure: it holds `Rc`s, and the stores
 /// it wraps are shared handles (a bb8 pool, a [`MemoryStore`]).
@@ -55,6 +63,9 @@ pub struct Idempotency {
     store: Rc<dyn DynStore>,
     settings: Settings,
     methods: Vec<Method>,
+    /// Whether the app called [`scope`](Self::scope); if not, a warning says at start that
+    /// keys are shared by all callers.
+    scope_chosen: bool,
 }
 
 impl Idempotency {
@@ -64,6 +75,7 @@ impl Idempotency {
             store: Rc::new(store),
             settings: Settings::default(),
             methods: Vec::new(),
+            scope_chosen: false,
         }
     }
 
@@ -121,16 +133,25 @@ impl Idempotency {
         self
     }
 
-    /// The request header that carries the key (default `Idempotency-Key`).
+    /// The request header that carries the key (default `Idempotency-Key`): a
+    /// [`HeaderName`], or a string checked to be one.
     ///
-    /// # Panics
+    /// # Errors
     ///
-    /// Panics if `name` is not a valid header name (a configuration mistake).
-    #[must_use]
-    pub fn header(mut self, name: &str) -> Self {
-        self.settings.header = HeaderName::try_from(name)
-            .unwrap_or_else(|_| panic!("Idempotency::header: {name:?} is not a header name"));
-        self
+    /// When `name` is not a valid header name (for a `&str`:
+    /// [`InvalidHeaderName`](actix_web::http::header::InvalidHeaderName)).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::Idempotency;
+    ///
+    /// let idempotency = Idempotency::memory().header("x-request-key").unwrap();
+    /// assert!(Idempotency::memory().header("not a header").is_err());
+    /// ```
+    pub fn header<N: TryInto<HeaderName>>(mut self, name: N) -> Result<Self, N::Error> {
+        self.settings.header = name.try_into()?;
+        Ok(self)
     }
 
     /// The prefix of every storage key (default `idempotency:`): separates apps, or tests,
@@ -141,10 +162,16 @@ impl Idempotency {
         self
     }
 
-    /// Whose key a request's key is (default: one key space for the app).
+    /// Whose key a request's key is: scope keys by the authenticated principal, so that
+    /// callers never share a key space (see [`KeyScope`] for the patterns).
+    ///
+    /// Without this call there is one key space for all callers, and the first app built
+    /// in the process logs a warning saying so; `.scope(KeyScope::global())` keeps one key
+    /// space on purpose and silences it.
     #[must_use]
     pub fn scope(mut self, scope: KeyScope) -> Self {
         self.settings.scope = scope;
+        self.scope_chosen = true;
         self
     }
 
@@ -181,68 +208,59 @@ impl Idempotency {
         self
     }
 
-    /// What `Retry-After` advises on 409 and 503 answers (default 1 s).
+    /// What `Retry-After` advises on 409 and 503 answers (default 1 s), sent in whole
+    /// seconds rounded up (1.5 s is sent as 2).
+    ///
+    /// # Panics
+    ///
+    /// If the duration is zero or over [`MAX_DURATION`](crate::MAX_DURATION).
     #[must_use]
     pub fn retry_after(mut self, delay: Duration) -> Self {
-        self.settings.retry_after = delay;
+        self.settings.retry_after = checked(delay);
         self
     }
 
-    /// How long completed responses are replayed, unless a route says otherwise (default
-    /// 24 h).
+    /// The defaults of every route below: `policy`'s options, on top of the crate's defaults
+    /// (ttl 24 h, lease 30 s, key optional, 1 MiB request and stored bodies, errors not
+    /// stored, no waiting). A route's own [`IdempotencyPolicy`] overrides them. Calling this
+    /// twice applies both, the later one winning where both set an option.
+    #[must_use]
+    pub fn policy(mut self, policy: IdempotencyPolicy) -> Self {
+        self.settings.defaults = policy.apply_to(&self.settings.defaults);
+        self
+    }
+
+    /// The most keyed requests one worker processes at once (default
+    /// [`DEFAULT_MAX_IN_FLIGHT`](crate::DEFAULT_MAX_IN_FLIGHT), 1024), counting those whose
+    /// client went away. Beyond it new keyed requests get a 503 problem with `Retry-After` at
+    /// once; requests already running are never cancelled. Keyless requests are not counted.
     ///
     /// # Panics
     ///
-    /// If the duration is zero or over [`MAX_DURATION`](crate::MAX_DURATION).
+    /// If `requests` is zero (a configuration mistake: nothing could be protected).
     #[must_use]
-    pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.settings.defaults.ttl = checked(ttl);
+    pub fn max_in_flight(mut self, requests: usize) -> Self {
+        assert!(
+            requests > 0,
+            "Idempotency::max_in_flight must be at least 1"
+        );
+        self.settings.limits.max_in_flight = requests;
         self
     }
 
-    /// How long an in-flight record holds its key without renewal (default 30 s; renewed
-    /// every third of it while the handler runs).
+    /// The most keyed requests one worker keeps running after their client went away
+    /// (default [`DEFAULT_MAX_DETACHED`](crate::DEFAULT_MAX_DETACHED), 256): their handlers
+    /// finish and commit, so the client's retry gets the replay. While that many are
+    /// running, new keyed requests get a 503 problem with `Retry-After` at once, so clients
+    /// that connect, send and hang up cannot pile up unbounded work.
     ///
     /// # Panics
     ///
-    /// If the duration is zero or over [`MAX_DURATION`](crate::MAX_DURATION).
+    /// If `requests` is zero.
     #[must_use]
-    pub fn lease(mut self, lease: Duration) -> Self {
-        self.settings.defaults.lease = checked(lease);
-        self
-    }
-
-    /// Refuses protected requests without a key (400), unless a route says otherwise.
-    #[must_use]
-    pub fn require_key(mut self) -> Self {
-        self.settings.defaults.required = true;
-        self
-    }
-
-    /// The largest body a keyed request may send (default 1 MiB; 413 above).
-    #[must_use]
-    pub fn max_request_body(mut self, bytes: usize) -> Self {
-        self.settings.defaults.max_request_body = bytes;
-        self
-    }
-
-    /// The largest response body that is stored (default 1 MiB).
-    #[must_use]
-    pub fn max_stored_body(mut self, bytes: usize) -> Self {
-        self.settings.defaults.max_stored_body = bytes;
-        self
-    }
-
-    /// A retry that finds its key in flight waits up to `bound` for the first request to
-    /// finish and replays its response, instead of answering 409 at once (the default).
-    /// The store is polled meanwhile (every 20 ms, backing off to 250 ms).
-    ///
-    /// # Panics
-    ///
-    /// If the duration is zero or over [`MAX_DURATION`](crate::MAX_DURATION).
-    #[must_use]
-    pub fn wait_for_completion(mut self, bound: Duration) -> Self {
-        self.settings.defaults.wait_for_completion = Some(checked(bound));
+    pub fn max_detached(mut self, requests: usize) -> Self {
+        assert!(requests > 0, "Idempotency::max_detached must be at least 1");
+        self.settings.limits.max_detached = requests;
         self
     }
 
@@ -265,14 +283,6 @@ impl Idempotency {
         self.settings.replay_cache = Some(cache);
         self
     }
-
-    /// Stores and replays responses with status >= 400 too (by default they release the
-    /// key so a retry runs again).
-    #[must_use]
-    pub fn store_errors(mut self) -> Self {
-        self.settings.defaults.store_errors = true;
-        self
-    }
 }
 
 impl std::fmt::Debug for Idempotency {
@@ -281,6 +291,7 @@ impl std::fmt::Debug for Idempotency {
             .field("header", &self.settings.header)
             .field("prefix", &self.settings.prefix)
             .field("methods", &self.methods)
+            .field("scope", &self.settings.scope)
             .field("defaults", &self.settings.defaults)
             .finish_non_exhaustive()
     }
@@ -298,15 +309,32 @@ where
     type Future = Ready<Result<Self::Transform, Self::InitError>>;
 
     fn new_transform(&self, service: S) -> Self::Future {
+        if !self.scope_chosen {
+            warn_once_keys_are_shared();
+        }
         ready(Ok(IdempotencyMiddleware {
             service: Rc::new(service),
             engine: Rc::new(Engine {
                 store: Rc::clone(&self.store),
                 settings: self.settings.clone(),
+                workload: Workload::new(self.settings.limits),
             }),
             methods: Rc::from(self.methods.as_slice()),
         }))
     }
+}
+
+/// Logs, once per process (not per worker or app), that an app never chose a key scope.
+fn warn_once_keys_are_shared() {
+    static WARNED: Once = Once::new();
+    WARNED.call_once(|| {
+        tracing::warn!(
+            "idempotency: no key scope chosen, so idempotency keys are shared by all callers: \
+             one caller can replay another's response or block its key. Scope keys by the \
+             authenticated principal with `Idempotency::scope(KeyScope::from_fn(..))`, or \
+             choose `KeyScope::global()` explicitly to keep one key space"
+        );
+    });
 }
 
 /// The service [`Idempotency`] wraps around the app.

@@ -1,14 +1,19 @@
 //! The two layers: [`Idempotency`] (store and defaults; App, scope or resource) and
 //! [`IdempotentRoute`] (one route's policy; what `#[idempotent]` attaches).
 
+use std::pin::Pin;
 use std::rc::Rc;
+use std::task::{Context, Poll};
 
 use actix_web::body::MessageBody;
 use actix_web::dev::{Service, ServiceRequest, ServiceResponse};
 use futures_util::future::{Either, LocalBoxFuture, MapOk, TryFutureExt};
+use pin_project_lite::pin_project;
 
-use crate::engine::{Engine, Response, with_handler_body};
+use crate::engine::{Engine, Response, refuse, with_handler_body};
+use crate::error::IdempotencyError;
 use crate::policy::Policy;
+use crate::workload::ClientAttached;
 
 mod app;
 mod route;
@@ -16,23 +21,53 @@ mod route;
 pub use self::app::{Idempotency, IdempotencyMiddleware};
 pub use self::route::{IdempotentRoute, IdempotentRouteMiddleware};
 
-/// The future of both middleware services: the inner service's own future when the request
-/// is passed through, a boxed one when the middleware works on it.
-pub type IdempotencyFuture<S, B> = Either<
-    MapOk<<S as Service<ServiceRequest>>::Future, fn(ServiceResponse<B>) -> Response<B>>,
-    LocalBoxFuture<'static, Result<Response<B>, actix_web::Error>>,
->;
+type PassThrough<S, B> =
+    MapOk<<S as Service<ServiceRequest>>::Future, fn(ServiceResponse<B>) -> Response<B>>;
+type Processing<B> = LocalBoxFuture<'static, Result<Response<B>, actix_web::Error>>;
+
+pin_project! {
+    /// The future of both middleware services' responses. A request the middleware does not
+    /// touch costs no allocation: it is the inner service's own future.
+    pub struct IdempotencyFuture<S, B>
+    where
+        S: Service<ServiceRequest>,
+    {
+        #[pin]
+        inner: Either<PassThrough<S, B>, Processing<B>>,
+    }
+}
+
+impl<S, B> Future for IdempotencyFuture<S, B>
+where
+    S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = actix_web::Error>,
+{
+    type Output = Result<Response<B>, actix_web::Error>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.project().inner.poll(cx)
+    }
+}
+
+impl<S: Service<ServiceRequest>, B> IdempotencyFuture<S, B> {
+    pub(super) fn processing(future: Processing<B>) -> Self {
+        Self {
+            inner: Either::Right(future),
+        }
+    }
+}
 
 /// Passes `req` to `service` untouched.
 fn pass_through<S, B>(service: &S, req: ServiceRequest) -> IdempotencyFuture<S, B>
 where
     S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = actix_web::Error>,
 {
-    Either::Left(
-        service
-            .call(req)
-            .map_ok(with_handler_body as fn(ServiceResponse<B>) -> Response<B>),
-    )
+    IdempotencyFuture {
+        inner: Either::Left(
+            service
+                .call(req)
+                .map_ok(with_handler_body as fn(ServiceResponse<B>) -> Response<B>),
+        ),
+    }
 }
 
 /// Answers `response` without calling the inner service.
@@ -41,11 +76,12 @@ where
     S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = actix_web::Error>,
     B: 'static,
 {
-    Either::Right(Box::pin(async move { Ok(response) }))
+    IdempotencyFuture::processing(Box::pin(async move { Ok(response) }))
 }
 
 /// Processes `req` on its own task, so the handler runs to completion and commits even when
-/// the client disconnects and Actix drops the response future.
+/// the client disconnects and Actix drops the response future. A keyed request takes a slot
+/// of the worker's workload first, or is refused with 503 when a cap is reached.
 fn process<S, B>(
     engine: Rc<Engine>,
     policy: Policy,
@@ -56,9 +92,23 @@ where
     S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = actix_web::Error> + 'static,
     B: MessageBody + 'static,
 {
-    let task = actix_rt::spawn(engine.process(policy, req, service));
-    Either::Right(Box::pin(async move {
-        task.await.map_err(|error| {
+    let slot = if req.headers().contains_key(&engine.settings.header) {
+        let Some(slot) = engine.workload.admit() else {
+            tracing::debug!("idempotency: worker at its keyed-work cap; answering 503");
+            let retry_after = engine.settings.retry_after;
+            let error = IdempotencyError::Overloaded { retry_after };
+            return answer::<S, B>(refuse(req.into_parts().0, &error));
+        };
+        Some(slot)
+    } else {
+        None
+    };
+    let client = ClientAttached::new(slot.clone());
+    let task = actix_rt::spawn(engine.process(policy, req, service, slot));
+    IdempotencyFuture::processing(Box::pin(async move {
+        let answered = task.await;
+        client.finish();
+        answered.map_err(|error| {
             tracing::error!(%error, "idempotency: request task failed");
             actix_web::error::ErrorInternalServerError("request processing failed")
         })?

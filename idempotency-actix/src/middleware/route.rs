@@ -2,7 +2,6 @@
 
 use std::future::{Ready, ready};
 use std::rc::Rc;
-use std::time::Duration;
 
 use actix_service::{Service, Transform, forward_ready};
 use actix_web::HttpMessage;
@@ -12,8 +11,7 @@ use actix_web::dev::{ServiceRequest, ServiceResponse};
 use super::{IdempotencyFuture, answer, pass_through, process};
 use crate::engine::{Claimed, EngineHandle, Response, is_safe_method, refuse, with_handler_body};
 use crate::error::IdempotencyError;
-use crate::policy::RoutePolicy;
-use futures_util::future::Either;
+use crate::policy::IdempotencyPolicy;
 
 /// Route-level idempotency: protects the route it wraps with its own policy, on the store of
 /// the [`Idempotency`](crate::Idempotency) above it.
@@ -35,7 +33,7 @@ use futures_util::future::Either;
 /// ```
 /// use std::time::Duration;
 /// use actix_web::{App, HttpResponse, web};
-/// use idempotency_actix::{Idempotency, IdempotentRoute};
+/// use idempotency_actix::{Idempotency, IdempotencyPolicy, IdempotentRoute};
 ///
 /// async fn charge() -> HttpResponse {
 ///     HttpResponse::Ok().finish()
@@ -43,13 +41,15 @@ use futures_util::future::Either;
 ///
 /// let app = App::new().wrap(Idempotency::memory()).service(
 ///     web::resource("/charges")
-///         .wrap(IdempotentRoute::new().ttl(Duration::from_secs(3600)).required())
+///         .wrap(IdempotentRoute::with_policy(
+///             IdempotencyPolicy::default().ttl(Duration::from_secs(3600)).required(),
+///         ))
 ///         .route(web::post().to(charge)),
 /// );
 /// ```
 #[derive(Debug, Clone, Default)]
 pub struct IdempotentRoute {
-    policy: RoutePolicy,
+    policy: IdempotencyPolicy,
 }
 
 impl IdempotentRoute {
@@ -59,75 +59,12 @@ impl IdempotentRoute {
     }
 
     /// Protection with `policy`'s overrides of the app's defaults.
-    pub fn with_policy(policy: RoutePolicy) -> Self {
+    pub fn with_policy(policy: IdempotencyPolicy) -> Self {
         Self { policy }
     }
 
-    /// Completed responses are replayed for `ttl` (the TTL the store holds after commit).
-    ///
-    /// # Panics
-    ///
-    /// If the duration is zero or over [`MAX_DURATION`](crate::MAX_DURATION).
-    #[must_use]
-    pub fn ttl(self, ttl: Duration) -> Self {
-        Self::with_policy(self.policy.ttl(ttl))
-    }
-
-    /// In-flight records hold the key for `lease` without renewal.
-    ///
-    /// # Panics
-    ///
-    /// If the duration is zero or over [`MAX_DURATION`](crate::MAX_DURATION).
-    #[must_use]
-    pub fn lease(self, lease: Duration) -> Self {
-        Self::with_policy(self.policy.lease(lease))
-    }
-
-    /// Requests without a key are refused with 400.
-    #[must_use]
-    pub fn required(self) -> Self {
-        Self::with_policy(self.policy.required())
-    }
-
-    /// Keyed requests may send at most `bytes` of body (413 above).
-    #[must_use]
-    pub fn max_request_body(self, bytes: usize) -> Self {
-        Self::with_policy(self.policy.max_request_body(bytes))
-    }
-
-    /// Responses larger than `bytes` are sent but not stored.
-    #[must_use]
-    pub fn max_stored_body(self, bytes: usize) -> Self {
-        Self::with_policy(self.policy.max_stored_body(bytes))
-    }
-
-    /// Responses with status >= 400 are stored and replayed too.
-    #[must_use]
-    pub fn store_errors(self) -> Self {
-        Self::with_policy(self.policy.store_errors())
-    }
-
-    /// A retry that finds the key in flight waits up to `bound` for the first request to
-    /// finish, then replays its response (409 if it is still running then).
-    ///
-    /// # Panics
-    ///
-    /// If the duration is zero or over [`MAX_DURATION`](crate::MAX_DURATION).
-    #[must_use]
-    pub fn wait_for_completion(self, bound: Duration) -> Self {
-        Self::with_policy(self.policy.wait_for_completion(bound))
-    }
-
-    /// The route is transactional: the handler writes through an
-    /// `IdempotentTransaction` that commits together with
-    /// the stored response (see [`RoutePolicy::transactional`]).
-    #[must_use]
-    pub fn transactional(self) -> Self {
-        Self::with_policy(self.policy.transactional())
-    }
-
     /// The overrides this route applies.
-    pub fn policy(&self) -> &RoutePolicy {
+    pub fn policy(&self) -> &IdempotencyPolicy {
         &self.policy
     }
 }
@@ -154,7 +91,7 @@ where
 /// The service [`IdempotentRoute`] wraps around a route.
 pub struct IdempotentRouteMiddleware<S> {
     service: Rc<S>,
-    policy: Rc<RoutePolicy>,
+    policy: Rc<IdempotencyPolicy>,
 }
 
 impl<S, B> Service<ServiceRequest> for IdempotentRouteMiddleware<S>
@@ -216,12 +153,12 @@ where
                     return answer::<S, B>(refuse(req.into_parts().0, &error));
                 }
                 lock.route_policy
-                    .replace(Some(RoutePolicy::clone(&self.policy)));
+                    .replace(Some(IdempotencyPolicy::clone(&self.policy)));
                 if lock.lease.replace(policy.lease) == policy.lease {
                     return pass_through(&*self.service, req);
                 }
                 let service = Rc::clone(&self.service);
-                Either::Right(Box::pin(async move {
+                IdempotencyFuture::processing(Box::pin(async move {
                     if let Err(error) = lock.renew().await {
                         tracing::warn!(%error, "idempotency: could not apply the route's lease");
                     }

@@ -73,6 +73,7 @@ impl LeaseToken {
 
 /// What [`IdempotencyStore::begin`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum BeginOutcome {
     /// There was no record; an in-flight record holding the caller's token now exists. Run
     /// the handler, then commit or release.

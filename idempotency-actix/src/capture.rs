@@ -1,0 +1,195 @@
+//! [`CapturingBody`]: forwards a streamed response body chunk by chunk while keeping what is
+//! to be stored, and commits the record before the response is complete.
+
+use std::error::Error as StdError;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::rc::Rc;
+use std::task::{Context, Poll, ready};
+
+use actix_web::body::{BodySize, MessageBody};
+use actix_web::web::{Bytes, BytesMut};
+use futures_util::future::LocalBoxFuture;
+
+use crate::workload::{ClientAttached, WorkSlot};
+
+/// Completes the record with the captured body, or without one (`None`).
+pub(crate) type Commit = Box<dyn FnOnce(Option<Bytes>) -> LocalBoxFuture<'static, ()>>;
+
+type Chunk = Option<Result<Bytes, Box<dyn StdError>>>;
+
+/// A streamed body on its way to the client, recorded as it passes.
+///
+/// Each chunk is forwarded as soon as the handler produces it. The record is committed
+/// before the response is complete: before the end of the stream is signalled (for a body
+/// of unknown size) or before the last chunk is delivered (for a body of known size), so a
+/// client that has the whole response and retries always gets the replay. A body that grows
+/// past `limit` is committed without a body at once and then only forwarded, so an endless
+/// stream ends its record (and its lease renewals) there. A body that fails or panics is
+/// committed without a body, and the client's response ends with the error.
+///
+/// If the client goes away first, the rest of the body is read on a task of its own, up to
+/// the limit, and committed the same way.
+pub(crate) struct CapturingBody<B: MessageBody + 'static> {
+    body: Option<Pin<Box<B>>>,
+    /// `Some` until the record is being completed.
+    recording: Option<Recording>,
+    /// The commit under way, and the chunk (or end, or error) that waits for it.
+    committing: Option<(LocalBoxFuture<'static, ()>, Chunk)>,
+    client: Option<ClientAttached>,
+}
+
+struct Recording {
+    captured: BytesMut,
+    limit: usize,
+    /// For a body of known size: how many bytes are still to come.
+    remaining: Option<u64>,
+    commit: Commit,
+}
+
+impl<B> CapturingBody<B>
+where
+    B: MessageBody + 'static,
+{
+    pub(crate) fn new(body: B, limit: usize, commit: Commit, slot: Option<Rc<WorkSlot>>) -> Self {
+        let remaining = match body.size() {
+            BodySize::Sized(size) => Some(size),
+            BodySize::None => Some(0),
+            BodySize::Stream => None,
+        };
+        Self {
+            body: Some(Box::pin(body)),
+            recording: Some(Recording {
+                captured: BytesMut::new(),
+                limit,
+                remaining,
+                commit,
+            }),
+            committing: None,
+            client: Some(ClientAttached::new(slot)),
+        }
+    }
+
+    /// Starts completing the record; `chunk` is delivered once that is done.
+    fn commit(&mut self, body: Option<Bytes>, chunk: Chunk) {
+        if let Some(recording) = self.recording.take() {
+            self.committing = Some(((recording.commit)(body), chunk));
+        }
+    }
+
+    /// What the client gets next; `None` once the response is complete.
+    fn poll_chunk(&mut self, cx: &mut Context<'_>) -> Poll<Chunk> {
+        loop {
+            if let Some((commit, _)) = &mut self.committing {
+                ready!(commit.as_mut().poll(cx));
+                let (_, chunk) = self.committing.take().unwrap_or_else(|| unreachable!());
+                return Poll::Ready(chunk);
+            }
+            let Some(body) = &mut self.body else {
+                return Poll::Ready(None);
+            };
+            let polled = std::panic::catch_unwind(AssertUnwindSafe(|| body.as_mut().poll_next(cx)));
+            let chunk: Chunk = match polled {
+                Ok(Poll::Pending) => return Poll::Pending,
+                Ok(Poll::Ready(chunk)) => chunk.map(|result| result.map_err(Into::into)),
+                Err(_panic) => {
+                    tracing::error!(
+                        "idempotency: the response body panicked; its record completes without a body"
+                    );
+                    Some(Err("the response body panicked".into()))
+                }
+            };
+            if !matches!(chunk, Some(Ok(_))) {
+                self.body = None;
+            }
+            let Some(recording) = &mut self.recording else {
+                return Poll::Ready(chunk);
+            };
+            match chunk {
+                Some(Ok(bytes)) => {
+                    if recording.captured.len() + bytes.len() > recording.limit {
+                        self.commit(None, Some(Ok(bytes)));
+                        continue;
+                    }
+                    recording.captured.extend_from_slice(&bytes);
+                    let last = recording.remaining.map(|remaining| {
+                        let remaining = remaining.saturating_sub(bytes.len() as u64);
+                        recording.remaining = Some(remaining);
+                        remaining == 0
+                    });
+                    if last == Some(true) {
+                        let captured = std::mem::take(&mut recording.captured).freeze();
+                        self.commit(Some(captured), Some(Ok(bytes)));
+                        continue;
+                    }
+                    return Poll::Ready(Some(Ok(bytes)));
+                }
+                None => {
+                    let captured = std::mem::take(&mut recording.captured).freeze();
+                    self.commit(Some(captured), None);
+                }
+                Some(Err(error)) => self.commit(None, Some(Err(error))),
+            }
+        }
+    }
+
+    /// Whether the record still waits for this body.
+    fn is_recording(&self) -> bool {
+        self.recording.is_some() || self.committing.is_some()
+    }
+}
+
+impl<B> MessageBody for CapturingBody<B>
+where
+    B: MessageBody + 'static,
+{
+    type Error = Box<dyn StdError>;
+
+    fn size(&self) -> BodySize {
+        match &self.body {
+            Some(body) => body.size(),
+            None => BodySize::Stream,
+        }
+    }
+
+    fn poll_next(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Bytes, Self::Error>>> {
+        let this = self.get_mut();
+        let chunk = ready!(this.poll_chunk(cx));
+        if !matches!(chunk, Some(Ok(_))) {
+            // The client has the whole response (or its error).
+            if let Some(client) = this.client.take() {
+                client.finish();
+            }
+        }
+        Poll::Ready(chunk)
+    }
+}
+
+impl<B: MessageBody + 'static> Drop for CapturingBody<B> {
+    fn drop(&mut self) {
+        if self.recording.is_none() && self.committing.is_none() {
+            return;
+        }
+        // The client went away before the end: read the rest (up to the limit) and commit
+        // on a task of its own, as the handler's own task would have.
+        let mut rest = Self {
+            body: self.body.take(),
+            recording: self.recording.take(),
+            committing: self.committing.take(),
+            client: None,
+        };
+        actix_rt::spawn(async move {
+            while rest.is_recording() {
+                if std::future::poll_fn(|cx| rest.poll_chunk(cx))
+                    .await
+                    .is_none()
+                {
+                    break;
+                }
+            }
+        });
+    }
+}

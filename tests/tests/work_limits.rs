@@ -1,0 +1,184 @@
+//! Issue 13 item 3: each worker caps its keyed work. Clients that send slow keyed requests
+//! and hang up cannot pile up unbounded detached handlers, and a worker at its in-flight cap
+//! answers new keyed requests with 503 and `Retry-After` at once; nothing that already
+//! started is dropped, and service resumes when the work drains. Real sockets, a private
+//! `redis-server`.
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use actix_web::http::StatusCode;
+use actix_web::{App, HttpResponse, HttpServer, web};
+use idempotency_actix::{Idempotency, IdempotentRoute, KeyScope, RedisStore};
+use idempotency_actix_tests::{Gate, PrivateRedis, RawExchange, Reply, RunCounter};
+
+async fn work(runs: web::Data<RunCounter>, gate: web::Data<Gate>) -> HttpResponse {
+    let seq = runs.record();
+    gate.wait().await;
+    HttpResponse::Created().body(format!("work {seq}"))
+}
+
+async fn quick() -> HttpResponse {
+    HttpResponse::Created().body("quick")
+}
+
+/// A one-worker server for `/work` and `/quick`, with `limits` on its `Idempotency`.
+///
+/// It does not allow half-closed connections, so a client that hangs up is noticed while
+/// its handler runs (with Actix's default, only when the response is written).
+struct Served {
+    addr: std::net::SocketAddr,
+    handle: actix_web::dev::ServerHandle,
+    client: awc::Client,
+}
+
+fn start(
+    redis: &PrivateRedis,
+    runs: &RunCounter,
+    gate: &Gate,
+    limits: fn(Idempotency) -> Idempotency,
+) -> Served {
+    let pool = RedisStore::pool(&redis.url()).unwrap();
+    let (runs, gate) = (runs.clone(), gate.clone());
+    let server = HttpServer::new(move || {
+        let idempotency = Idempotency::redis(pool.clone()).scope(KeyScope::global());
+        App::new()
+            .app_data(web::Data::new(runs.clone()))
+            .app_data(web::Data::new(gate.clone()))
+            .wrap(limits(idempotency))
+            .service(
+                web::resource("/work")
+                    .wrap(IdempotentRoute::new())
+                    .route(web::post().to(work)),
+            )
+            .service(
+                web::resource("/quick")
+                    .wrap(IdempotentRoute::new())
+                    .route(web::post().to(quick)),
+            )
+    })
+    .workers(1)
+    .h1_allow_half_closed(false)
+    .bind(("127.0.0.1", 0))
+    .unwrap();
+    let addr = server.addrs()[0];
+    let server = server.run();
+    let handle = server.handle();
+    actix_rt::spawn(server);
+    Served {
+        addr,
+        handle,
+        client: awc::Client::default(),
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        drop(self.handle.stop(false));
+    }
+}
+
+async fn post(server: &Served, path: &str, key: Option<&str>) -> Reply {
+    let mut request = server.client.post(format!("http://{}{path}", server.addr));
+    if let Some(key) = key {
+        request = request.insert_header(("idempotency-key", key));
+    }
+    Reply::read(request.send().await.unwrap()).await.unwrap()
+}
+
+fn assert_overloaded(reply: &Reply) {
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE, "{reply:?}");
+    assert_eq!(reply.header("retry-after"), Some("1"));
+    assert_eq!(
+        reply.json()["type"],
+        "tag:idempotency-actix,2026:overloaded"
+    );
+}
+
+/// Sends `key` to `path` until it is neither 409 (its first request still running) nor 503
+/// (the worker still busy), at most 500 times.
+async fn once_settled(server: &Served, path: &str, key: &str) -> Reply {
+    for _ in 0..500 {
+        let reply = post(server, path, Some(key)).await;
+        if ![StatusCode::CONFLICT, StatusCode::SERVICE_UNAVAILABLE].contains(&reply.status) {
+            return reply;
+        }
+        actix_rt::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("{key} stayed in flight");
+}
+
+#[actix_rt::test]
+async fn clients_that_hang_up_cannot_pile_up_detached_work() {
+    let redis = PrivateRedis::start().await;
+    let (runs, gate) = (RunCounter::default(), Gate::default());
+    let server = start(&redis, &runs, &gate, |i| i.max_detached(2));
+
+    // Two slow keyed requests whose clients hang up while the handlers run.
+    let hung_up: Vec<RawExchange> = ["gone-1", "gone-2"]
+        .iter()
+        .map(|key| RawExchange::post(server.addr, "/work", &[("Idempotency-Key", key)]))
+        .collect();
+    runs.wait_for(2).await;
+    drop(hung_up);
+
+    // Once the worker noticed, new keyed requests are refused at once instead of piling up.
+    let mut refused = None;
+    for attempt in 0..500 {
+        let reply = post(&server, "/quick", Some(&format!("probe-{attempt}"))).await;
+        if reply.status != StatusCode::CREATED {
+            refused = Some(reply);
+            break;
+        }
+        actix_rt::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_overloaded(&refused.expect("the detached cap never applied"));
+    assert_overloaded(&post(&server, "/quick", Some("another")).await);
+    // Requests without a key are not protected work and still run.
+    assert_eq!(
+        post(&server, "/quick", None).await.status,
+        StatusCode::CREATED
+    );
+
+    // The detached handlers were never dropped: they finish, commit, and service resumes.
+    gate.open();
+    for key in ["gone-1", "gone-2"] {
+        let retry = once_settled(&server, "/work", key).await;
+        assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+        assert!(retry.is_replay(), "{key} was not committed: {retry:?}");
+    }
+    assert_eq!(runs.get(), 2);
+    let resumed = once_settled(&server, "/quick", "after").await;
+    assert_eq!(resumed.status, StatusCode::CREATED, "{resumed:?}");
+}
+
+#[actix_rt::test]
+async fn a_worker_at_its_in_flight_cap_answers_503_at_once() {
+    let redis = PrivateRedis::start().await;
+    let (runs, gate) = (RunCounter::default(), Gate::default());
+    let server = start(&redis, &runs, &gate, |i| i.max_in_flight(2));
+
+    let mut running: Vec<RawExchange> = ["busy-1", "busy-2"]
+        .iter()
+        .map(|key| RawExchange::post(server.addr, "/work", &[("Idempotency-Key", key)]))
+        .collect();
+    runs.wait_for(2).await;
+
+    assert_overloaded(&post(&server, "/quick", Some("third")).await);
+    assert_eq!(
+        post(&server, "/quick", None).await.status,
+        StatusCode::CREATED
+    );
+
+    // Nothing that started is dropped: both answer, and the next keyed request runs.
+    gate.open();
+    for exchange in &mut running {
+        assert_eq!(exchange.read_head().status, 201);
+    }
+    drop(running);
+    let next = once_settled(&server, "/quick", "third").await;
+    assert_eq!(next.status, StatusCode::CREATED, "{next:?}");
+    assert!(!next.is_replay(), "a refused request was never stored");
+    assert_eq!(runs.get(), 2);
+}
