@@ -1,6 +1,8 @@
 //! Shared helpers of the end-to-end tests: Redis connections with clear failure messages,
 //! unique key prefixes, and handler-run counters.
 
+pub mod cluster;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
