@@ -15,6 +15,7 @@
 //! * `IDEMPOTENCY_PREFIX` [`idempotency:`]: prefix of every storage key, so apps or test runs
 //!   sharing one Redis stay apart.
 //! * `WORKERS` [one per core]: the number of Actix workers.
+//! * `REPLAY_CACHE` [`off`] or `on`: answer replays from a 64 MiB in-process replay cache.
 //!
 //! Once it accepts connections it prints `listening on http://ADDR` (one line per bound
 //! address, with the real port) on stdout. An invalid variable is reported on stderr and

@@ -25,6 +25,7 @@ use crate::key::IdempotencyKey;
 use crate::policy::{Policy, RoutePolicy};
 use crate::record::StoredResponse;
 use crate::replay::{ReplayedHeaders, replay_response};
+use crate::replay_cache::ReplayCache;
 use crate::scope::{KeyScope, StorageKey};
 use crate::store::{BeginOutcome, DynStore, LeaseToken, StoreError};
 
@@ -60,6 +61,7 @@ pub(crate) struct Settings {
     pub(crate) store_timeout: Duration,
     pub(crate) retry_after: Duration,
     pub(crate) defaults: Policy,
+    pub(crate) replay_cache: Option<ReplayCache>,
 }
 
 impl Default for Settings {
@@ -74,6 +76,7 @@ impl Default for Settings {
             store_timeout: Duration::from_secs(2),
             retry_after: Duration::from_secs(1),
             defaults: Policy::default(),
+            replay_cache: None,
         }
     }
 }
@@ -246,7 +249,9 @@ impl Engine {
         }
     }
 
-    /// `begin`, repeated while the key is in flight and the policy allows waiting.
+    /// `begin`, repeated while the key is in flight and the policy allows waiting; answered
+    /// from the replay cache when it holds the record, and a completed record found in the
+    /// store is cached.
     async fn begin_or_wait(
         &self,
         storage_key: &StorageKey,
@@ -254,6 +259,10 @@ impl Engine {
         token: &LeaseToken,
         policy: &Policy,
     ) -> Result<BeginOutcome, StoreError> {
+        let cache = self.settings.replay_cache.as_ref();
+        if let Some(cached) = cache.and_then(|cache| cache.lookup(storage_key, fingerprint)) {
+            return Ok(cached);
+        }
         let deadline = policy
             .wait_for_completion
             .map(|bound| Instant::now() + bound);
@@ -265,14 +274,20 @@ impl Engine {
                         .begin(storage_key, fingerprint, token, policy.lease),
                 )
                 .await;
-            match (&begun, deadline) {
-                (Ok(BeginOutcome::InFlight), Some(deadline))
+            match (begun, deadline) {
+                (Ok((BeginOutcome::InFlight, _)), Some(deadline))
                     if Instant::now() + pause < deadline =>
                 {
                     actix_rt::time::sleep(pause).await;
                     pause = (pause * 2).min(Duration::from_millis(250));
                 }
-                _ => return begun,
+                (Ok((BeginOutcome::Completed(response), Some(remaining))), _) => {
+                    if let Some(cache) = cache {
+                        cache.insert(storage_key, *fingerprint, response.clone(), remaining);
+                    }
+                    return Ok(BeginOutcome::Completed(response));
+                }
+                (begun, _) => return begun.map(|(outcome, _)| outcome),
             }
         }
     }

@@ -113,6 +113,7 @@ mod middleware;
 mod policy;
 mod record;
 mod replay;
+mod replay_cache;
 mod scope;
 mod store;
 
@@ -132,6 +133,7 @@ pub use policy::{
 };
 pub use record::{RECORD_VERSION, RecordError, StoredResponse};
 pub use replay::{BODY_OMITTED_HEADER, REPLAYED_HEADER, ReplayedHeaders};
+pub use replay_cache::ReplayCache;
 pub use scope::{KeyScope, StorageKey};
 pub use store::{BeginOutcome, IdempotencyStore, LeaseToken, MemoryStore, StoreError};
 #[cfg(feature = "redis")]

@@ -174,13 +174,15 @@ async fn soak_with_duplicates_and_redis_faults() {
     let mut connection = redis.connection().await;
     let mut in_flight = 0;
     for key in keys_under(&mut connection, &prefix).await {
-        let state: Option<String> = redis::cmd("HGET")
+        // The record's second byte is its state (`i` in flight, `c` completed).
+        let state: Vec<u8> = redis::cmd("GETRANGE")
             .arg(&key)
-            .arg("s")
+            .arg(1)
+            .arg(1)
             .query_async(&mut connection)
             .await
             .unwrap();
-        if state.as_deref() == Some("i") {
+        if state == b"i" {
             in_flight += 1;
         }
     }

@@ -488,26 +488,23 @@ async fn a_record_of_another_version_is_never_taken_over() {
         },
     )
     .await;
-    // An instance of a future version holds this key (as `send` will ask for it).
+    // An instance of a future version holds this key (as `send` will ask for it): a record
+    // of format 99, whose header (format, state, fingerprint, token) has the layout of
+    // every format, followed by whatever that format adds.
     let key = idempotency_actix::IdempotencyKey::parse(b"rolling").unwrap();
     let storage_key = StorageKey::new(&prefix, b"", &key);
     let fingerprint = Fingerprint::compute(&Method::POST, "/orders", "", b"{\"item\":\"x\"}", []);
+    let token = b"another-instance";
+    let mut record = vec![99, b'i'];
+    record.extend_from_slice(fingerprint.as_bytes());
+    record.push(token.len() as u8);
+    record.extend_from_slice(token);
+    record.extend_from_slice(b"fields of a later format");
     let mut connection = redis_connection().await;
-    let _: () = redis::cmd("HSET")
+    let _: () = redis::cmd("SET")
         .arg(storage_key.as_str())
-        .arg("v")
-        .arg("99")
-        .arg("f")
-        .arg(fingerprint.as_bytes().as_slice())
-        .arg("s")
-        .arg("i")
-        .arg("t")
-        .arg("another-instance")
-        .query_async(&mut connection)
-        .await
-        .unwrap();
-    let _: () = redis::cmd("PEXPIRE")
-        .arg(storage_key.as_str())
+        .arg(&record)
+        .arg("PX")
         .arg(30_000)
         .query_async(&mut connection)
         .await
@@ -518,5 +515,45 @@ async fn a_record_of_another_version_is_never_taken_over() {
         runs.get(),
         0,
         "another version's in-flight record is in flight"
+    );
+
+    // Completed by that version: its response cannot be read here, so 503, never a rerun.
+    record[1] = b'c';
+    let _: () = redis::cmd("SET")
+        .arg(storage_key.as_str())
+        .arg(&record)
+        .arg("PX")
+        .arg(30_000)
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let (status, _, _) = send(&server, Method::POST, "/orders", Some("rolling")).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+
+    // A record in the hash format of earlier development builds: unreadable, 503, never a
+    // second run.
+    let old = idempotency_actix::IdempotencyKey::parse(b"hash-format").unwrap();
+    let old_key = StorageKey::new(&prefix, b"", &old);
+    let _: () = redis::cmd("HSET")
+        .arg(old_key.as_str())
+        .arg("v")
+        .arg("1")
+        .arg("s")
+        .arg("c")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("PEXPIRE")
+        .arg(old_key.as_str())
+        .arg(30_000)
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let (status, _, _) = send(&server, Method::POST, "/orders", Some("hash-format")).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        runs.get(),
+        0,
+        "no record of another format is ever taken over"
     );
 }

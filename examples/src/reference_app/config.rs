@@ -20,6 +20,7 @@ pub const PROTECTABLE_METHODS: [Method; 4] =
 /// | `IDEMPOTENCY_METHODS` | comma-separated methods whose untagged routes are protected too, e.g. `POST,PATCH` | none |
 /// | `IDEMPOTENCY_PREFIX` | prefix of every storage key, to keep apps or test runs apart on one Redis | the crate's (`idempotency:`) |
 /// | `WORKERS` | number of Actix workers | Actix's default (one per core) |
+/// | `REPLAY_CACHE` | `on`: answer replays from an in-process [`ReplayCache`](idempotency_actix::ReplayCache) of 64 MiB | `off` |
 ///
 /// An empty variable counts as unset.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,6 +37,8 @@ pub struct ServerConfig {
     pub key_prefix: Option<String>,
     /// `WORKERS`.
     pub workers: Option<NonZeroUsize>,
+    /// `REPLAY_CACHE`: whether completed records are cached in process.
+    pub replay_cache: bool,
 }
 
 impl Default for ServerConfig {
@@ -47,6 +50,7 @@ impl Default for ServerConfig {
             protect_methods: Vec::new(),
             key_prefix: None,
             workers: None,
+            replay_cache: false,
         }
     }
 }
@@ -117,13 +121,18 @@ impl ServerConfig {
         config.redis_url = var("REDIS_URL", "a Redis URL such as redis://127.0.0.1:6379")?;
 
         const SWITCH: &str = "on or off";
-        if let Some(value) = var("IDEMPOTENCY", SWITCH)? {
-            config.idempotency = match value.to_ascii_lowercase().as_str() {
-                "on" => true,
-                "off" => false,
-                _ => return Err(invalid("IDEMPOTENCY", &value, SWITCH)),
-            };
-        }
+        let switch = |variable: &'static str, default: bool| -> Result<bool, ConfigError> {
+            match var(variable, SWITCH)? {
+                None => Ok(default),
+                Some(value) => match value.to_ascii_lowercase().as_str() {
+                    "on" => Ok(true),
+                    "off" => Ok(false),
+                    _ => Err(invalid(variable, &value, SWITCH)),
+                },
+            }
+        };
+        config.idempotency = switch("IDEMPOTENCY", true)?;
+        config.replay_cache = switch("REPLAY_CACHE", false)?;
 
         let methods_expected = format!(
             "a comma-separated list of {}",
@@ -187,6 +196,7 @@ mod tests {
             ("IDEMPOTENCY_METHODS", "post, patch,POST"),
             ("IDEMPOTENCY_PREFIX", "test:"),
             ("WORKERS", "2"),
+            ("REPLAY_CACHE", "on"),
         ])
         .expect("valid");
         assert_eq!(config.bind, "127.0.0.1:0");
@@ -195,6 +205,7 @@ mod tests {
         assert_eq!(config.protect_methods, [Method::POST, Method::PATCH]);
         assert_eq!(config.key_prefix.as_deref(), Some("test:"));
         assert_eq!(config.workers.map(NonZeroUsize::get), Some(2));
+        assert!(config.replay_cache);
     }
 
     #[test]
@@ -209,6 +220,7 @@ mod tests {
     fn refuses_invalid_values_naming_the_variable() {
         for (variable, value) in [
             ("IDEMPOTENCY", "maybe"),
+            ("REPLAY_CACHE", "yes"),
             ("IDEMPOTENCY_METHODS", "POST,GET"),
             ("IDEMPOTENCY_METHODS", "PSOT"),
             ("WORKERS", "0"),

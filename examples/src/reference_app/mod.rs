@@ -21,10 +21,13 @@ use std::net::SocketAddr;
 
 use actix_web::dev::Server;
 use actix_web::{App, HttpServer, web};
-use idempotency_actix::{Idempotency, RedisPool, RedisStore};
+use idempotency_actix::{Idempotency, RedisPool, RedisStore, ReplayCache};
 
 pub use self::config::{ConfigError, PROTECTABLE_METHODS, ServerConfig};
 pub use self::routes::{Counters, MAX_LARGE_BYTES, NewOrder, Stats};
+
+/// The size of the replay cache with `REPLAY_CACHE=on`.
+pub const REPLAY_CACHE_BYTES: u64 = 64 * 1024 * 1024;
 
 /// The store the reference app runs on.
 #[derive(Clone)]
@@ -136,6 +139,10 @@ pub async fn start(config: &ServerConfig) -> Result<Running, StartError> {
         let counters = counters.clone();
         let methods = config.protect_methods.clone();
         let prefix = config.key_prefix.clone();
+        // One cache for the process, shared by every worker.
+        let replay_cache = config
+            .replay_cache
+            .then(|| ReplayCache::with_max_bytes(REPLAY_CACHE_BYTES));
         serve!(HttpServer::new(move || {
             let mut idempotency = match &store {
                 Store::Memory => Idempotency::memory(),
@@ -143,6 +150,9 @@ pub async fn start(config: &ServerConfig) -> Result<Running, StartError> {
             };
             if let Some(prefix) = &prefix {
                 idempotency = idempotency.key_prefix(prefix.clone());
+            }
+            if let Some(cache) = &replay_cache {
+                idempotency = idempotency.replay_cache(cache.clone());
             }
             App::new()
                 .app_data(counters.clone())
@@ -188,8 +198,13 @@ fn summary(config: &ServerConfig, store: &Store) -> String {
     let workers = config
         .workers
         .map_or_else(|| "default".to_owned(), |n| n.to_string());
+    let cache = if config.replay_cache {
+        ", replay cache on"
+    } else {
+        ""
+    };
     format!(
-        "{}, protecting {methods}, key prefix {prefix:?}, workers {workers}",
+        "{}, protecting {methods}, key prefix {prefix:?}, workers {workers}{cache}",
         store.describe()
     )
 }

@@ -16,6 +16,7 @@ use crate::engine::{Claimed, Engine, EngineHandle, FailMode, Response, Settings,
 use crate::fingerprint::FingerprintParts;
 use crate::policy::checked;
 use crate::replay::ReplayedHeaders;
+use crate::replay_cache::ReplayCache;
 use crate::scope::KeyScope;
 use crate::store::{DynStore, IdempotencyStore, MemoryStore};
 
@@ -212,6 +213,26 @@ impl Idempotency {
     #[must_use]
     pub fn wait_for_completion(mut self, bound: Duration) -> Self {
         self.settings.defaults.wait_for_completion = Some(checked(bound));
+        self
+    }
+
+    /// Answers replays from `cache`, in process, when it holds the completed record (no
+    /// store round trip), and caches the completed records the store returns, each for the
+    /// rest of its TTL. Off by default; see [`ReplayCache`] for what it trades.
+    ///
+    /// Pass a clone of one cache to every worker's `Idempotency` so they share it.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::{Idempotency, ReplayCache};
+    ///
+    /// let cache = ReplayCache::with_max_bytes(32 * 1024 * 1024);
+    /// let idempotency = Idempotency::memory().replay_cache(cache.clone());
+    /// ```
+    #[must_use]
+    pub fn replay_cache(mut self, cache: ReplayCache) -> Self {
+        self.settings.replay_cache = Some(cache);
         self
     }
 

@@ -46,9 +46,15 @@ pub use self::redis::{RedisPool, RedisStore};
 pub struct LeaseToken(String);
 
 impl LeaseToken {
-    /// A fresh random token (a v4 UUID).
+    /// A fresh random token: 128 bits from the thread's cryptographically secure generator,
+    /// as 32 lowercase hex digits.
+    ///
+    /// The generator (`rand`'s thread-local ChaCha, seeded from the operating system and
+    /// reseeded periodically) makes no system call per token, so tokens are cheap, unique
+    /// and unguessable.
     pub fn generate() -> Self {
-        Self(uuid::Uuid::new_v4().simple().to_string())
+        let bits: u128 = rand::random();
+        Self(format!("{bits:032x}"))
     }
 
     /// The token as stores keep it.
@@ -130,6 +136,25 @@ pub trait IdempotencyStore: 'static {
         lease: Duration,
     ) -> impl Future<Output = Result<BeginOutcome, StoreError>>;
 
+    /// [`begin`](Self::begin), plus, when the record found is completed, how much longer the
+    /// store keeps it (`None`: unknown).
+    ///
+    /// The [`ReplayCache`](crate::ReplayCache) keeps a completed record in process no longer
+    /// than that, so a store that knows it in the same round trip should override this. The
+    /// default calls `begin` and knows no lifetime: nothing from such a store is cached.
+    fn begin_with_remaining_ttl(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        token: &LeaseToken,
+        lease: Duration,
+    ) -> impl Future<Output = Result<(BeginOutcome, Option<Duration>), StoreError>> {
+        async move {
+            let outcome = self.begin(key, fingerprint, token, lease).await?;
+            Ok((outcome, None))
+        }
+    }
+
     /// Extends the lease to `lease` from now; `false` if `token` no longer holds it.
     fn renew(
         &self,
@@ -165,7 +190,7 @@ pub(crate) trait DynStore {
         fingerprint: &'a Fingerprint,
         token: &'a LeaseToken,
         lease: Duration,
-    ) -> LocalBoxFuture<'a, Result<BeginOutcome, StoreError>>;
+    ) -> LocalBoxFuture<'a, Result<(BeginOutcome, Option<Duration>), StoreError>>;
 
     fn renew<'a>(
         &'a self,
@@ -196,8 +221,8 @@ impl<T: IdempotencyStore> DynStore for T {
         fingerprint: &'a Fingerprint,
         token: &'a LeaseToken,
         lease: Duration,
-    ) -> LocalBoxFuture<'a, Result<BeginOutcome, StoreError>> {
-        Box::pin(IdempotencyStore::begin(
+    ) -> LocalBoxFuture<'a, Result<(BeginOutcome, Option<Duration>), StoreError>> {
+        Box::pin(IdempotencyStore::begin_with_remaining_ttl(
             self,
             key,
             fingerprint,

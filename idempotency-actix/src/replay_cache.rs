@@ -1,0 +1,220 @@
+//! [`ReplayCache`]: completed records kept in process, so a replay costs no store round trip.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::fingerprint::Fingerprint;
+use crate::record::StoredResponse;
+use crate::scope::StorageKey;
+use crate::store::BeginOutcome;
+
+/// An opt-in, in-process cache of completed records: a retry whose record is cached is
+/// answered without asking the store (no round trip, no store CPU).
+///
+/// A completed record never changes, so a cached copy answers exactly what the store would:
+/// the same status, headers and body with `Idempotent-Replayed: true`, and 422 for a request
+/// with another fingerprint. In-flight records are never cached: a key that is not cached
+/// goes to the store as usual, and a completed record found there is cached for the rest of
+/// its TTL (as the store reports it), never longer.
+///
+/// What it trades:
+///
+/// * memory in every instance, bounded by `max_bytes` (bodies, headers and keys; the least
+///   useful entries are evicted first);
+/// * a record deleted from the store by hand (an operator, `DEL` in Redis) stays replayable
+///   from the caches that hold it until its TTL runs out. (Records expire by their TTL
+///   everywhere; the TTL of a Redis record is computed from the clock of the instance that
+///   committed it, so clocks should agree to within a small fraction of the TTL.)
+///
+/// Clones share one cache: create it once, outside `HttpServer::new`, and pass a clone to
+/// every worker's [`Idempotency`](crate::Idempotency). Use one cache per store.
+///
+/// # Examples
+///
+/// ```
+/// use actix_web::{App, HttpServer};
+/// use idempotency_actix::{Idempotency, ReplayCache};
+///
+/// let cache = ReplayCache::with_max_bytes(64 * 1024 * 1024);
+/// let server = HttpServer::new(move || {
+///     App::new().wrap(Idempotency::memory().replay_cache(cache.clone()))
+/// });
+/// ```
+#[derive(Clone)]
+pub struct ReplayCache {
+    entries: moka::sync::Cache<String, Arc<Entry>>,
+    max_bytes: u64,
+}
+
+/// One cached completed record.
+struct Entry {
+    fingerprint: Fingerprint,
+    response: StoredResponse,
+    /// How long the store keeps the record from when it was cached.
+    remaining: Duration,
+}
+
+/// What an entry costs besides its key, headers and body (its allocations and the cache's
+/// own bookkeeping, roughly).
+const ENTRY_OVERHEAD: usize = 160;
+
+impl Entry {
+    fn weight(&self, key: &str) -> u32 {
+        let headers: usize = self
+            .response
+            .headers
+            .iter()
+            .map(|(name, value)| name.as_str().len() + value.len() + 32)
+            .sum();
+        let body = self.response.body.as_ref().map_or(0, |body| body.len());
+        u32::try_from(ENTRY_OVERHEAD + key.len() + headers + body).unwrap_or(u32::MAX)
+    }
+}
+
+/// Each entry lives for the rest of its record's TTL.
+struct RemainingTtl;
+
+impl moka::Expiry<String, Arc<Entry>> for RemainingTtl {
+    fn expire_after_create(
+        &self,
+        _key: &String,
+        entry: &Arc<Entry>,
+        _created_at: Instant,
+    ) -> Option<Duration> {
+        Some(entry.remaining)
+    }
+}
+
+impl ReplayCache {
+    /// A cache that holds at most about `max_bytes` of records (bodies, headers and keys).
+    pub fn with_max_bytes(max_bytes: u64) -> Self {
+        Self {
+            entries: moka::sync::Cache::builder()
+                .max_capacity(max_bytes)
+                .weigher(|key: &String, entry: &Arc<Entry>| entry.weight(key))
+                .expire_after(RemainingTtl)
+                .build(),
+            max_bytes,
+        }
+    }
+
+    /// The bound given to [`with_max_bytes`](Self::with_max_bytes).
+    pub fn max_bytes(&self) -> u64 {
+        self.max_bytes
+    }
+
+    /// The cached answer for a request with `fingerprint` under `key`: a replay, or a
+    /// mismatch; `None` when the record is not cached.
+    pub(crate) fn lookup(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+    ) -> Option<BeginOutcome> {
+        let entry = self.entries.get(key.as_str())?;
+        Some(if entry.fingerprint == *fingerprint {
+            BeginOutcome::Completed(entry.response.clone())
+        } else {
+            BeginOutcome::FingerprintMismatch
+        })
+    }
+
+    /// Caches a completed record that the store keeps for `remaining` more.
+    pub(crate) fn insert(
+        &self,
+        key: &StorageKey,
+        fingerprint: Fingerprint,
+        response: StoredResponse,
+        remaining: Duration,
+    ) {
+        if remaining.is_zero() {
+            return;
+        }
+        let entry = Entry {
+            fingerprint,
+            response,
+            remaining,
+        };
+        self.entries
+            .insert(key.as_str().to_owned(), Arc::new(entry));
+    }
+}
+
+impl std::fmt::Debug for ReplayCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReplayCache")
+            .field("max_bytes", &self.max_bytes)
+            .field("entries", &self.entries.entry_count())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use actix_web::http::StatusCode;
+    use actix_web::web::Bytes;
+
+    use super::*;
+    use crate::key::IdempotencyKey;
+
+    fn key(name: &str) -> StorageKey {
+        StorageKey::new(
+            "test:",
+            b"",
+            &IdempotencyKey::parse(name.as_bytes()).unwrap(),
+        )
+    }
+
+    fn response(body: &'static [u8]) -> StoredResponse {
+        StoredResponse {
+            status: StatusCode::CREATED,
+            headers: Vec::new(),
+            body: Some(Bytes::from_static(body)),
+        }
+    }
+
+    #[test]
+    fn a_cached_record_replays_for_its_fingerprint_and_mismatches_for_another() {
+        let cache = ReplayCache::with_max_bytes(1 << 20);
+        let print = Fingerprint::from_bytes([1; 32]);
+        assert_eq!(cache.lookup(&key("a"), &print), None);
+        cache.insert(&key("a"), print, response(b"one"), Duration::from_secs(60));
+        assert_eq!(
+            cache.lookup(&key("a"), &print),
+            Some(BeginOutcome::Completed(response(b"one")))
+        );
+        assert_eq!(
+            cache.lookup(&key("a"), &Fingerprint::from_bytes([2; 32])),
+            Some(BeginOutcome::FingerprintMismatch)
+        );
+    }
+
+    #[test]
+    fn an_entry_is_gone_once_its_ttl_has_passed() {
+        let cache = ReplayCache::with_max_bytes(1 << 20);
+        let print = Fingerprint::from_bytes([1; 32]);
+        cache.insert(
+            &key("a"),
+            print,
+            response(b"one"),
+            Duration::from_millis(30),
+        );
+        cache.insert(&key("b"), print, response(b"two"), Duration::ZERO);
+        std::thread::sleep(Duration::from_millis(60));
+        assert_eq!(cache.lookup(&key("a"), &print), None);
+        assert_eq!(cache.lookup(&key("b"), &print), None);
+    }
+
+    #[test]
+    fn a_record_larger_than_the_cache_is_not_kept() {
+        let cache = ReplayCache::with_max_bytes(100);
+        let print = Fingerprint::from_bytes([1; 32]);
+        cache.insert(
+            &key("a"),
+            print,
+            response(&[0; 1000]),
+            Duration::from_secs(60),
+        );
+        cache.entries.run_pending_tasks();
+        assert_eq!(cache.lookup(&key("a"), &print), None);
+    }
+}

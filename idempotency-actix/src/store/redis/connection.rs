@@ -1,0 +1,133 @@
+//! [`SharedConnection`]: one multiplexed connection, taken from the bb8 pool and shared by
+//! every request of a store, replaced when its socket dies.
+//!
+//! A bb8 pool hands a connection to one user at a time, so requests that each hold a pooled
+//! connection for their command never share a write. A redis-rs multiplexed connection
+//! carries any number of requests at once and writes all that are queued in one go; cloning
+//! it is cheap. So the store takes a connection from the pool once, keeps a clone, and gives
+//! the pool slot back at once: the commands of concurrent requests coalesce on it.
+
+use std::sync::Mutex;
+
+use futures_util::lock::Mutex as AsyncMutex;
+use redis::Value;
+use redis::aio::MultiplexedConnection;
+
+use super::RedisPool;
+use super::protocol::{self, Request};
+use crate::store::StoreError;
+
+/// The connection a store shares between its requests.
+pub(super) struct SharedConnection {
+    pool: RedisPool,
+    current: Mutex<Option<Generation>>,
+    /// Held while a connection is made, so concurrent requests wait for one connection
+    /// instead of each making their own.
+    connecting: AsyncMutex<()>,
+}
+
+/// A connection and a number that tells it apart from the one it replaced.
+#[derive(Clone)]
+struct Generation {
+    connection: MultiplexedConnection,
+    number: u64,
+}
+
+impl SharedConnection {
+    pub(super) fn new(pool: RedisPool) -> Self {
+        Self {
+            pool,
+            current: Mutex::new(None),
+            connecting: AsyncMutex::new(()),
+        }
+    }
+
+    pub(super) fn pool(&self) -> &RedisPool {
+        &self.pool
+    }
+
+    /// Sends `request`; if the connection turns out dead, replaces it and sends once more
+    /// (every request of the protocol is safe to send twice).
+    pub(super) async fn send(&self, request: &Request) -> Result<Value, StoreError> {
+        let Generation {
+            mut connection,
+            number,
+        } = self.connection().await?;
+        match request.send(&mut connection).await {
+            Ok(value) => Ok(value),
+            // A multiplexed connection whose socket died stays dead, and bb8-redis never
+            // reports it broken. A timeout is not a dead connection (the reply may still
+            // come): no retry.
+            Err(error)
+                if !error.is_timeout()
+                    && (error.is_unrecoverable_error() || error.is_io_error()) =>
+            {
+                tracing::debug!(%error, "idempotency: Redis connection lost; reconnecting");
+                let mut connection = self.replace(number).await?;
+                request
+                    .send(&mut connection)
+                    .await
+                    .map_err(protocol::store_error)
+            }
+            Err(error) => Err(protocol::store_error(error)),
+        }
+    }
+
+    fn current(&self) -> Option<Generation> {
+        self.current
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    fn set(&self, connection: MultiplexedConnection) -> Generation {
+        let mut current = self
+            .current
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let number = current.as_ref().map_or(0, |old| old.number + 1);
+        let generation = Generation { connection, number };
+        *current = Some(generation.clone());
+        generation
+    }
+
+    /// The shared connection; the first call takes it from the pool (bounded by the pool's
+    /// connection timeout, and failing while every slot is held).
+    async fn connection(&self) -> Result<Generation, StoreError> {
+        if let Some(current) = self.current() {
+            return Ok(current);
+        }
+        let _connecting = self.connecting.lock().await;
+        if let Some(current) = self.current() {
+            return Ok(current);
+        }
+        let pooled = self.pool.get().await.map_err(unavailable)?;
+        let connection = (*pooled).clone();
+        drop(pooled);
+        Ok(self.set(connection))
+    }
+
+    /// Replaces the connection of generation `dead` (unless another request already did)
+    /// with a fresh one, in its pool slot too, so the pool never hands the dead one out again.
+    async fn replace(&self, dead: u64) -> Result<MultiplexedConnection, StoreError> {
+        let _connecting = self.connecting.lock().await;
+        if let Some(current) = self.current()
+            && current.number != dead
+        {
+            return Ok(current.connection);
+        }
+        let mut pooled = self.pool.get().await.map_err(unavailable)?;
+        *pooled = self
+            .pool
+            .dedicated_connection()
+            .await
+            .map_err(unavailable)?;
+        let connection = (*pooled).clone();
+        drop(pooled);
+        Ok(self.set(connection).connection)
+    }
+}
+
+fn unavailable(error: impl std::error::Error + Send + Sync + 'static) -> StoreError {
+    StoreError::Unavailable(Box::new(error))
+}

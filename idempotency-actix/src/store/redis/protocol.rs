@@ -1,0 +1,254 @@
+//! The Redis protocol of the store: the command or script of each step and the decoding of
+//! its reply, independent of the connection that carries them (any
+//! [`redis::aio::ConnectionLike`]: a server's multiplexed connection, a cluster connection).
+//!
+//! | step | what Redis runs | cost inside Redis |
+//! |---|---|---|
+//! | `begin` | `SET key <in-flight record> NX PX lease GET` | one plain command |
+//! | `commit` | script: `GETRANGE` of the header, then `SET key <completed record> PX ttl` | one short script |
+//! | `renew` | script: `GETRANGE` of the header, then `PEXPIRE` | one short script |
+//! | `release` | script: `GETRANGE` of the header, then `DEL` | one short script |
+//!
+//! `begin` needs no script: `SET … NX … GET` (Redis ≥ 7.0) creates the in-flight record or
+//! returns the record that is there, and the caller decides from it (its own token: a retry
+//! after a lost reply; another fingerprint: mismatch; in flight: conflict; completed:
+//! replay). The other steps are fenced by the token, a compare-and-write that only a script
+//! does atomically on Redis 7.0; each reads the fixed-size header with `GETRANGE`, never
+//! the stored body.
+//!
+//! Every request touches one key and is safe to send twice with the same arguments (a
+//! retry after a connection dropped before the reply came): a repeated `begin` finds its
+//! own token and acquires, a repeated `commit` finds the record completed by its token and
+//! answers success without writing, `renew` and `release` compare the token first.
+
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use redis::{Script, ScriptInvocation, Value};
+
+use super::record::{self, Found};
+use crate::fingerprint::Fingerprint;
+use crate::record::StoredResponse;
+use crate::scope::StorageKey;
+use crate::store::{BeginOutcome, LeaseToken, StoreError};
+
+/// One step, ready to be sent on any connection.
+pub(crate) enum Request {
+    /// A plain command.
+    Command(redis::Cmd),
+    /// A script, sent as `EVALSHA` (and loaded first if the server does not know it).
+    Script(ScriptInvocation<'static>),
+}
+
+impl Request {
+    /// Sends the request on `connection` and returns the raw reply.
+    pub(crate) async fn send(
+        &self,
+        connection: &mut impl redis::aio::ConnectionLike,
+    ) -> redis::RedisResult<Value> {
+        match self {
+            Self::Command(command) => command.query_async(connection).await,
+            Self::Script(invocation) => invocation.invoke_async(connection).await,
+        }
+    }
+}
+
+// Lua strings are 1-based: the token field (length byte, then the token) starts at byte
+// TOKEN_OFFSET + 1, and the state is byte 2. `GETRANGE` of a missing key is "".
+
+static COMMIT: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+local head = redis.call('GETRANGE', KEYS[1], 0, 33 + #ARGV[1])
+if string.sub(head, 35) ~= ARGV[1] then return 0 end
+if string.byte(head, 2) == 99 then return 1 end
+redis.call('SET', KEYS[1], string.sub(head, 1, 1) .. 'c' .. string.sub(head, 3) .. ARGV[2], 'PX', ARGV[3])
+return 1
+",
+    )
+});
+
+static RENEW: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+local head = redis.call('GETRANGE', KEYS[1], 0, 33 + #ARGV[1])
+if string.byte(head, 2) ~= 105 or string.sub(head, 35) ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+",
+    )
+});
+
+static RELEASE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+local head = redis.call('GETRANGE', KEYS[1], 0, 33 + #ARGV[1])
+if string.byte(head, 2) ~= 105 or string.sub(head, 35) ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+return 1
+",
+    )
+});
+
+/// `begin`: create the in-flight record for `token`, or get the record that is there.
+pub(crate) fn begin(
+    key: &StorageKey,
+    fingerprint: &Fingerprint,
+    token: &LeaseToken,
+    lease: Duration,
+) -> Request {
+    let mut command = redis::cmd("SET");
+    command
+        .arg(key.as_str())
+        .arg(record::in_flight(fingerprint, token))
+        .arg("NX")
+        .arg("PX")
+        .arg(record::millis(lease))
+        .arg("GET");
+    Request::Command(command)
+}
+
+/// Decodes the reply to [`begin`]: the outcome and, for a completed record, how much longer
+/// it is kept.
+pub(crate) fn begin_outcome(
+    reply: Value,
+    fingerprint: &Fingerprint,
+    token: &LeaseToken,
+) -> Result<(BeginOutcome, Option<Duration>), StoreError> {
+    let record = match reply {
+        Value::Nil => return Ok((BeginOutcome::Acquired, None)),
+        Value::BulkString(record) => record,
+        other => return Err(unexpected(&other)),
+    };
+    let ours = fingerprint.as_bytes().as_slice();
+    match Found::read(&record)? {
+        Found::InFlight {
+            token: holder,
+            fingerprint: _,
+        } if holder == token.as_str().as_bytes() => Ok((BeginOutcome::Acquired, None)),
+        Found::InFlight { fingerprint, .. } | Found::Completed { fingerprint, .. }
+            if fingerprint != ours =>
+        {
+            Ok((BeginOutcome::FingerprintMismatch, None))
+        }
+        Found::InFlight { .. } => Ok((BeginOutcome::InFlight, None)),
+        Found::Completed { format, tail, .. } => {
+            let (response, remaining) = record::decode_completion(format, tail)?;
+            Ok((BeginOutcome::Completed(response), Some(remaining)))
+        }
+    }
+}
+
+/// `commit`: complete the record held by `token` with `response`, kept for `ttl`.
+pub(crate) fn commit(
+    key: &StorageKey,
+    token: &LeaseToken,
+    response: &StoredResponse,
+    ttl: Duration,
+) -> Request {
+    let mut invocation = COMMIT.prepare_invoke();
+    invocation
+        .key(key.as_str())
+        .arg(record::token_field(token))
+        .arg(record::completion(response, ttl))
+        .arg(record::millis(ttl));
+    Request::Script(invocation)
+}
+
+/// `renew`: extend the lease held by `token` to `lease` from now.
+pub(crate) fn renew(key: &StorageKey, token: &LeaseToken, lease: Duration) -> Request {
+    let mut invocation = RENEW.prepare_invoke();
+    invocation
+        .key(key.as_str())
+        .arg(record::token_field(token))
+        .arg(record::millis(lease));
+    Request::Script(invocation)
+}
+
+/// `release`: delete the in-flight record held by `token`.
+pub(crate) fn release(key: &StorageKey, token: &LeaseToken) -> Request {
+    let mut invocation = RELEASE.prepare_invoke();
+    invocation.key(key.as_str()).arg(record::token_field(token));
+    Request::Script(invocation)
+}
+
+/// Decodes the reply to `commit`, `renew` or `release`: whether the token held the record.
+pub(crate) fn held(reply: Value) -> Result<bool, StoreError> {
+    match reply {
+        Value::Int(flag) => Ok(flag == 1),
+        other => Err(unexpected(&other)),
+    }
+}
+
+/// What a Redis error means for the store: a key of another type (a record of this crate's
+/// hash format, before 0.2, or a key another program wrote under the prefix) is a record
+/// this version cannot read, never a free key.
+pub(crate) fn store_error(error: redis::RedisError) -> StoreError {
+    if error.code() == Some("WRONGTYPE") {
+        return StoreError::Protocol(format!(
+            "the key holds a value that is not a record of this version ({error})"
+        ));
+    }
+    StoreError::Unavailable(Box::new(error))
+}
+
+fn unexpected(value: &Value) -> StoreError {
+    StoreError::Protocol(format!("unexpected reply: {value:?}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use actix_web::http::StatusCode;
+
+    use super::*;
+
+    fn outcome(reply: Value, print: u8, token: &LeaseToken) -> BeginOutcome {
+        begin_outcome(reply, &Fingerprint::from_bytes([print; 32]), token)
+            .unwrap()
+            .0
+    }
+
+    #[test]
+    fn begin_decodes_every_record_it_can_find() {
+        let (mine, theirs) = (LeaseToken::generate(), LeaseToken::generate());
+        let in_flight = record::in_flight(&Fingerprint::from_bytes([1; 32]), &theirs);
+        let bulk = |bytes: &[u8]| Value::BulkString(bytes.to_vec());
+
+        assert_eq!(outcome(Value::Nil, 1, &mine), BeginOutcome::Acquired);
+        assert_eq!(
+            outcome(bulk(&in_flight), 1, &theirs),
+            BeginOutcome::Acquired
+        );
+        assert_eq!(outcome(bulk(&in_flight), 1, &mine), BeginOutcome::InFlight);
+        assert_eq!(
+            outcome(bulk(&in_flight), 2, &mine),
+            BeginOutcome::FingerprintMismatch
+        );
+
+        let response = StoredResponse {
+            status: StatusCode::OK,
+            headers: Vec::new(),
+            body: None,
+        };
+        let mut completed = in_flight;
+        completed[1] = record::COMPLETED;
+        completed.extend_from_slice(&record::completion(&response, Duration::from_secs(9)));
+        let (found, remaining) =
+            begin_outcome(bulk(&completed), &Fingerprint::from_bytes([1; 32]), &mine).unwrap();
+        assert_eq!(found, BeginOutcome::Completed(response));
+        assert!(remaining.is_some_and(|left| left <= Duration::from_secs(9)));
+        assert_eq!(
+            outcome(bulk(&completed), 2, &mine),
+            BeginOutcome::FingerprintMismatch
+        );
+    }
+
+    #[test]
+    fn unreadable_replies_are_errors() {
+        let token = LeaseToken::generate();
+        let print = Fingerprint::from_bytes([0; 32]);
+        assert!(begin_outcome(Value::Int(1), &print, &token).is_err());
+        assert!(begin_outcome(Value::BulkString(vec![2, b'c']), &print, &token).is_err());
+        assert!(held(Value::Nil).is_err());
+    }
+}

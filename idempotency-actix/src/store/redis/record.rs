@@ -1,0 +1,226 @@
+//! The value of one record in Redis: a single string, so that `SET … NX PX … GET` can create
+//! it or return it in one plain command.
+//!
+//! Layout (integers big-endian):
+//!
+//! ```text
+//! u8   format            2 (format 1 was a hash, see the crate's CHANGELOG)
+//! u8   state             b'i' in flight, b'c' completed
+//! [32] fingerprint
+//! u8   token length
+//!      token
+//! --- completed records only, format 2:
+//! u64  expires at        Unix time in milliseconds (for the replay cache)
+//!      the encoded StoredResponse (its own version byte first)
+//! ```
+//!
+//! The header up to the token is the same in every format, present and future: any version
+//! can tell an in-flight record from a completed one, compare its fingerprint and check a
+//! token, so instances of two versions sharing Redis never take each other's keys. Only
+//! what follows the token may change with the format.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use crate::fingerprint::Fingerprint;
+use crate::record::{RecordError, StoredResponse};
+use crate::store::LeaseToken;
+
+/// The format this version writes.
+pub(super) const FORMAT: u8 = 2;
+/// State byte of an in-flight record.
+pub(super) const IN_FLIGHT: u8 = b'i';
+/// State byte of a completed record.
+pub(super) const COMPLETED: u8 = b'c';
+/// Where the token's length byte is (0-based); scripts compare from here.
+pub(super) const TOKEN_OFFSET: usize = 34;
+
+/// The in-flight record `begin` writes: the header alone.
+pub(super) fn in_flight(fingerprint: &Fingerprint, token: &LeaseToken) -> Vec<u8> {
+    let mut record = Vec::with_capacity(TOKEN_OFFSET + 1 + token.as_str().len());
+    record.push(FORMAT);
+    record.push(IN_FLIGHT);
+    record.extend_from_slice(fingerprint.as_bytes());
+    record.extend_from_slice(&token_field(token));
+    record
+}
+
+/// The token as records hold it: its length, then its bytes (what scripts compare).
+pub(super) fn token_field(token: &LeaseToken) -> Vec<u8> {
+    let token = token.as_str().as_bytes();
+    // Tokens are 32 characters; a longer one (never generated) is cut to stay readable.
+    let token = &token[..token.len().min(usize::from(u8::MAX))];
+    let mut field = Vec::with_capacity(1 + token.len());
+    field.push(token.len() as u8);
+    field.extend_from_slice(token);
+    field
+}
+
+/// What follows the header in a completed record: its expiry and the response.
+pub(super) fn completion(response: &StoredResponse, ttl: Duration) -> Vec<u8> {
+    let expires_at = unix_millis(SystemTime::now()).saturating_add(millis(ttl));
+    let encoded = response.encode();
+    let mut tail = Vec::with_capacity(8 + encoded.len());
+    tail.extend_from_slice(&expires_at.to_be_bytes());
+    tail.extend_from_slice(&encoded);
+    tail
+}
+
+/// A record as `begin` finds it.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Found<'a> {
+    /// In flight, held by `token`.
+    InFlight {
+        fingerprint: &'a [u8],
+        token: &'a [u8],
+    },
+    /// Completed: the response and how much longer it is kept.
+    Completed {
+        fingerprint: &'a [u8],
+        /// The rest of a completed record: its format and the bytes after the token.
+        format: u8,
+        tail: &'a [u8],
+    },
+}
+
+impl<'a> Found<'a> {
+    /// Reads the header of a record; never panics, whatever the bytes.
+    pub(super) fn read(record: &'a [u8]) -> Result<Self, RecordError> {
+        if record.len() <= TOKEN_OFFSET {
+            return Err(RecordError::Truncated);
+        }
+        let (format, state) = (record[0], record[1]);
+        let fingerprint = &record[2..TOKEN_OFFSET];
+        let token_len = usize::from(record[TOKEN_OFFSET]);
+        let rest = &record[TOKEN_OFFSET + 1..];
+        if rest.len() < token_len {
+            return Err(RecordError::Truncated);
+        }
+        let (token, tail) = rest.split_at(token_len);
+        match state {
+            IN_FLIGHT => Ok(Self::InFlight { fingerprint, token }),
+            COMPLETED => Ok(Self::Completed {
+                fingerprint,
+                format,
+                tail,
+            }),
+            _ => Err(RecordError::Invalid("record state")),
+        }
+    }
+}
+
+/// Decodes the tail of a completed record of `format`: the response and how much longer it
+/// is kept (zero once its expiry has passed).
+pub(super) fn decode_completion(
+    format: u8,
+    tail: &[u8],
+) -> Result<(StoredResponse, Duration), RecordError> {
+    if format != FORMAT {
+        return Err(RecordError::UnsupportedVersion(format));
+    }
+    let Some((expires_at, response)) = tail.split_first_chunk::<8>() else {
+        return Err(RecordError::Truncated);
+    };
+    let remaining = u64::from_be_bytes(*expires_at).saturating_sub(unix_millis(SystemTime::now()));
+    Ok((
+        StoredResponse::decode(response)?,
+        Duration::from_millis(remaining),
+    ))
+}
+
+fn unix_millis(time: SystemTime) -> u64 {
+    time.duration_since(UNIX_EPOCH).map_or(0, millis)
+}
+
+/// Whole milliseconds, at least 1 (Redis refuses an expiry of 0), saturating.
+pub(super) fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis())
+        .unwrap_or(u64::MAX)
+        .max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use actix_web::http::StatusCode;
+    use actix_web::web::Bytes;
+
+    use super::*;
+
+    fn response() -> StoredResponse {
+        StoredResponse {
+            status: StatusCode::CREATED,
+            headers: Vec::new(),
+            body: Some(Bytes::from_static(b"{}")),
+        }
+    }
+
+    #[test]
+    fn an_in_flight_record_reads_back_its_fingerprint_and_token() {
+        let print = Fingerprint::from_bytes([7; 32]);
+        let token = LeaseToken::generate();
+        let record = in_flight(&print, &token);
+        assert_eq!(
+            Found::read(&record),
+            Ok(Found::InFlight {
+                fingerprint: &[7; 32],
+                token: token.as_str().as_bytes()
+            })
+        );
+    }
+
+    #[test]
+    fn a_completed_record_is_the_in_flight_header_then_its_completion() {
+        let print = Fingerprint::from_bytes([1; 32]);
+        let token = LeaseToken::generate();
+        // What the commit script writes: the header with state `c`, then the completion.
+        let mut record = in_flight(&print, &token);
+        record[1] = COMPLETED;
+        record.extend_from_slice(&completion(&response(), Duration::from_secs(60)));
+        let Ok(Found::Completed {
+            fingerprint,
+            format,
+            tail,
+        }) = Found::read(&record)
+        else {
+            panic!("not completed: {record:?}");
+        };
+        assert_eq!(fingerprint, &[1; 32]);
+        let (decoded, remaining) = decode_completion(format, tail).unwrap();
+        assert_eq!(decoded, response());
+        assert!(remaining <= Duration::from_secs(60) && remaining > Duration::from_secs(50));
+    }
+
+    #[test]
+    fn another_format_is_still_read_up_to_its_token() {
+        let token = LeaseToken::generate();
+        let mut record = in_flight(&Fingerprint::from_bytes([2; 32]), &token);
+        record[0] = 99;
+        record.extend_from_slice(b"whatever a later format adds");
+        assert!(matches!(Found::read(&record), Ok(Found::InFlight { .. })));
+        record[1] = COMPLETED;
+        let Ok(Found::Completed { format, tail, .. }) = Found::read(&record) else {
+            panic!("not completed");
+        };
+        assert_eq!(
+            decode_completion(format, tail),
+            Err(RecordError::UnsupportedVersion(99))
+        );
+    }
+
+    #[test]
+    fn every_truncation_and_unknown_state_is_an_error_not_a_panic() {
+        let mut record = in_flight(&Fingerprint::from_bytes([3; 32]), &LeaseToken::generate());
+        record[1] = COMPLETED;
+        record.extend_from_slice(&completion(&response(), Duration::from_secs(1)));
+        for len in 0..record.len() {
+            if let Ok(Found::Completed { format, tail, .. }) = Found::read(&record[..len]) {
+                let _ = decode_completion(format, tail);
+            }
+        }
+        assert_eq!(Found::read(&record[..10]), Err(RecordError::Truncated));
+        record[1] = b'x';
+        assert_eq!(
+            Found::read(&record),
+            Err(RecordError::Invalid("record state"))
+        );
+    }
+}

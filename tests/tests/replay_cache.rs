@@ -1,0 +1,187 @@
+//! The opt-in replay cache over real HTTP against a private `redis-server`: a cached replay
+//! is byte-identical and costs no Redis command, a request with another fingerprint still
+//! gets 422, and an entry is never served past its record's TTL.
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use actix_web::http::StatusCode;
+use actix_web::{App, HttpResponse, web};
+use idempotency_actix::{Idempotency, IdempotentRoute, RedisPool, RedisStore, ReplayCache};
+use idempotency_actix_tests::{PrivateRedis, Reply, RunCounter};
+
+async fn create(runs: web::Data<RunCounter>, body: web::Bytes) -> HttpResponse {
+    let seq = runs.record();
+    HttpResponse::Created()
+        .insert_header(("location", format!("/orders/{seq}")))
+        .insert_header(("x-binary", "a\tb"))
+        .json(serde_json::json!({ "seq": seq, "echo": String::from_utf8_lossy(&body) }))
+}
+
+fn start(pool: RedisPool, cache: ReplayCache, runs: RunCounter) -> actix_test::TestServer {
+    actix_test::start(move || {
+        App::new()
+            .app_data(web::Data::new(runs.clone()))
+            .wrap(Idempotency::redis(pool.clone()).replay_cache(cache.clone()))
+            .service(
+                web::resource("/orders")
+                    .wrap(IdempotentRoute::new())
+                    .route(web::post().to(create)),
+            )
+            .service(
+                web::resource("/short")
+                    .wrap(IdempotentRoute::new().ttl(Duration::from_secs(1)))
+                    .route(web::post().to(create)),
+            )
+    })
+}
+
+async fn post(server: &actix_test::TestServer, path: &str, key: &str, body: &str) -> Reply {
+    let response = server
+        .post(path)
+        .insert_header(("idempotency-key", key))
+        .send_body(body.to_owned())
+        .await
+        .unwrap();
+    Reply::read(response).await.unwrap()
+}
+
+#[actix_web::test]
+async fn a_cached_replay_is_byte_identical_and_sends_no_redis_command() {
+    let redis = PrivateRedis::start().await;
+    let runs = RunCounter::default();
+    let cache = ReplayCache::with_max_bytes(1 << 20);
+    let server = start(RedisStore::pool(&redis.url()).unwrap(), cache, runs.clone());
+
+    let first = post(&server, "/orders", "k1", "book").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    // The first replay comes from Redis (one command) and fills the cache.
+    redis.take_command_counts().await;
+    let from_redis = post(&server, "/orders", "k1", "book").await;
+    assert!(from_redis.is_replay());
+    assert_eq!(
+        redis.take_command_counts().await.get("set").copied(),
+        Some(1),
+        "the first replay asks Redis"
+    );
+
+    for _ in 0..3 {
+        let cached = post(&server, "/orders", "k1", "book").await;
+        assert_eq!(cached.status, StatusCode::CREATED);
+        assert!(cached.is_replay());
+        assert_eq!(cached.body, first.body, "byte-identical body");
+        assert_eq!(cached.header("location"), first.header("location"));
+        assert_eq!(cached.header("x-binary"), Some("a\tb"));
+        assert_eq!(cached.header("content-type"), first.header("content-type"));
+    }
+    assert_eq!(
+        redis.take_command_counts().await,
+        Default::default(),
+        "cached replays send no command to Redis"
+    );
+    assert_eq!(runs.get(), 1);
+}
+
+#[actix_web::test]
+async fn a_cached_record_still_refuses_another_fingerprint() {
+    let redis = PrivateRedis::start().await;
+    let runs = RunCounter::default();
+    let cache = ReplayCache::with_max_bytes(1 << 20);
+    let server = start(RedisStore::pool(&redis.url()).unwrap(), cache, runs.clone());
+
+    assert_eq!(
+        post(&server, "/orders", "k2", "book").await.status,
+        StatusCode::CREATED
+    );
+    assert!(post(&server, "/orders", "k2", "book").await.is_replay());
+    redis.take_command_counts().await;
+
+    let other = post(&server, "/orders", "k2", "pen").await;
+    assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(
+        other.header("content-type"),
+        Some("application/problem+json")
+    );
+    assert_eq!(
+        redis.take_command_counts().await,
+        Default::default(),
+        "answered from the cache"
+    );
+    assert_eq!(runs.get(), 1);
+}
+
+#[actix_web::test]
+async fn an_entry_is_not_served_after_its_ttl() {
+    let redis = PrivateRedis::start().await;
+    let runs = RunCounter::default();
+    let cache = ReplayCache::with_max_bytes(1 << 20);
+    let server = start(RedisStore::pool(&redis.url()).unwrap(), cache, runs.clone());
+
+    // `/short` keeps its records 1 s.
+    assert_eq!(
+        post(&server, "/short", "k3", "book").await.status,
+        StatusCode::CREATED
+    );
+    assert!(post(&server, "/short", "k3", "book").await.is_replay());
+    assert_eq!(runs.get(), 1);
+
+    actix_rt::time::sleep(Duration::from_millis(1_300)).await;
+    let after = post(&server, "/short", "k3", "book").await;
+    assert_eq!(after.status, StatusCode::CREATED);
+    assert!(
+        !after.is_replay(),
+        "the record expired, in Redis and in the cache"
+    );
+    assert_eq!(runs.get(), 2);
+}
+
+#[actix_web::test]
+async fn a_record_deleted_in_redis_stays_replayable_from_the_cache_until_its_ttl() {
+    // What the cache trades (README "Performance"), shown rather than only said.
+    let redis = PrivateRedis::start().await;
+    let runs = RunCounter::default();
+    let cache = ReplayCache::with_max_bytes(1 << 20);
+    let server = start(RedisStore::pool(&redis.url()).unwrap(), cache, runs.clone());
+
+    let first = post(&server, "/orders", "k4", "book").await;
+    assert!(post(&server, "/orders", "k4", "book").await.is_replay());
+    let mut connection = redis.connection().await;
+    let _: () = redis::cmd("FLUSHALL")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let cached = post(&server, "/orders", "k4", "book").await;
+    assert!(cached.is_replay());
+    assert_eq!(cached.body, first.body);
+    assert_eq!(runs.get(), 1);
+}
+
+#[actix_web::test]
+async fn without_the_cache_every_replay_asks_redis() {
+    let redis = PrivateRedis::start().await;
+    let runs = RunCounter::default();
+    let pool = RedisStore::pool(&redis.url()).unwrap();
+    let server = actix_test::start({
+        let runs = runs.clone();
+        move || {
+            App::new()
+                .app_data(web::Data::new(runs.clone()))
+                .wrap(Idempotency::redis(pool.clone()))
+                .service(
+                    web::resource("/orders")
+                        .wrap(IdempotentRoute::new())
+                        .route(web::post().to(create)),
+                )
+        }
+    });
+    post(&server, "/orders", "k5", "book").await;
+    redis.take_command_counts().await;
+    for _ in 0..3 {
+        assert!(post(&server, "/orders", "k5", "book").await.is_replay());
+    }
+    assert_eq!(
+        redis.take_command_counts().await.get("set").copied(),
+        Some(3)
+    );
+}
