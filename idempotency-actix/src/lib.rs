@@ -137,7 +137,9 @@ pub use replay_cache::ReplayCache;
 pub use scope::{KeyScope, StorageKey};
 pub use store::{BeginOutcome, IdempotencyStore, LeaseToken, MemoryStore, StoreError};
 #[cfg(feature = "redis")]
-pub use store::{RedisPool, RedisStore};
+pub use store::{RedisPool, RedisStore, ReplicatedWrites};
+#[cfg(feature = "redis-cluster")]
+pub use store::{RedisClusterClient, RedisClusterStore};
 
 /// What `#[idempotent]`'s generated code calls. Not public API: may change in any release.
 #[doc(hidden)]

@@ -31,7 +31,9 @@ mod redis;
 
 pub use self::memory::MemoryStore;
 #[cfg(feature = "redis")]
-pub use self::redis::{RedisPool, RedisStore};
+pub use self::redis::{RedisPool, RedisStore, ReplicatedWrites};
+#[cfg(feature = "redis-cluster")]
+pub use self::redis::{RedisClusterClient, RedisClusterStore};
 
 /// The random token that identifies one holder of an in-flight record.
 ///

@@ -10,11 +10,12 @@
 use std::sync::Mutex;
 
 use futures_util::lock::Mutex as AsyncMutex;
-use redis::Value;
 use redis::aio::MultiplexedConnection;
 
 use super::RedisPool;
-use super::protocol::{self, Request};
+use super::protocol;
+use super::request::{Reply, Request};
+use super::steps::Transport;
 use crate::store::StoreError;
 
 /// The connection a store shares between its requests.
@@ -48,7 +49,7 @@ impl SharedConnection {
 
     /// Sends `request`; if the connection turns out dead, replaces it and sends once more
     /// (every request of the protocol is safe to send twice).
-    pub(super) async fn send(&self, request: &Request) -> Result<Value, StoreError> {
+    pub(super) async fn send(&self, request: &Request) -> Result<Reply, StoreError> {
         let Generation {
             mut connection,
             number,
@@ -125,6 +126,12 @@ impl SharedConnection {
         let connection = (*pooled).clone();
         drop(pooled);
         Ok(self.set(connection).connection)
+    }
+}
+
+impl Transport for SharedConnection {
+    async fn send(&self, request: &Request) -> Result<Reply, StoreError> {
+        SharedConnection::send(self, request).await
     }
 }
 

@@ -4,19 +4,24 @@
 //! layout in `record`, apart from the connection handling in `connection`, so a store on
 //! another kind of connection runs the same protocol.
 
+#[cfg(feature = "redis-cluster")]
+mod cluster;
 mod connection;
 mod protocol;
 mod record;
+mod replication;
+mod request;
+mod steps;
 
 use std::time::Duration;
 
 use bb8_redis::RedisConnectionManager;
 
+#[cfg(feature = "redis-cluster")]
+pub use self::cluster::{RedisClusterClient, RedisClusterStore};
 use self::connection::SharedConnection;
-use super::{BeginOutcome, IdempotencyStore, LeaseToken, StoreError};
-use crate::fingerprint::Fingerprint;
-use crate::record::StoredResponse;
-use crate::scope::StorageKey;
+pub use self::replication::ReplicatedWrites;
+use self::steps::Steps;
 
 /// The pool type [`Idempotency::redis`](crate::Idempotency::redis) takes.
 pub type RedisPool = bb8::Pool<RedisConnectionManager>;
@@ -62,6 +67,7 @@ pub type RedisPool = bb8::Pool<RedisConnectionManager>;
 /// ```
 pub struct RedisStore {
     connection: SharedConnection,
+    replication: Option<ReplicatedWrites>,
 }
 
 impl RedisStore {
@@ -69,6 +75,27 @@ impl RedisStore {
     pub fn new(pool: RedisPool) -> Self {
         Self {
             connection: SharedConnection::new(pool),
+            replication: None,
+        }
+    }
+
+    /// Waits until replicas hold each write (the lock in `begin`, and the commit) before
+    /// going on; see [`ReplicatedWrites`] for what it guarantees and costs.
+    #[must_use]
+    pub fn replicated_writes(mut self, writes: ReplicatedWrites) -> Self {
+        self.replication = Some(writes);
+        self
+    }
+
+    /// The replication setting, if any.
+    pub fn replication(&self) -> Option<ReplicatedWrites> {
+        self.replication
+    }
+
+    fn steps(&self) -> Steps<'_, SharedConnection> {
+        Steps {
+            transport: &self.connection,
+            replication: self.replication,
         }
     }
 
@@ -95,9 +122,13 @@ impl RedisStore {
 }
 
 impl Clone for RedisStore {
-    /// A store on the same pool with a connection of its own (made on first use).
+    /// A store on the same pool with a connection of its own (made on first use) and the
+    /// same replication setting.
     fn clone(&self) -> Self {
-        Self::new(self.connection.pool().clone())
+        Self {
+            connection: SharedConnection::new(self.connection.pool().clone()),
+            replication: self.replication,
+        }
     }
 }
 
@@ -105,59 +136,9 @@ impl std::fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisStore")
             .field("pool", self.connection.pool())
+            .field("replication", &self.replication)
             .finish_non_exhaustive()
     }
 }
 
-impl IdempotencyStore for RedisStore {
-    async fn begin(
-        &self,
-        key: &StorageKey,
-        fingerprint: &Fingerprint,
-        token: &LeaseToken,
-        lease: Duration,
-    ) -> Result<BeginOutcome, StoreError> {
-        let (outcome, _) = self
-            .begin_with_remaining_ttl(key, fingerprint, token, lease)
-            .await?;
-        Ok(outcome)
-    }
-
-    async fn begin_with_remaining_ttl(
-        &self,
-        key: &StorageKey,
-        fingerprint: &Fingerprint,
-        token: &LeaseToken,
-        lease: Duration,
-    ) -> Result<(BeginOutcome, Option<Duration>), StoreError> {
-        let request = protocol::begin(key, fingerprint, token, lease);
-        let reply = self.connection.send(&request).await?;
-        protocol::begin_outcome(reply, fingerprint, token)
-    }
-
-    async fn renew(
-        &self,
-        key: &StorageKey,
-        token: &LeaseToken,
-        lease: Duration,
-    ) -> Result<bool, StoreError> {
-        let request = protocol::renew(key, token, lease);
-        protocol::held(self.connection.send(&request).await?)
-    }
-
-    async fn commit(
-        &self,
-        key: &StorageKey,
-        token: &LeaseToken,
-        response: &StoredResponse,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        let request = protocol::commit(key, token, response, ttl);
-        protocol::held(self.connection.send(&request).await?)
-    }
-
-    async fn release(&self, key: &StorageKey, token: &LeaseToken) -> Result<bool, StoreError> {
-        let request = protocol::release(key, token);
-        protocol::held(self.connection.send(&request).await?)
-    }
-}
+steps::idempotency_store_on_steps!(RedisStore);

@@ -24,40 +24,20 @@
 use std::sync::LazyLock;
 use std::time::Duration;
 
-use redis::{Script, ScriptInvocation, Value};
+use redis::Value;
 
 use super::record::{self, Found};
+use super::request::{LuaScript, Request};
 use crate::fingerprint::Fingerprint;
 use crate::record::StoredResponse;
 use crate::scope::StorageKey;
 use crate::store::{BeginOutcome, LeaseToken, StoreError};
 
-/// One step, ready to be sent on any connection.
-pub(crate) enum Request {
-    /// A plain command.
-    Command(redis::Cmd),
-    /// A script, sent as `EVALSHA` (and loaded first if the server does not know it).
-    Script(ScriptInvocation<'static>),
-}
-
-impl Request {
-    /// Sends the request on `connection` and returns the raw reply.
-    pub(crate) async fn send(
-        &self,
-        connection: &mut impl redis::aio::ConnectionLike,
-    ) -> redis::RedisResult<Value> {
-        match self {
-            Self::Command(command) => command.query_async(connection).await,
-            Self::Script(invocation) => invocation.invoke_async(connection).await,
-        }
-    }
-}
-
 // Lua strings are 1-based: the token field (length byte, then the token) starts at byte
 // TOKEN_OFFSET + 1, and the state is byte 2. `GETRANGE` of a missing key is "".
 
-static COMMIT: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+static COMMIT: LazyLock<LuaScript> = LazyLock::new(|| {
+    LuaScript::new(
         r"
 local head = redis.call('GETRANGE', KEYS[1], 0, 33 + #ARGV[1])
 if string.sub(head, 35) ~= ARGV[1] then return 0 end
@@ -68,8 +48,8 @@ return 1
     )
 });
 
-static RENEW: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+static RENEW: LazyLock<LuaScript> = LazyLock::new(|| {
+    LuaScript::new(
         r"
 local head = redis.call('GETRANGE', KEYS[1], 0, 33 + #ARGV[1])
 if string.byte(head, 2) ~= 105 or string.sub(head, 35) ~= ARGV[1] then return 0 end
@@ -79,8 +59,8 @@ return 1
     )
 });
 
-static RELEASE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+static RELEASE: LazyLock<LuaScript> = LazyLock::new(|| {
+    LuaScript::new(
         r"
 local head = redis.call('GETRANGE', KEYS[1], 0, 33 + #ARGV[1])
 if string.byte(head, 2) ~= 105 or string.sub(head, 35) ~= ARGV[1] then return 0 end
@@ -105,7 +85,7 @@ pub(crate) fn begin(
         .arg("PX")
         .arg(record::millis(lease))
         .arg("GET");
-    Request::Command(command)
+    Request::command(command)
 }
 
 /// Decodes the reply to [`begin`]: the outcome and, for a completed record, how much longer
@@ -146,30 +126,38 @@ pub(crate) fn commit(
     response: &StoredResponse,
     ttl: Duration,
 ) -> Request {
-    let mut invocation = COMMIT.prepare_invoke();
-    invocation
-        .key(key.as_str())
-        .arg(record::token_field(token))
-        .arg(record::completion(response, ttl))
-        .arg(record::millis(ttl));
-    Request::Script(invocation)
+    let ttl_millis = record::millis(ttl).to_string();
+    Request::script(
+        &COMMIT,
+        key.as_str(),
+        [
+            record::token_field(token).as_slice(),
+            record::completion(response, ttl).as_slice(),
+            ttl_millis.as_bytes(),
+        ],
+    )
 }
 
 /// `renew`: extend the lease held by `token` to `lease` from now.
 pub(crate) fn renew(key: &StorageKey, token: &LeaseToken, lease: Duration) -> Request {
-    let mut invocation = RENEW.prepare_invoke();
-    invocation
-        .key(key.as_str())
-        .arg(record::token_field(token))
-        .arg(record::millis(lease));
-    Request::Script(invocation)
+    let lease_millis = record::millis(lease).to_string();
+    Request::script(
+        &RENEW,
+        key.as_str(),
+        [
+            record::token_field(token).as_slice(),
+            lease_millis.as_bytes(),
+        ],
+    )
 }
 
 /// `release`: delete the in-flight record held by `token`.
 pub(crate) fn release(key: &StorageKey, token: &LeaseToken) -> Request {
-    let mut invocation = RELEASE.prepare_invoke();
-    invocation.key(key.as_str()).arg(record::token_field(token));
-    Request::Script(invocation)
+    Request::script(
+        &RELEASE,
+        key.as_str(),
+        [record::token_field(token).as_slice()],
+    )
 }
 
 /// Decodes the reply to `commit`, `renew` or `release`: whether the token held the record.
