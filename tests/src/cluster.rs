@@ -150,6 +150,12 @@ impl RedisCluster {
             .collect()
     }
 
+    /// A client of this cluster with the settings of
+    /// [`RedisClusterStore::client`](idempotency_actix::RedisClusterStore::client).
+    pub fn client(&self) -> idempotency_actix::RedisClusterClient {
+        idempotency_actix::RedisClusterStore::client(self.urls()).expect("valid node URLs")
+    }
+
     /// [`urls`](Self::urls) joined by commas, as `REDIS_CLUSTER_URLS` takes them.
     pub fn urls_env(&self) -> String {
         self.urls().join(",")

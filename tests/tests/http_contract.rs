@@ -1,7 +1,9 @@
 //! The HTTP contract of DESIGN §5, row by row, against real Actix servers on real sockets.
 //!
-//! Every test runs twice: on the in-memory store (`memory::…`) and on Redis (`redis::…`,
-//! the server at `REDIS_URL`, default 127.0.0.1:6379), each under its own key prefix.
+//! Every test runs three times: on the in-memory store (`memory::…`), on Redis (`redis::…`,
+//! the server at `REDIS_URL`, default 127.0.0.1:6379), and on Redis Cluster
+//! (`redis_cluster::…`, a local 6-node cluster this test binary starts), each under its own
+//! key prefix.
 
 #![allow(clippy::unwrap_used)]
 
@@ -11,7 +13,10 @@ use actix_web::http::{Method, StatusCode, header::HeaderValue};
 use actix_web::web::{self, Bytes};
 use actix_web::{App, HttpRequest, HttpResponse};
 use futures_util::stream;
-use idempotency_actix::{Idempotency, IdempotentRoute, KeyScope, MemoryStore, RedisPool};
+use idempotency_actix::{
+    Idempotency, IdempotentRoute, KeyScope, MemoryStore, RedisClusterClient, RedisPool,
+};
+use idempotency_actix_tests::cluster::RedisCluster;
 use idempotency_actix_tests::{Reply, RunCounter, redis_pool, unique_prefix};
 
 /// Which store a test server uses; cheap to clone into each worker's app factory.
@@ -19,6 +24,7 @@ use idempotency_actix_tests::{Reply, RunCounter, redis_pool, unique_prefix};
 enum Backend {
     Memory(MemoryStore),
     Redis(RedisPool),
+    RedisCluster(RedisClusterClient),
 }
 
 impl Backend {
@@ -30,10 +36,15 @@ impl Backend {
         Self::Redis(redis_pool().await)
     }
 
+    async fn redis_cluster() -> Self {
+        Self::RedisCluster(RedisCluster::shared().client())
+    }
+
     fn idempotency(&self, prefix: &str) -> Idempotency {
         let idempotency = match self {
             Self::Memory(store) => Idempotency::new(store.clone()),
             Self::Redis(pool) => Idempotency::redis(pool.clone()),
+            Self::RedisCluster(client) => Idempotency::redis_cluster(client.clone()),
         };
         idempotency.key_prefix(prefix)
     }
@@ -573,14 +584,15 @@ macro_rules! contract_suite {
     };
 }
 
-macro_rules! both_backends {
+macro_rules! every_backend {
     ($($test:ident),* $(,)?) => {
         contract_suite!(memory; $($test),*);
         contract_suite!(redis; $($test),*);
+        contract_suite!(redis_cluster; $($test),*);
     };
 }
 
-both_backends!(
+every_backend!(
     no_key_runs_the_handler_unprotected,
     no_key_on_a_required_route_is_400,
     an_app_wide_required_key_is_400,
