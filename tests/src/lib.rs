@@ -2,6 +2,7 @@
 //! unique key prefixes, and handler-run counters.
 
 pub mod cluster;
+pub mod keyed_app;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
