@@ -136,10 +136,10 @@ pub use replay::{BODY_OMITTED_HEADER, REPLAYED_HEADER, ReplayedHeaders};
 pub use replay_cache::ReplayCache;
 pub use scope::{KeyScope, StorageKey};
 pub use store::{BeginOutcome, IdempotencyStore, LeaseToken, MemoryStore, StoreError};
-#[cfg(feature = "redis")]
-pub use store::{RedisPool, RedisStore, ReplicatedWrites};
 #[cfg(feature = "redis-cluster")]
 pub use store::{RedisClusterClient, RedisClusterStore};
+#[cfg(feature = "redis")]
+pub use store::{RedisPool, RedisStore, ReplicatedWrites};
 
 /// What `#[idempotent]`'s generated code calls. Not public API: may change in any release.
 #[doc(hidden)]

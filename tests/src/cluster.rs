@@ -32,8 +32,9 @@ const SETTLE_TIMEOUT: Duration = Duration::from_secs(60);
 pub struct RedisCluster {
     dir: PathBuf,
     nodes: Mutex<Vec<Node>>,
-    /// The write end of the watchdog's pipe; the watchdog cleans up when it closes.
-    _watchdog: ChildStdin,
+    /// The write ends of the watchdogs' pipes (one per batch of started nodes); each
+    /// watchdog cleans up when its pipe closes.
+    watchdogs: Mutex<Vec<ChildStdin>>,
 }
 
 #[derive(Debug)]
@@ -96,7 +97,7 @@ impl RedisCluster {
         let cluster = Self {
             dir,
             nodes: Mutex::new(nodes),
-            _watchdog: watchdog,
+            watchdogs: Mutex::new(vec![watchdog]),
         };
         for port in cluster.ports() {
             cluster.wait_for(&format!("node {port} to answer PING"), || {
@@ -204,6 +205,29 @@ impl RedisCluster {
         let _ = node.child.kill();
         let _ = node.child.wait();
         node.alive = false;
+    }
+
+    /// Starts the killed node on `port` again, in its directory: it reads its cluster
+    /// configuration, learns that a replica took its slots, and rejoins as that replica
+    /// (call [`wait_until_settled`](Self::wait_until_settled) to wait for its sync).
+    ///
+    /// # Panics
+    ///
+    /// When no node was started on `port`, or it is still running.
+    pub fn restart(&self, port: u16) {
+        let mut nodes = self.lock_nodes();
+        let node = nodes
+            .iter_mut()
+            .find(|node| node.port == port)
+            .unwrap_or_else(|| panic!("no node on port {port}"));
+        assert!(!node.alive, "node {port} is running");
+        node.child = spawn_node(&self.dir, port);
+        node.alive = true;
+        let watchdog = spawn_watchdog(&self.dir, std::slice::from_ref(node));
+        self.watchdogs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(watchdog);
     }
 
     /// Moves `count` slots from the primary on `from` to the primary on `to` with
@@ -399,7 +423,10 @@ fn spawn_node(dir: &Path, port: u16) -> Child {
 /// A shell that waits for its stdin to close (the test process exited, however it
 /// exited), then kills the nodes and removes their directories.
 fn spawn_watchdog(dir: &Path, nodes: &[Node]) -> ChildStdin {
-    let pids: Vec<String> = nodes.iter().map(|node| node.child.id().to_string()).collect();
+    let pids: Vec<String> = nodes
+        .iter()
+        .map(|node| node.child.id().to_string())
+        .collect();
     let script = format!(
         "read -r _; kill -9 {} 2>/dev/null; rm -rf '{}'",
         pids.join(" "),

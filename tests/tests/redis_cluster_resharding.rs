@@ -49,7 +49,10 @@ async fn slots_move_while_requests_flow() {
     let mut traffic = Traffic::default();
     for n in 0..KEYS_BEFORE {
         let key = format!("before-{n}");
-        let created = app.create(&key, ATTEMPTS).await.expect("created before the move");
+        let created = app
+            .create(&key, ATTEMPTS)
+            .await
+            .expect("created before the move");
         traffic.bodies.insert(key, created.reply.body);
     }
     let primaries = cluster.primaries();

@@ -30,10 +30,10 @@ mod memory;
 mod redis;
 
 pub use self::memory::MemoryStore;
-#[cfg(feature = "redis")]
-pub use self::redis::{RedisPool, RedisStore, ReplicatedWrites};
 #[cfg(feature = "redis-cluster")]
 pub use self::redis::{RedisClusterClient, RedisClusterStore};
+#[cfg(feature = "redis")]
+pub use self::redis::{RedisPool, RedisStore, ReplicatedWrites};
 
 /// The random token that identifies one holder of an in-flight record.
 ///

@@ -160,13 +160,11 @@ impl RedisClusterStore {
         if let Some(connection) = self.current() {
             return Ok(connection);
         }
-        let connection = actix_rt::time::timeout(
-            FIRST_CONNECT_TIMEOUT,
-            self.client.get_async_connection(),
-        )
-        .await
-        .map_err(|_| StoreError::Timeout(FIRST_CONNECT_TIMEOUT))?
-        .map_err(protocol::store_error)?;
+        let connection =
+            actix_rt::time::timeout(FIRST_CONNECT_TIMEOUT, self.client.get_async_connection())
+                .await
+                .map_err(|_| StoreError::Timeout(FIRST_CONNECT_TIMEOUT))?
+                .map_err(protocol::store_error)?;
         *self
             .connection
             .lock()

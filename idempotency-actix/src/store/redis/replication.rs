@@ -105,9 +105,7 @@ impl ReplicatedWrites {
     /// `WAIT replicas timeout-ms`.
     pub(super) fn command(&self) -> redis::Cmd {
         let mut command = redis::cmd("WAIT");
-        command
-            .arg(self.replicas)
-            .arg(timeout_millis(self.timeout));
+        command.arg(self.replicas).arg(timeout_millis(self.timeout));
         command
     }
 }

@@ -78,10 +78,7 @@ impl<T: Transport> Steps<'_, T> {
         key: &StorageKey,
         token: &LeaseToken,
     ) -> Result<bool, StoreError> {
-        let reply = self
-            .transport
-            .send(&protocol::release(key, token))
-            .await?;
+        let reply = self.transport.send(&protocol::release(key, token)).await?;
         protocol::held(reply.value)
     }
 }
