@@ -4,12 +4,18 @@
 //! ```sh
 //! cargo run --release --example reference_server                                  # in-memory store
 //! REDIS_URL=redis://127.0.0.1:6379 cargo run --release --example reference_server # Redis store
+//! REDIS_CLUSTER_URLS=redis://127.0.0.1:7000,redis://127.0.0.1:7001 \
+//!     cargo run --release --example reference_server                              # Redis Cluster store
 //! ```
 //!
 //! Environment (an empty variable counts as unset):
 //!
 //! * `BIND` [`127.0.0.1:8080`]: where to listen; port 0 picks a free port.
 //! * `REDIS_URL`: set → the Redis store (bb8 pool); unset → the in-memory store.
+//! * `REDIS_CLUSTER_URLS`: comma-separated seed node URLs → the Redis Cluster store. Setting
+//!   it together with `REDIS_URL` is an invalid configuration.
+//! * `IDEMPOTENCY_REPLICAS=N`: replicated writes on either Redis store: each write (the lock,
+//!   the commit) waits up to 500 ms for N replicas, strictly (fewer → the step fails).
 //! * `IDEMPOTENCY` [`on`] or `off`: `off` installs no middleware at all (benchmark baseline).
 //! * `IDEMPOTENCY_METHODS`: e.g. `POST,PATCH`; also protect untagged routes of those methods.
 //! * `IDEMPOTENCY_PREFIX` [`idempotency:`]: prefix of every storage key, so apps or test runs
@@ -19,8 +25,8 @@
 //!
 //! Once it accepts connections it prints `listening on http://ADDR` (one line per bound
 //! address, with the real port) on stdout. An invalid variable is reported on stderr and
-//! the process exits with status 2; a failure to start (bad `REDIS_URL`, `BIND` in use)
-//! with status 1. The routes are listed in `idempotency_actix_examples::reference_app`.
+//! the process exits with status 2; a failure to start (bad `REDIS_URL` or
+//! `REDIS_CLUSTER_URLS`, `BIND` in use) with status 1. The routes are listed in `idempotency_actix_examples::reference_app`.
 
 use std::io::Write;
 use std::process::ExitCode;

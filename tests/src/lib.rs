@@ -268,9 +268,12 @@ pub struct ReferenceServer {
 }
 
 /// The environment variables the reference server reads.
-const REFERENCE_SERVER_VARIABLES: [&str; 6] = [
+const REFERENCE_SERVER_VARIABLES: [&str; 9] = [
     "BIND",
     "REDIS_URL",
+    "REDIS_CLUSTER_URLS",
+    "IDEMPOTENCY_REPLICAS",
+    "REPLAY_CACHE",
     "IDEMPOTENCY",
     "IDEMPOTENCY_METHODS",
     "IDEMPOTENCY_PREFIX",
