@@ -12,7 +12,7 @@
 //!
 //! | mode | server | requests |
 //! |---|---|---|
-//! | baseline | `IDEMPOTENCY=off` (measured first and last; the ratios use the mean) | a new key each |
+//! | baseline | `IDEMPOTENCY=off`, measured before and after every mode | a new key each |
 //! | Redis, new key | `REDIS_URL` | a new key each |
 //! | Redis, replay | `REDIS_URL` | one key, completed before the run |
 //! | Redis, replay, cache | `REDIS_URL`, `REPLAY_CACHE=on` | one key, completed before the run |
@@ -21,7 +21,9 @@
 //! | Redis, no key | `REDIS_URL` | no key (the route is protected, the key optional) |
 //!
 //! Every mode runs the same `wrk` Lua script (only the key differs), so the load tool costs
-//! the same everywhere. Printed per mode: requests per second and its ratio to the baseline,
+//! the same everywhere. Each mode's ratio is to the mean of the baselines measured just
+//! before and just after it (the baseline rows' own ratios are to the mean of all of them,
+//! a measure of how steady the machine was). Printed per mode: requests per second and its ratio to the baseline,
 //! p99 latency, server CPU per request (`/proc/PID/stat` user + system time over the run ÷
 //! requests), Redis CPU per request (`INFO cpu`) and Redis commands per request
 //! (`INFO commandstats`), and the number of responses that were not 2xx (should be 0).
@@ -163,25 +165,31 @@ fn run() -> Result<(), Error> {
         seconds,
         connections,
     };
-    let first = load.measure(&BASELINE)?;
+    // The baseline runs before and after every mode; each mode is compared with the mean of
+    // the two baselines around it, so a change in the machine's load during the run (other
+    // processes) moves both sides of a ratio alike.
+    let mut baselines = vec![load.measure(&BASELINE)?];
     let mut results = Vec::new();
     for mode in &MODES {
-        results.push((mode, load.measure(mode)?));
+        let measured = load.measure(mode)?;
+        baselines.push(load.measure(&BASELINE)?);
+        let around = &baselines[baselines.len() - 2..];
+        let baseline = (around[0].per_second + around[1].per_second) / 2.0;
+        results.push((mode, measured, baseline));
     }
-    let last = load.measure(&BASELINE)?;
     println!("load after: {}", load_average());
-    let baseline = (first.per_second + last.per_second) / 2.0;
 
     println!();
     println!(
         "| mode | req/s | × baseline (target) | p99 | server CPU / req | Redis CPU / req | Redis commands / req | non-2xx |"
     );
     println!("|---|---|---|---|---|---|---|---|");
-    for (label, measured) in [("baseline, first", &first), ("baseline, last", &last)] {
-        print_row(label, measured, baseline, None);
+    let mean = baselines.iter().map(|b| b.per_second).sum::<f64>() / baselines.len() as f64;
+    for (i, measured) in baselines.iter().enumerate() {
+        print_row(&format!("baseline {}", i + 1), measured, mean, None);
     }
-    for (mode, measured) in &results {
-        print_row(mode.name, measured, baseline, mode.target);
+    for (mode, measured, baseline) in &results {
+        print_row(mode.name, measured, *baseline, mode.target);
     }
     let _ = std::fs::remove_dir_all(&work);
     Ok(())

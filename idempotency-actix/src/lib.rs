@@ -63,10 +63,13 @@
 //!
 //! # Stores
 //!
-//! * [`RedisStore`] (`Idempotency::redis(pool)`): a bb8 pool of bb8-redis connections. Two
-//!   round trips for a new key, one for a replay, none for unprotected requests; every
-//!   record is one key and every script touches one key, so the protocol is ready for Redis
-//!   Cluster; a cluster backend is not part of this release.
+//! * [`RedisStore`] (`Idempotency::redis(pool)`, Redis ≥ 7.0): takes a bb8 pool of
+//!   bb8-redis connections for its settings and shares one multiplexed connection per
+//!   worker. Two round trips for a new key, one for a replay, none for unprotected requests;
+//!   every record is one key and every command or function touches one key, so the protocol
+//!   is ready for Redis Cluster; a cluster backend is not part of this release.
+//! * [`ReplayCache`] (opt-in, `Idempotency::replay_cache`): completed records kept in
+//!   process, so a replay costs no round trip at all.
 //! * [`MemoryStore`] (`Idempotency::memory()`): in-process, for development, tests and
 //!   single-instance apps.
 //! * Anything implementing [`IdempotencyStore`] (`Idempotency::new(store)`).

@@ -27,7 +27,11 @@ use crate::store::BeginOutcome;
 ///   committed it, so clocks should agree to within a small fraction of the TTL.)
 ///
 /// Clones share one cache: create it once, outside `HttpServer::new`, and pass a clone to
-/// every worker's [`Idempotency`](crate::Idempotency). Use one cache per store.
+/// every worker's [`Idempotency`](crate::Idempotency). Use one cache per store. It serves
+/// stores that report the remaining TTL of what `begin` finds
+/// ([`IdempotencyStore::begin_with_remaining_ttl`](crate::IdempotencyStore::begin_with_remaining_ttl)),
+/// such as the Redis store; the in-process `MemoryStore` gains nothing from
+/// it and reports none, so nothing of it is cached.
 ///
 /// # Examples
 ///

@@ -1,5 +1,5 @@
 //! DESIGN §7 under failure: leases, waiting for completion, client disconnects, Redis
-//! stopped, restarted, stalled (`DEBUG SLEEP`, `CLIENT PAUSE`), an exhausted pool, and
+//! stopped, restarted, stalled (`DEBUG SLEEP`, `CLIENT PAUSE`), a pool with every slot held, and
 //! graceful shutdown. Tests that stop or stall Redis use a private `redis-server`.
 
 #![allow(clippy::unwrap_used)]
@@ -468,7 +468,9 @@ async fn client_pause_is_503_within_the_store_timeout() {
 }
 
 #[actix_web::test]
-async fn an_exhausted_pool_is_503_within_the_store_timeout() {
+async fn the_store_never_waits_for_a_pool_slot() {
+    // The store shares one multiplexed connection per worker instead of checking one out per
+    // command: an app that holds every slot of the pool does not starve it.
     let redis = PrivateRedis::start().await;
     let pool: RedisPool = bb8::Pool::builder()
         .max_size(1)
@@ -487,12 +489,11 @@ async fn an_exhausted_pool_is_503_within_the_store_timeout() {
     let client = awc::Client::default();
     let url = server.url("/orders");
     let held = pool.get().await.unwrap();
-    let started = Instant::now();
-    let reply = post(&client, &url, "starved").await;
-    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
-    assert!(started.elapsed() < Duration::from_millis(1500));
-    drop(held);
     assert_eq!(post(&client, &url, "fed").await.status, StatusCode::CREATED);
+    let replay = post(&client, &url, "fed").await;
+    assert_eq!(replay.status, StatusCode::CREATED);
+    assert!(replay.replayed);
+    drop(held);
     assert_eq!(runs.get(), 1);
 }
 

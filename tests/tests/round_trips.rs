@@ -1,6 +1,6 @@
 //! Round trips per request (DESIGN §6, §10), counted by a private `redis-server`'s
 //! `INFO commandstats`: 2 for a new key, 1 for a replay, 0 for unprotected requests. The
-//! counts are compared whole, the commands the scripts run inside Redis included, so any
+//! counts are compared whole, the commands the functions run inside Redis included, so any
 //! extra command a change sends shows up, and so would a `PING` per pool checkout.
 
 #![allow(clippy::unwrap_used)]
@@ -59,17 +59,17 @@ async fn new_key_costs_two_round_trips_replay_one_unprotected_none() {
     let redis = PrivateRedis::start().await;
     let server = start(RedisStore::pool(&redis.url()).unwrap());
 
-    // Warm up: the pool connects and the scripts are loaded once per server.
+    // Warm up: the store connects and its functions are loaded once per server.
     assert_eq!(post(&server, Method::POST, Some("warm-up")).await, 201);
     redis.take_command_counts().await;
 
     // A new key: two round trips. `begin` is one plain `SET … NX PX … GET`; `commit` one
-    // EVALSHA whose script reads the record's header (GETRANGE) and writes it (SET).
+    // FCALL whose function reads the record's header (GETRANGE) and writes it (SET).
     assert_eq!(post(&server, Method::POST, Some("new")).await, 201);
     let new_key = redis.take_command_counts().await;
     assert_eq!(
         new_key,
-        counts(&[("set", 2), ("evalsha", 1), ("getrange", 1)]),
+        counts(&[("set", 2), ("fcall", 1), ("getrange", 1)]),
         "new key"
     );
 
@@ -105,6 +105,6 @@ async fn a_default_bb8_pool_costs_no_ping_per_request() {
     assert_eq!(post(&server, Method::POST, Some("new")).await, 201);
     assert_eq!(
         redis.take_command_counts().await,
-        counts(&[("set", 3), ("evalsha", 1), ("getrange", 1)])
+        counts(&[("set", 3), ("fcall", 1), ("getrange", 1)])
     );
 }

@@ -8,9 +8,9 @@ use futures_util::lock::Mutex as AsyncMutex;
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 
+use super::exchange::{Exchange, Reply};
 use super::protocol;
 use super::replication::ReplicatedWrites;
-use super::request::{Reply, Request};
 use super::steps::{Steps, Transport, idempotency_store_on_steps};
 use crate::store::StoreError;
 
@@ -47,9 +47,11 @@ const FIRST_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// node 1 s to accept a connection, each attempt of a request 1 s for its reply, and a
 /// request with its retries 2 s (see [`client`](Self::client)).
 ///
-/// After a failover, the promoted replica has never loaded the store's scripts: a script
-/// that meets `NOSCRIPT` is sent once more with its source (`EVAL`), on the key's node,
-/// which also caches it there.
+/// The fenced steps are Redis functions (`FCALL`, routed by the key like every step).
+/// Functions are replicated and kept with the data, so a replica promoted by a failover
+/// has them. A primary without them (a new cluster, an empty node given slots) makes the
+/// step load them with `FUNCTION LOAD`, which the cluster connection sends to every
+/// primary (while one is unreachable, that load fails, and the step with it).
 ///
 /// With [`replicated_writes`](Self::replicated_writes), `WAIT` is pipelined behind each
 /// write on the connection of the key's primary, so it counts that primary's replicas.
@@ -174,10 +176,10 @@ impl RedisClusterStore {
 }
 
 impl Transport for RedisClusterStore {
-    async fn send(&self, request: &Request) -> Result<Reply, StoreError> {
+    async fn send(&self, exchange: &Exchange) -> Result<Reply, StoreError> {
         // The connection reconnects and retries by itself (within its overall timeout).
         let mut connection = self.connection().await?;
-        request
+        exchange
             .send(&mut connection)
             .await
             .map_err(protocol::store_error)

@@ -1,11 +1,16 @@
-//! [`SharedConnection`]: one multiplexed connection, taken from the bb8 pool and shared by
-//! every request of a store, replaced when its socket dies.
+//! [`SharedConnection`]: one multiplexed connection per store, shared by all its requests,
+//! replaced when its socket dies.
 //!
 //! A bb8 pool hands a connection to one user at a time, so requests that each hold a pooled
 //! connection for their command never share a write. A redis-rs multiplexed connection
 //! carries any number of requests at once and writes all that are queued in one go; cloning
-//! it is cheap. So the store takes a connection from the pool once, keeps a clone, and gives
-//! the pool slot back at once: the commands of concurrent requests coalesce on it.
+//! it is cheap. So the store opens one with the pool's connection manager and shares it:
+//! the commands of concurrent requests coalesce on it.
+//!
+//! The connection is opened by the store itself, on the worker that uses it, rather than
+//! taken from the pool: a pooled connection may have been opened on another thread (the
+//! one that first asked the pool), and its driver task would then run there, so that every
+//! command of this worker would cost a cross-thread wake-up and two context switches.
 
 use std::sync::Mutex;
 
@@ -13,8 +18,8 @@ use futures_util::lock::Mutex as AsyncMutex;
 use redis::aio::MultiplexedConnection;
 
 use super::RedisPool;
+use super::exchange::{Exchange, Reply};
 use super::protocol;
-use super::request::{Reply, Request};
 use super::steps::Transport;
 use crate::store::StoreError;
 
@@ -49,7 +54,7 @@ impl SharedConnection {
 
     /// Sends `request`; if the connection turns out dead, replaces it and sends once more
     /// (every request of the protocol is safe to send twice).
-    pub(super) async fn send(&self, request: &Request) -> Result<Reply, StoreError> {
+    pub(super) async fn send(&self, request: &Exchange) -> Result<Reply, StoreError> {
         let Generation {
             mut connection,
             number,
@@ -92,8 +97,7 @@ impl SharedConnection {
         generation
     }
 
-    /// The shared connection; the first call takes it from the pool (bounded by the pool's
-    /// connection timeout, and failing while every slot is held).
+    /// The shared connection, opened by the first request that needs it.
     async fn connection(&self) -> Result<Generation, StoreError> {
         if let Some(current) = self.current() {
             return Ok(current);
@@ -102,14 +106,10 @@ impl SharedConnection {
         if let Some(current) = self.current() {
             return Ok(current);
         }
-        let pooled = self.pool.get().await.map_err(unavailable)?;
-        let connection = (*pooled).clone();
-        drop(pooled);
-        Ok(self.set(connection))
+        Ok(self.set(self.open().await?))
     }
 
-    /// Replaces the connection of generation `dead` (unless another request already did)
-    /// with a fresh one, in its pool slot too, so the pool never hands the dead one out again.
+    /// Replaces the connection of generation `dead` (unless another request already did).
     async fn replace(&self, dead: u64) -> Result<MultiplexedConnection, StoreError> {
         let _connecting = self.connecting.lock().await;
         if let Some(current) = self.current()
@@ -117,21 +117,18 @@ impl SharedConnection {
         {
             return Ok(current.connection);
         }
-        let mut pooled = self.pool.get().await.map_err(unavailable)?;
-        *pooled = self
-            .pool
-            .dedicated_connection()
-            .await
-            .map_err(unavailable)?;
-        let connection = (*pooled).clone();
-        drop(pooled);
-        Ok(self.set(connection).connection)
+        Ok(self.set(self.open().await?).connection)
+    }
+
+    /// A new connection from the pool's connection manager, driven by this thread.
+    async fn open(&self) -> Result<MultiplexedConnection, StoreError> {
+        self.pool.dedicated_connection().await.map_err(unavailable)
     }
 }
 
 impl Transport for SharedConnection {
-    async fn send(&self, request: &Request) -> Result<Reply, StoreError> {
-        SharedConnection::send(self, request).await
+    async fn send(&self, exchange: &Exchange) -> Result<Reply, StoreError> {
+        SharedConnection::send(self, exchange).await
     }
 }
 

@@ -1,16 +1,16 @@
 //! [`RedisStore`]: records in Redis, reached through a bb8 pool of bb8-redis connections.
 //!
-//! The protocol (commands, scripts, reply decoding) lives in `protocol` and the record
+//! The protocol (commands, functions, reply decoding) lives in `protocol` and the record
 //! layout in `record`, apart from the connection handling in `connection`, so a store on
 //! another kind of connection runs the same protocol.
 
 #[cfg(feature = "redis-cluster")]
 mod cluster;
 mod connection;
+mod exchange;
 mod protocol;
 mod record;
 mod replication;
-mod request;
 mod steps;
 
 use std::time::Duration;
@@ -40,16 +40,16 @@ pub type RedisPool = bb8::Pool<RedisConnectionManager>;
 ///
 /// Round trips: a new key costs two, a replay one, an unprotected request none. `begin` is
 /// one plain `SET key record NX PX lease GET`; `commit`, `renew` and `release` are each one
-/// short `EVALSHA` fenced by the lease token (plus a one-time `SCRIPT LOAD` per script and
-/// server).
+/// `FCALL` of a short Lua function fenced by the lease token (the library
+/// `idempotency_actix_2` is loaded by the store with `FUNCTION LOAD` when a server does not
+/// have it yet).
 ///
-/// Connections: the store takes one multiplexed connection from the pool, keeps a clone and
-/// returns the slot at once, so the commands of concurrent requests share it and go out
-/// together. A connection whose socket died is replaced (in the pool too) and the command
-/// sent once more. Each clone of the store (one per worker, as `HttpServer::new` builds the
-/// app per worker) keeps its own connection. bb8 sends a `PING` on every checkout unless
-/// the pool is built with `test_on_check_out(false)`; [`RedisStore::pool`] builds it that
-/// way.
+/// Connections: the store opens one multiplexed connection with the pool's connection
+/// manager (the pool gives the URL and settings) and shares it between all its requests, so
+/// their commands go out together; it never holds a pool slot, so it neither waits for one
+/// nor pays bb8's `PING` per checkout. A connection whose socket died is replaced and the
+/// command sent once more. Each clone of the store (one per worker, as `HttpServer::new`
+/// builds the app per worker) opens its own connection, on its worker's thread.
 ///
 /// # Examples
 ///
@@ -99,10 +99,10 @@ impl RedisStore {
         }
     }
 
-    /// A pool for `url` with the settings this store wants: no `PING` on checkout (a dead
-    /// connection fails its command and is replaced), 16 connections, and no connection made
-    /// until the first request, so an app starts while Redis is still down and recovers by
-    /// itself once it is up.
+    /// A pool for `url` with the settings this store wants: no `PING` on checkout (for the
+    /// app's own use of the pool; the store shares one connection per worker and never checks
+    /// one out), 16 connections, and no connection made until the first request, so an app
+    /// starts while Redis is still down and recovers by itself once it is up.
     ///
     /// # Errors
     ///

@@ -31,7 +31,7 @@ pub(super) const FORMAT: u8 = 2;
 pub(super) const IN_FLIGHT: u8 = b'i';
 /// State byte of a completed record.
 pub(super) const COMPLETED: u8 = b'c';
-/// Where the token's length byte is (0-based); scripts compare from here.
+/// Where the token's length byte is (0-based); the functions compare from here.
 pub(super) const TOKEN_OFFSET: usize = 34;
 
 /// The in-flight record `begin` writes: the header alone.
@@ -44,7 +44,7 @@ pub(super) fn in_flight(fingerprint: &Fingerprint, token: &LeaseToken) -> Vec<u8
     record
 }
 
-/// The token as records hold it: its length, then its bytes (what scripts compare).
+/// The token as records hold it: its length, then its bytes (what the functions compare).
 pub(super) fn token_field(token: &LeaseToken) -> Vec<u8> {
     let token = token.as_str().as_bytes();
     // Tokens are 32 characters; a longer one (never generated) is cut to stay readable.
@@ -171,7 +171,7 @@ mod tests {
     fn a_completed_record_is_the_in_flight_header_then_its_completion() {
         let print = Fingerprint::from_bytes([1; 32]);
         let token = LeaseToken::generate();
-        // What the commit script writes: the header with state `c`, then the completion.
+        // What the commit function writes: the header with state `c`, then the completion.
         let mut record = in_flight(&print, &token);
         record[1] = COMPLETED;
         record.extend_from_slice(&completion(&response(), Duration::from_secs(60)));

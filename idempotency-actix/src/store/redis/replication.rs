@@ -3,8 +3,6 @@
 
 use std::time::Duration;
 
-use super::request::timeout_millis;
-
 /// Replicated writes for [`RedisStore`](crate::RedisStore) and
 /// [`RedisClusterStore`](crate::RedisClusterStore): each write of the store (the lock that
 /// `begin` creates, and the commit) is followed, in the same round trip on the same
@@ -121,4 +119,11 @@ pub(super) struct NotReplicated {
     pub(super) step: &'static str,
     pub(super) acknowledged: u32,
     pub(super) wait: ReplicatedWrites,
+}
+
+/// Milliseconds for `WAIT`, at least 1 (0 would wait forever).
+fn timeout_millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis())
+        .unwrap_or(u64::MAX)
+        .max(1)
 }

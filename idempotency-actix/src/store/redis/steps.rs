@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
+use super::exchange::{Exchange, Reply};
 use super::protocol;
 use super::replication::ReplicatedWrites;
-use super::request::{Reply, Request};
 use crate::fingerprint::Fingerprint;
 use crate::record::StoredResponse;
 use crate::scope::StorageKey;
@@ -14,9 +14,9 @@ use crate::store::{BeginOutcome, LeaseToken, StoreError};
 
 /// How a store gets a request to Redis and its reply back.
 pub(crate) trait Transport {
-    /// Sends `request` (once, or again after a reconnection: every request is safe to send
+    /// Sends `exchange` (once, or again after a reconnection: every request is safe to send
     /// twice).
-    async fn send(&self, request: &Request) -> Result<Reply, StoreError>;
+    async fn send(&self, exchange: &Exchange) -> Result<Reply, StoreError>;
 }
 
 /// A transport and the store's replication setting.
@@ -33,8 +33,11 @@ impl<T: Transport> Steps<'_, T> {
         token: &LeaseToken,
         lease: Duration,
     ) -> Result<(BeginOutcome, Option<Duration>), StoreError> {
-        let request = protocol::begin(key, fingerprint, token, lease).replicated(self.replication);
-        let reply = self.transport.send(&request).await?;
+        let exchange = Exchange::new(
+            protocol::begin(key, fingerprint, token, lease),
+            self.replication,
+        );
+        let reply = self.transport.send(&exchange).await?;
         let found = protocol::begin_outcome(reply.value, fingerprint, token)?;
         // Only a lock this request holds must be on the replicas; a record found is
         // answered as it is.
@@ -52,7 +55,7 @@ impl<T: Transport> Steps<'_, T> {
     ) -> Result<bool, StoreError> {
         let reply = self
             .transport
-            .send(&protocol::renew(key, token, lease))
+            .send(&Exchange::plain(protocol::renew(key, token, lease)))
             .await?;
         protocol::held(reply.value)
     }
@@ -64,8 +67,11 @@ impl<T: Transport> Steps<'_, T> {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        let request = protocol::commit(key, token, response, ttl).replicated(self.replication);
-        let reply = self.transport.send(&request).await?;
+        let exchange = Exchange::new(
+            protocol::commit(key, token, response, ttl),
+            self.replication,
+        );
+        let reply = self.transport.send(&exchange).await?;
         let held = protocol::held(reply.value)?;
         if held {
             reply.replication.check("commit")?;
@@ -78,7 +84,10 @@ impl<T: Transport> Steps<'_, T> {
         key: &StorageKey,
         token: &LeaseToken,
     ) -> Result<bool, StoreError> {
-        let reply = self.transport.send(&protocol::release(key, token)).await?;
+        let reply = self
+            .transport
+            .send(&Exchange::plain(protocol::release(key, token)))
+            .await?;
         protocol::held(reply.value)
     }
 }
