@@ -135,11 +135,41 @@ impl PrivateRedis {
             .expect("a free loopback port")
             .port();
         let server = Self {
-            child: spawn_redis_server(port),
+            child: spawn_redis_server(port, &[]),
             port,
         };
         server.wait_until_it_answers().await;
         server
+    }
+
+    /// Starts one as a replica of `primary` and waits until it is in sync with it.
+    ///
+    /// # Panics
+    ///
+    /// When it does not start, or is not in sync within 10 s.
+    pub async fn start_replica_of(primary: &PrivateRedis) -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|listener| listener.local_addr())
+            .expect("a free loopback port")
+            .port();
+        let primary_port = primary.port.to_string();
+        let replica = Self {
+            child: spawn_redis_server(port, &["--replicaof", "127.0.0.1", &primary_port]),
+            port,
+        };
+        replica.wait_until_it_answers().await;
+        for _ in 0..100 {
+            let info: String = redis::cmd("INFO")
+                .arg("replication")
+                .query_async(&mut replica.connection().await)
+                .await
+                .expect("INFO replication");
+            if info.contains("master_link_status:up") {
+                return replica;
+            }
+            actix_rt::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        panic!("the replica on port {port} did not sync within 10 s");
     }
 
     /// Kills the server (like a crash: nothing is kept, it keeps nothing on disk).
@@ -151,7 +181,7 @@ impl PrivateRedis {
     /// Starts it again on the same port, empty, and waits until it answers.
     pub async fn restart(&mut self) {
         self.stop();
-        self.child = spawn_redis_server(self.port);
+        self.child = spawn_redis_server(self.port, &[]);
         self.wait_until_it_answers().await;
     }
 
@@ -230,9 +260,10 @@ impl PrivateRedis {
     }
 }
 
-fn spawn_redis_server(port: u16) -> std::process::Child {
+fn spawn_redis_server(port: u16, extra: &[&str]) -> std::process::Child {
     std::process::Command::new("redis-server")
         .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+        .args(extra)
         .args(["--save", "", "--appendonly", "no"])
         // DEBUG SLEEP simulates a stalled server in the fault-injection tests.
         .args(["--enable-debug-command", "yes"])
