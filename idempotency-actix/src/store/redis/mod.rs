@@ -1,8 +1,10 @@
 //! [`RedisStore`]: records in Redis, reached through a bb8 pool of bb8-redis connections.
 //!
 //! The protocol (commands, functions, reply decoding) lives in `protocol` and the record
-//! layout in `record`, apart from the connection handling in `connection`, so a store on
-//! another kind of connection runs the same protocol.
+//! layout in `record`; `exchange` sends a request alone or pipelined with `WAIT`
+//! (`replication`), and `steps` runs the four steps over any transport. Only the
+//! connection differs between the stores: `connection` for this one, `cluster` for
+//! [`RedisClusterStore`](crate::RedisClusterStore) (feature `redis-cluster`).
 
 #[cfg(feature = "redis-cluster")]
 mod cluster;
@@ -31,7 +33,7 @@ pub type RedisPool = bb8::Pool<RedisConnectionManager>;
 ///
 /// A record holds its state (in flight or completed), the request's fingerprint, the lease
 /// token of the request that runs or ran, and, once completed, its expiry and the encoded
-/// [`StoredResponse`]. The key's expiry is the lease while in flight and the TTL once
+/// [`StoredResponse`](crate::StoredResponse). The key's expiry is the lease while in flight and the TTL once
 /// completed. Records of another format version are still recognised as in flight or
 /// completed, so two versions of an app sharing Redis never take each other's keys; a
 /// response this version cannot decode is a store error (503 when failing closed), never a
@@ -50,6 +52,9 @@ pub type RedisPool = bb8::Pool<RedisConnectionManager>;
 /// nor pays bb8's `PING` per checkout. A connection whose socket died is replaced and the
 /// command sent once more. Each clone of the store (one per worker, as `HttpServer::new`
 /// builds the app per worker) opens its own connection, on its worker's thread.
+///
+/// With [`replicated_writes`](Self::replicated_writes), `WAIT` is pipelined behind the lock
+/// and the commit on the same connection, in the same round trip.
 ///
 /// # Examples
 ///

@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-/// Replicated writes for [`RedisStore`](crate::RedisStore) and
-/// [`RedisClusterStore`](crate::RedisClusterStore): each write of the store (the lock that
+/// Replicated writes for [`RedisStore`](crate::RedisStore) and `RedisClusterStore` (feature
+/// `redis-cluster`): each write of the store (the lock that
 /// `begin` creates, and the commit) is followed, in the same round trip on the same
 /// connection, by `WAIT replicas timeout`, which answers once that many replicas of the
 /// key's primary acknowledge every write the connection made so far, or when the timeout
@@ -44,10 +44,13 @@ use std::time::Duration;
 /// saw, and a lost release leaves a lock that expires with its lease.
 ///
 /// Keep the timeout well below the store timeout (2 s by default) and, on a cluster, below
-/// the connection's response timeout (1 s with [`RedisClusterStore::client`]): a `WAIT`
-/// that outlasts them is a store timeout, not a count of acknowledgements.
+/// the connection's response timeout (1 s with `RedisClusterStore::client`): a `WAIT` that
+/// outlasts them is a store timeout, not a count of acknowledgements.
 ///
-/// [`RedisClusterStore::client`]: crate::RedisClusterStore::client
+/// With one replica per primary, a failover leaves the promoted primary without a replica
+/// until one rejoins: strict replicated writes then refuse new keys on that primary (503)
+/// while replays go on. Run two replicas per primary and wait for one to keep serving
+/// through a failover.
 ///
 /// # Examples
 ///
