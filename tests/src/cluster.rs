@@ -3,7 +3,6 @@
 //! agree again.
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::{Mutex, OnceLock};
@@ -32,9 +31,17 @@ const SETTLE_TIMEOUT: Duration = Duration::from_secs(60);
 pub struct RedisCluster {
     dir: PathBuf,
     nodes: Mutex<Vec<Node>>,
-    /// The write ends of the watchdogs' pipes (one per batch of started nodes); each
-    /// watchdog cleans up when its pipe closes.
-    watchdogs: Mutex<Vec<ChildStdin>>,
+    /// The watchdogs (one per batch of started nodes); each cleans up when its pipe closes.
+    watchdogs: Mutex<Vec<Watchdog>>,
+}
+
+/// A shell that waits for the end of its stdin, then kills nodes and removes their
+/// directories.
+#[derive(Debug)]
+struct Watchdog {
+    process: Child,
+    /// The write end of its stdin: nothing is written, only its closing matters.
+    pipe: Option<ChildStdin>,
 }
 
 #[derive(Debug)]
@@ -378,6 +385,14 @@ impl Drop for RedisCluster {
             let _ = node.child.kill();
             let _ = node.child.wait();
         }
+        let watchdogs = self
+            .watchdogs
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for watchdog in watchdogs.iter_mut() {
+            drop(watchdog.pipe.take());
+            let _ = watchdog.process.wait();
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
@@ -422,7 +437,7 @@ fn spawn_node(dir: &Path, port: u16) -> Child {
 
 /// A shell that waits for its stdin to close (the test process exited, however it
 /// exited), then kills the nodes and removes their directories.
-fn spawn_watchdog(dir: &Path, nodes: &[Node]) -> ChildStdin {
+fn spawn_watchdog(dir: &Path, nodes: &[Node]) -> Watchdog {
     let pids: Vec<String> = nodes
         .iter()
         .map(|node| node.child.id().to_string())
@@ -432,17 +447,15 @@ fn spawn_watchdog(dir: &Path, nodes: &[Node]) -> ChildStdin {
         pids.join(" "),
         dir.display()
     );
-    let mut watchdog = Command::new("sh")
+    let mut process = Command::new("sh")
         .args(["-c", &script])
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .expect("sh runs");
-    let mut stdin = watchdog.stdin.take().expect("stdin is piped");
-    // Nothing is ever written: only the end of the pipe matters.
-    let _ = stdin.flush();
-    stdin
+    let pipe = process.stdin.take();
+    Watchdog { process, pipe }
 }
 
 fn node_connection(port: u16) -> redis::RedisResult<redis::Connection> {

@@ -24,7 +24,7 @@ use idempotency_actix_tests::{Reply, RunCounter, redis_pool, unique_prefix};
 enum Backend {
     Memory(MemoryStore),
     Redis(RedisPool),
-    RedisCluster(RedisClusterClient),
+    RedisCluster(Box<RedisClusterClient>),
 }
 
 impl Backend {
@@ -37,14 +37,14 @@ impl Backend {
     }
 
     async fn redis_cluster() -> Self {
-        Self::RedisCluster(RedisCluster::shared().client())
+        Self::RedisCluster(Box::new(RedisCluster::shared().client()))
     }
 
     fn idempotency(&self, prefix: &str) -> Idempotency {
         let idempotency = match self {
             Self::Memory(store) => Idempotency::new(store.clone()),
             Self::Redis(pool) => Idempotency::redis(pool.clone()),
-            Self::RedisCluster(client) => Idempotency::redis_cluster(client.clone()),
+            Self::RedisCluster(client) => Idempotency::redis_cluster((**client).clone()),
         };
         idempotency.key_prefix(prefix)
     }
