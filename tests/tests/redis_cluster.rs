@@ -6,7 +6,7 @@
 #![allow(clippy::unwrap_used)]
 
 use actix_web::http::StatusCode;
-use idempotency_actix::Idempotency;
+use idempotency_actix::{Idempotency, RedisClusterStore};
 use idempotency_actix_tests::cluster::RedisCluster;
 use idempotency_actix_tests::keyed_app::{KeyedApp, RunsByKey};
 use idempotency_actix_tests::unique_prefix;
@@ -75,4 +75,24 @@ async fn two_app_instances_run_a_key_once() {
         }
         assert_eq!(runs.of(&key), 1, "{key} ran once across both instances");
     }
+}
+
+#[actix_web::test]
+async fn an_app_starts_while_the_cluster_is_down_and_answers_503() {
+    let unused = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .unwrap()
+        .port();
+    let client = RedisClusterStore::client([format!("redis://127.0.0.1:{unused}")]).unwrap();
+    let runs = RunsByKey::default();
+    let app = KeyedApp::start(
+        move || Idempotency::redis_cluster(client.clone()),
+        runs.clone(),
+    );
+    for _ in 0..2 {
+        let reply = app.post("down").await.unwrap();
+        assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(reply.header("retry-after").is_some());
+    }
+    assert_eq!(runs.total(), 0, "fail closed: the handler did not run");
 }

@@ -43,7 +43,8 @@ const FIRST_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// own on first use; its background task runs on that worker.
 ///
 /// Bounds: the first connection may take 2 s (the app starts while the cluster is down and
-/// connects once it is up; until then each request fails fast with a store error), each
+/// connects once it is up; until then each request tries, for up to 2 s, and fails with a
+/// store error: 503 when failing closed), each
 /// node 1 s to accept a connection, each attempt of a request 1 s for its reply, and a
 /// request with its retries 2 s (see [`client`](Self::client)).
 ///

@@ -58,10 +58,13 @@ use std::time::Duration;
 /// use std::time::Duration;
 /// use idempotency_actix::{RedisStore, ReplicatedWrites};
 ///
+/// # actix_web::rt::System::new().block_on(async {
 /// let pool = RedisStore::pool("redis://127.0.0.1:6379").expect("a valid Redis URL");
 /// let store = RedisStore::new(pool)
 ///     .replicated_writes(ReplicatedWrites::new(1, Duration::from_millis(200)));
 /// assert_eq!(store.replication().map(|writes| writes.replicas()), Some(1));
+/// assert!(store.replication().is_some_and(|writes| writes.is_strict()));
+/// # });
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReplicatedWrites {
