@@ -26,7 +26,11 @@
 //! a measure of how steady the machine was). Printed per mode: requests per second and its ratio to the baseline,
 //! p99 latency, server CPU per request (`/proc/PID/stat` user + system time over the run ÷
 //! requests), Redis CPU per request (`INFO cpu`) and Redis commands per request
-//! (`INFO commandstats`), and the number of responses that were not 2xx (should be 0).
+//! (`INFO commandstats`), wrk's CPU per request (this process's waited-for children), and the
+//! number of responses that were not 2xx (should be 0). "× baseline by CPU" is the ratio of
+//! the CPU all three processes (server, Redis, wrk) spend per request, baseline over mode:
+//! what the throughput ratio comes to when they have the machine's cores to themselves, and
+//! steady while other processes load the machine (the req/s ratio is not).
 //!
 //! Environment: `BENCH_SECONDS` [8] per mode, `BENCH_CONNECTIONS` [32].
 //! Needs `wrk` and `redis-server` (`apt-get install -y wrk redis-server`).
@@ -115,10 +119,13 @@ const MODES: [Mode; 6] = [
 
 /// What one mode measured.
 struct Measured {
+    /// CPU per request of all three processes: the server, Redis and wrk.
+    total_cpu_per_request: Duration,
     per_second: f64,
     p99: Duration,
     not_2xx: u64,
     server_cpu_per_request: Duration,
+    wrk_cpu_per_request: Duration,
     redis_cpu_per_request: Option<Duration>,
     redis_commands_per_request: Option<f64>,
 }
@@ -174,29 +181,46 @@ fn run() -> Result<(), Error> {
         let measured = load.measure(mode)?;
         baselines.push(load.measure(&BASELINE)?);
         let around = &baselines[baselines.len() - 2..];
-        let baseline = (around[0].per_second + around[1].per_second) / 2.0;
+        let baseline = Baseline {
+            per_second: (around[0].per_second + around[1].per_second) / 2.0,
+            total_cpu: (around[0].total_cpu_per_request + around[1].total_cpu_per_request) / 2,
+        };
         results.push((mode, measured, baseline));
     }
     println!("load after: {}", load_average());
 
     println!();
     println!(
-        "| mode | req/s | × baseline (target) | p99 | server CPU / req | Redis CPU / req | Redis commands / req | non-2xx |"
+        "| mode | req/s | × baseline (target) | × baseline by CPU | p99 | server CPU / req | Redis CPU / req | wrk CPU / req | Redis commands / req | non-2xx |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
-    let mean = baselines.iter().map(|b| b.per_second).sum::<f64>() / baselines.len() as f64;
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    let count = baselines.len() as f64;
+    let mean = Baseline {
+        per_second: baselines.iter().map(|b| b.per_second).sum::<f64>() / count,
+        total_cpu: baselines
+            .iter()
+            .map(|b| b.total_cpu_per_request)
+            .sum::<Duration>()
+            .div_f64(count),
+    };
     for (i, measured) in baselines.iter().enumerate() {
-        print_row(&format!("baseline {}", i + 1), measured, mean, None);
+        print_row(&format!("baseline {}", i + 1), measured, &mean, None);
     }
     for (mode, measured, baseline) in &results {
-        print_row(mode.name, measured, *baseline, mode.target);
+        print_row(mode.name, measured, baseline, mode.target);
     }
     let _ = std::fs::remove_dir_all(&work);
     Ok(())
 }
 
-fn print_row(name: &str, measured: &Measured, baseline: f64, target: Option<f64>) {
-    let ratio = measured.per_second / baseline;
+/// The baseline a mode is compared with.
+struct Baseline {
+    per_second: f64,
+    total_cpu: Duration,
+}
+
+fn print_row(name: &str, measured: &Measured, baseline: &Baseline, target: Option<f64>) {
+    let ratio = measured.per_second / baseline.per_second;
     let ratio = match target {
         Some(target) => format!(
             "{ratio:.2}× (≥ {target:.2}{})",
@@ -204,15 +228,17 @@ fn print_row(name: &str, measured: &Measured, baseline: f64, target: Option<f64>
         ),
         None => format!("{ratio:.2}×"),
     };
+    let by_cpu = baseline.total_cpu.as_secs_f64() / measured.total_cpu_per_request.as_secs_f64();
     let micros = |duration: Duration| format!("{:.1} µs", duration.as_secs_f64() * 1e6);
     println!(
-        "| {name} | {:.0} | {ratio} | {:.2} ms | {} | {} | {} | {} |",
+        "| {name} | {:.0} | {ratio} | {by_cpu:.2}× | {:.2} ms | {} | {} | {} | {} | {} |",
         measured.per_second,
         measured.p99.as_secs_f64() * 1e3,
         micros(measured.server_cpu_per_request),
         measured
             .redis_cpu_per_request
             .map_or("—".to_owned(), micros),
+        micros(measured.wrk_cpu_per_request),
         measured
             .redis_commands_per_request
             .map_or("—".to_owned(), |commands| format!("{commands:.2}")),
@@ -407,9 +433,15 @@ impl Load<'_> {
         let server_cpu = process_cpu(server.child.id())?;
         let redis_cpu = self.redis.cpu()?;
         self.redis.take_commands()?;
+        let wrk_cpu = children_cpu()?;
         let run = self.wrk(&script, &url, self.seconds)?;
+        let wrk_cpu = children_cpu()?.saturating_sub(wrk_cpu);
         let server_cpu = process_cpu(server.child.id())?.saturating_sub(server_cpu);
-        let redis_cpu = self.redis.cpu()?.saturating_sub(redis_cpu);
+        let redis_cpu = if mode.redis {
+            self.redis.cpu()?.saturating_sub(redis_cpu)
+        } else {
+            Duration::ZERO
+        };
         let commands: u64 = self.redis.take_commands()?.values().sum();
         drop(server);
 
@@ -420,7 +452,9 @@ impl Load<'_> {
             per_second: run.requests as f64 / run.duration.as_secs_f64(),
             p99: run.p99,
             not_2xx: run.not_2xx,
+            total_cpu_per_request: per_request(server_cpu + redis_cpu + wrk_cpu),
             server_cpu_per_request: per_request(server_cpu),
+            wrk_cpu_per_request: per_request(wrk_cpu),
             redis_cpu_per_request: touches_redis.then(|| per_request(redis_cpu)),
             redis_commands_per_request: touches_redis.then(|| commands as f64 / requests as f64),
         })
@@ -557,13 +591,27 @@ fn post(addr: SocketAddr, key: Option<&str>) -> Result<String, Error> {
 
 /// User + system CPU time of process `pid` (all its threads) so far.
 fn process_cpu(pid: u32) -> Result<Duration, Error> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    // Fields after the command name (which may hold spaces): state is field 3, utime 14, stime 15.
+    // utime and stime are fields 14 and 15.
+    proc_stat_cpu(&format!("/proc/{pid}/stat"), 14)
+}
+
+/// User + system CPU time of this process's children that have exited and been waited for
+/// (each wrk run).
+fn children_cpu() -> Result<Duration, Error> {
+    // cutime and cstime are fields 16 and 17.
+    proc_stat_cpu("/proc/self/stat", 16)
+}
+
+/// The sum of fields `field` and `field + 1` (1-based) of a `/proc/*/stat` file, in clock
+/// ticks, as a duration.
+fn proc_stat_cpu(path: &str, field: usize) -> Result<Duration, Error> {
+    let stat = std::fs::read_to_string(path)?;
+    // Fields after the command name (which may hold spaces) start with the state, field 3.
     let after_name = stat.rsplit_once(')').ok_or("unreadable /proc stat")?.1;
     let fields: Vec<&str> = after_name.split_whitespace().collect();
     let ticks: u64 = fields
-        .get(11)
-        .zip(fields.get(12))
+        .get(field - 3)
+        .zip(fields.get(field - 2))
         .and_then(|(user, system)| Some(user.parse::<u64>().ok()? + system.parse::<u64>().ok()?))
         .ok_or("unreadable /proc stat")?;
     Ok(Duration::from_secs_f64(

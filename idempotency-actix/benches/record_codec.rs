@@ -1,5 +1,6 @@
-//! Encoding and decoding a stored response (the record codec), for a typical JSON answer
-//! and for larger bodies, and generating a lease token.
+//! Encoding and decoding a stored response (the record codec: copying the body, or sharing
+//! the buffer it came in), for a typical JSON answer and for larger bodies, and generating a
+//! lease token.
 
 use actix_web::http::StatusCode;
 use actix_web::http::header::{HeaderName, HeaderValue};
@@ -41,6 +42,14 @@ fn record_codec(c: &mut Criterion) {
         group.bench_with_input(BenchmarkId::new("decode", size), &encoded, |b, encoded| {
             b.iter(|| StoredResponse::decode(black_box(encoded)));
         });
+        let shared = Bytes::from(encoded);
+        group.bench_with_input(
+            BenchmarkId::new("decode shared", size),
+            &shared,
+            |b, shared| {
+                b.iter(|| StoredResponse::decode_shared(black_box(shared).clone()));
+            },
+        );
     }
     group.finish();
 

@@ -111,6 +111,41 @@ impl StoredResponse {
     ///
     /// A [`RecordError`] when the bytes are not a record this version can read.
     pub fn decode(bytes: &[u8]) -> Result<Self, RecordError> {
+        let (mut response, body) = Self::decode_head(bytes)?;
+        response.body = body.map(|start| Bytes::copy_from_slice(&bytes[start..]));
+        Ok(response)
+    }
+
+    /// Decodes a record whose bytes are already shared: the body is a slice of `bytes`, not
+    /// a copy (a large body costs nothing to decode). Never panics, whatever the input.
+    ///
+    /// # Errors
+    ///
+    /// A [`RecordError`] when the bytes are not a record this version can read.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::http::StatusCode;
+    /// use actix_web::web::Bytes;
+    /// use idempotency_actix::StoredResponse;
+    ///
+    /// let response = StoredResponse {
+    ///     status: StatusCode::OK,
+    ///     headers: Vec::new(),
+    ///     body: Some(Bytes::from(vec![7; 4096])),
+    /// };
+    /// let shared = Bytes::from(response.encode());
+    /// assert_eq!(StoredResponse::decode_shared(shared).unwrap(), response);
+    /// ```
+    pub fn decode_shared(bytes: Bytes) -> Result<Self, RecordError> {
+        let (mut response, body) = Self::decode_head(&bytes)?;
+        response.body = body.map(|start| bytes.slice(start..));
+        Ok(response)
+    }
+
+    /// Decodes everything but the body, and says where the body starts, if it was stored.
+    fn decode_head(bytes: &[u8]) -> Result<(Self, Option<usize>), RecordError> {
         let mut reader = Reader(bytes);
         let version = reader.u8()?;
         if version != RECORD_VERSION {
@@ -131,12 +166,16 @@ impl StoredResponse {
                 .map_err(|_| RecordError::Invalid("header value"))?;
             headers.push((name, value));
         }
-        let body = (flags & FLAG_BODY_STORED != 0).then(|| Bytes::copy_from_slice(reader.0));
-        Ok(Self {
+        let body_start = bytes.len() - reader.0.len();
+        let response = Self {
             status,
             headers,
-            body,
-        })
+            body: None,
+        };
+        Ok((
+            response,
+            (flags & FLAG_BODY_STORED != 0).then_some(body_start),
+        ))
     }
 }
 
@@ -200,6 +239,17 @@ mod tests {
     fn round_trips_headers_in_order_and_raw_body() {
         let response = sample();
         assert_eq!(StoredResponse::decode(&response.encode()), Ok(response));
+    }
+
+    #[test]
+    fn a_shared_decode_reads_what_a_copying_decode_reads() {
+        let bytes = sample().encode();
+        for len in 0..=bytes.len() {
+            assert_eq!(
+                StoredResponse::decode_shared(Bytes::copy_from_slice(&bytes[..len])),
+                StoredResponse::decode(&bytes[..len])
+            );
+        }
     }
 
     #[test]

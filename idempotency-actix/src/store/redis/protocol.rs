@@ -23,6 +23,7 @@
 
 use std::time::Duration;
 
+use actix_web::web::Bytes;
 use redis::Value;
 
 use super::record::{self, Found};
@@ -172,7 +173,11 @@ pub(crate) fn begin_outcome(
             Ok((BeginOutcome::FingerprintMismatch, None))
         }
         Found::InFlight { .. } => Ok((BeginOutcome::InFlight, None)),
-        Found::Completed { format, tail, .. } => {
+        Found::Completed {
+            format, tail_start, ..
+        } => {
+            // The reply's buffer becomes the body's: no copy of the stored body.
+            let tail = Bytes::from(record).slice(tail_start..);
             let (response, remaining) = record::decode_completion(format, tail)?;
             Ok((BeginOutcome::Completed(response), Some(remaining)))
         }

@@ -21,6 +21,8 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use actix_web::web::Bytes;
+
 use crate::fingerprint::Fingerprint;
 use crate::record::{RecordError, StoredResponse};
 use crate::store::LeaseToken;
@@ -73,12 +75,11 @@ pub(super) enum Found<'a> {
         fingerprint: &'a [u8],
         token: &'a [u8],
     },
-    /// Completed: the response and how much longer it is kept.
+    /// Completed: its format, and where the bytes after the token start.
     Completed {
         fingerprint: &'a [u8],
-        /// The rest of a completed record: its format and the bytes after the token.
         format: u8,
-        tail: &'a [u8],
+        tail_start: usize,
     },
 }
 
@@ -95,34 +96,35 @@ impl<'a> Found<'a> {
         if rest.len() < token_len {
             return Err(RecordError::Truncated);
         }
-        let (token, tail) = rest.split_at(token_len);
+        let token = &rest[..token_len];
         match state {
             IN_FLIGHT => Ok(Self::InFlight { fingerprint, token }),
             COMPLETED => Ok(Self::Completed {
                 fingerprint,
                 format,
-                tail,
+                tail_start: TOKEN_OFFSET + 1 + token_len,
             }),
             _ => Err(RecordError::Invalid("record state")),
         }
     }
 }
 
-/// Decodes the tail of a completed record of `format`: the response and how much longer it
-/// is kept (zero once its expiry has passed).
+/// Decodes the tail of a completed record of `format` (the bytes after its token, shared
+/// with the reply they came in): the response, whose body is a slice of `tail`, and how much
+/// longer it is kept (zero once its expiry has passed).
 pub(super) fn decode_completion(
     format: u8,
-    tail: &[u8],
+    tail: Bytes,
 ) -> Result<(StoredResponse, Duration), RecordError> {
     if format != FORMAT {
         return Err(RecordError::UnsupportedVersion(format));
     }
-    let Some((expires_at, response)) = tail.split_first_chunk::<8>() else {
+    let Some((expires_at, _)) = tail.split_first_chunk::<8>() else {
         return Err(RecordError::Truncated);
     };
     let remaining = u64::from_be_bytes(*expires_at).saturating_sub(unix_millis(SystemTime::now()));
     Ok((
-        StoredResponse::decode(response)?,
+        StoredResponse::decode_shared(tail.slice(8..))?,
         Duration::from_millis(remaining),
     ))
 }
@@ -178,12 +180,13 @@ mod tests {
         let Ok(Found::Completed {
             fingerprint,
             format,
-            tail,
+            tail_start,
         }) = Found::read(&record)
         else {
             panic!("not completed: {record:?}");
         };
         assert_eq!(fingerprint, &[1; 32]);
+        let tail = Bytes::from(record.clone()).slice(tail_start..);
         let (decoded, remaining) = decode_completion(format, tail).unwrap();
         assert_eq!(decoded, response());
         assert!(remaining <= Duration::from_secs(60) && remaining > Duration::from_secs(50));
@@ -197,11 +200,14 @@ mod tests {
         record.extend_from_slice(b"whatever a later format adds");
         assert!(matches!(Found::read(&record), Ok(Found::InFlight { .. })));
         record[1] = COMPLETED;
-        let Ok(Found::Completed { format, tail, .. }) = Found::read(&record) else {
+        let Ok(Found::Completed {
+            format, tail_start, ..
+        }) = Found::read(&record)
+        else {
             panic!("not completed");
         };
         assert_eq!(
-            decode_completion(format, tail),
+            decode_completion(format, Bytes::from(record).slice(tail_start..)),
             Err(RecordError::UnsupportedVersion(99))
         );
     }
@@ -212,8 +218,11 @@ mod tests {
         record[1] = COMPLETED;
         record.extend_from_slice(&completion(&response(), Duration::from_secs(1)));
         for len in 0..record.len() {
-            if let Ok(Found::Completed { format, tail, .. }) = Found::read(&record[..len]) {
-                let _ = decode_completion(format, tail);
+            if let Ok(Found::Completed {
+                format, tail_start, ..
+            }) = Found::read(&record[..len])
+            {
+                let _ = decode_completion(format, Bytes::copy_from_slice(&record[tail_start..len]));
             }
         }
         assert_eq!(Found::read(&record[..10]), Err(RecordError::Truncated));
