@@ -11,6 +11,7 @@ use redis::cluster_async::ClusterConnection;
 use super::exchange::{Exchange, Reply};
 use super::protocol;
 use super::replication::ReplicatedWrites;
+use super::spares::Spares;
 use super::steps::{Steps, Transport, idempotency_store_on_steps};
 use crate::store::StoreError;
 
@@ -77,6 +78,8 @@ pub struct RedisClusterStore {
     connection: Mutex<Option<ClusterConnection>>,
     /// Held while the connection is made, so concurrent first requests make one.
     connecting: AsyncMutex<()>,
+    /// Connections of their own for exchanges that block theirs (`WAIT`).
+    spares: Spares<ClusterConnection>,
     replication: Option<ReplicatedWrites>,
 }
 
@@ -117,6 +120,7 @@ impl RedisClusterStore {
             client,
             connection: Mutex::new(None),
             connecting: AsyncMutex::new(()),
+            spares: Spares::new(),
             replication: None,
         }
     }
@@ -163,21 +167,28 @@ impl RedisClusterStore {
         if let Some(connection) = self.current() {
             return Ok(connection);
         }
-        let connection =
-            actix_rt::time::timeout(FIRST_CONNECT_TIMEOUT, self.client.get_async_connection())
-                .await
-                .map_err(|_| StoreError::Timeout(FIRST_CONNECT_TIMEOUT))?
-                .map_err(protocol::store_error)?;
+        let connection = self.open().await?;
         *self
             .connection
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(connection.clone());
         Ok(connection)
     }
+
+    /// A new cluster connection, bounded by the first-connect timeout.
+    async fn open(&self) -> Result<ClusterConnection, StoreError> {
+        actix_rt::time::timeout(FIRST_CONNECT_TIMEOUT, self.client.get_async_connection())
+            .await
+            .map_err(|_| StoreError::Timeout(FIRST_CONNECT_TIMEOUT))?
+            .map_err(protocol::store_error)
+    }
 }
 
 impl Transport for RedisClusterStore {
     async fn send(&self, exchange: &Exchange) -> Result<Reply, StoreError> {
+        if exchange.blocks() {
+            return self.spares.send(exchange, || self.open()).await;
+        }
         // The connection reconnects and retries by itself (within its overall timeout).
         let mut connection = self.connection().await?;
         exchange

@@ -20,6 +20,7 @@ use redis::aio::MultiplexedConnection;
 use super::RedisPool;
 use super::exchange::{Exchange, Reply};
 use super::protocol;
+use super::spares::Spares;
 use super::steps::Transport;
 use crate::store::StoreError;
 
@@ -30,6 +31,8 @@ pub(super) struct SharedConnection {
     /// Held while a connection is made, so concurrent requests wait for one connection
     /// instead of each making their own.
     connecting: AsyncMutex<()>,
+    /// Connections of their own for exchanges that block theirs (`WAIT`).
+    spares: Spares<MultiplexedConnection>,
 }
 
 /// A connection and a number that tells it apart from the one it replaced.
@@ -45,6 +48,7 @@ impl SharedConnection {
             pool,
             current: Mutex::new(None),
             connecting: AsyncMutex::new(()),
+            spares: Spares::new(),
         }
     }
 
@@ -128,6 +132,9 @@ impl SharedConnection {
 
 impl Transport for SharedConnection {
     async fn send(&self, exchange: &Exchange) -> Result<Reply, StoreError> {
+        if exchange.blocks() {
+            return self.spares.send(exchange, || self.open()).await;
+        }
         SharedConnection::send(self, exchange).await
     }
 }

@@ -38,6 +38,11 @@ impl Exchange {
         Self::new(request, None)
     }
 
+    /// Whether it waits for replicas, blocking its connection meanwhile (see `spares`).
+    pub(crate) fn blocks(&self) -> bool {
+        self.wait.is_some()
+    }
+
     /// Sends it on `connection`: one round trip (plus, the first time a server meets the
     /// store's functions, one to load them).
     pub(crate) async fn send(

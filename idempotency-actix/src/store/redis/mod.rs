@@ -13,6 +13,7 @@ mod exchange;
 mod protocol;
 mod record;
 mod replication;
+mod spares;
 mod steps;
 
 use std::time::Duration;

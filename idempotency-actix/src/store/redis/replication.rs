@@ -38,11 +38,11 @@ use std::time::Duration;
 /// Cost: each new key waits for the replicas twice (the lock, the commit); a replay waits
 /// too, since `begin` cannot know before it answers whether it writes, but `WAIT` answers
 /// at once when the replicas already acknowledged the connection's writes. `WAIT` is not
-/// allowed inside a script, hence a pipeline. It counts the writes of the whole shared
-/// connection, and Redis processes nothing else from a connection while its `WAIT` is
-/// blocked: the writes of a worker's concurrent requests reach the replicas one replica
-/// round trip after another, which costs several times the new-key throughput (the
-/// README's Performance section has figures). Renewals and
+/// allowed inside a script, hence a pipeline. Redis reads nothing else from a connection
+/// while its `WAIT` is blocked, so a replicated exchange does not use the store's shared
+/// connection (the writes of concurrent requests would reach the replicas one round trip
+/// after another) but one of its own, kept idle afterwards for the next (up to 16 per
+/// worker): concurrent waits overlap. The README's Performance section has figures. Renewals and
 /// releases are not waited for: a lost renewal only shortens a lease to what the replica
 /// saw, and a lost release leaves a lock that expires with its lease.
 ///

@@ -15,7 +15,8 @@ use crate::store::{BeginOutcome, LeaseToken, StoreError};
 /// How a store gets a request to Redis and its reply back.
 pub(crate) trait Transport {
     /// Sends `exchange` (once, or again after a reconnection: every request is safe to send
-    /// twice).
+    /// twice), on the connection shared by the store's requests, or, when the exchange
+    /// blocks its connection, on one of its own.
     async fn send(&self, exchange: &Exchange) -> Result<Reply, StoreError>;
 }
 
