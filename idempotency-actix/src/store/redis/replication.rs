@@ -41,7 +41,7 @@ use std::time::Duration;
 /// allowed inside a script, hence a pipeline. Redis reads nothing else from a connection
 /// while its `WAIT` is blocked, so a replicated exchange does not use the store's shared
 /// connection (the writes of concurrent requests would reach the replicas one round trip
-/// after another) but one of its own, kept idle afterwards for the next (up to 16 per
+/// after another) but one of its own, kept idle afterwards for the next (up to 64 per
 /// worker): concurrent waits overlap. The README's Performance section has figures. Renewals and
 /// releases are not waited for: a lost renewal only shortens a lease to what the replica
 /// saw, and a lost release leaves a lock that expires with its lease.

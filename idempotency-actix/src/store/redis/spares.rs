@@ -16,7 +16,9 @@ use super::protocol;
 use crate::store::StoreError;
 
 /// How many idle connections are kept for the next exchanges; more are closed after use.
-const MAX_IDLE: usize = 16;
+/// Above the concurrency a worker usually sees, so that steady traffic reuses connections
+/// instead of opening and closing them (a cluster connection connects to every node).
+const MAX_IDLE: usize = 64;
 
 /// Idle connections, each lent to one exchange at a time.
 pub(crate) struct Spares<C> {
