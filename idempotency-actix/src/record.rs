@@ -144,11 +144,7 @@ impl StoredResponse {
     /// use actix_web::web::Bytes;
     /// use idempotency_actix::StoredResponse;
     ///
-    /// let response = StoredResponse {
-    ///     status: StatusCode::OK,
-    ///     headers: Vec::new(),
-    ///     body: Some(Bytes::from(vec![7; 4096])),
-    /// };
+    /// let response = StoredResponse::new(StatusCode::OK, Vec::new(), Some(Bytes::from(vec![7; 4096])));
     /// let shared = Bytes::from(response.encode());
     /// assert_eq!(StoredResponse::decode_shared(shared).unwrap(), response);
     /// ```
