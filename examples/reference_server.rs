@@ -4,7 +4,9 @@
 //! ```sh
 //! cargo run --release --example reference_server                                  # in-memory store
 //! REDIS_URL=redis://127.0.0.1:6379 cargo run --release --example reference_server # Redis store
-//! DATABASE_URL=postgres://postgres@127.0.0.1/postgres cargo run --release --example reference_server
+//! REDIS_CLUSTER_URLS=redis://127.0.0.1:7000,redis://127.0.0.1:7001 \
+//!     cargo run --release --example reference_server                              # Redis Cluster store
+//! DATABASE_URL=postgres://postgres@127.0.0.1/postgres cargo run --release --example reference_server  # PostgreSQL
 //! ```
 //!
 //! Environment (an empty variable counts as unset):
@@ -14,6 +16,10 @@
 //! * `DATABASE_URL`: set → the PostgreSQL store (its table migrated at start) and the
 //!   `/ledger` routes (table `ledger`, created at start). At most one of `REDIS_URL`,
 //!   `REDIS_CLUSTER_URLS` and `DATABASE_URL` may be set.
+//! * `REDIS_CLUSTER_URLS`: comma-separated seed node URLs → the Redis Cluster store. At most one
+//!   of `REDIS_URL`, `REDIS_CLUSTER_URLS` and `DATABASE_URL` may be set.
+//! * `IDEMPOTENCY_REPLICAS=N`: replicated writes on either Redis store: each write (the lock,
+//!   the commit) waits up to 500 ms for N replicas, strictly (fewer → the step fails).
 //! * `IDEMPOTENCY` [`on`] or `off`: `off` installs no middleware at all (benchmark baseline).
 //! * `IDEMPOTENCY_METHODS`: e.g. `POST,PATCH`; also protect untagged routes of those methods.
 //! * `IDEMPOTENCY_PREFIX` [`idempotency:`]: prefix of every storage key, so apps or test runs
@@ -23,8 +29,9 @@
 //!
 //! Once it accepts connections it prints `listening on http://ADDR` (one line per bound
 //! address, with the real port) on stdout. An invalid variable is reported on stderr and
-//! the process exits with status 2; a failure to start (bad `REDIS_URL`, a `DATABASE_URL`
-//! that cannot be reached or migrated, `BIND` in use) with status 1. The routes are listed in `idempotency_actix_examples::reference_app`.
+//! the process exits with status 2; a failure to start (bad `REDIS_URL` or
+//! `REDIS_CLUSTER_URLS`, a `DATABASE_URL` that cannot be reached or migrated, `BIND` in use)
+//! with status 1. The routes are listed in `idempotency_actix_examples::reference_app`.
 
 use std::io::Write;
 use std::process::ExitCode;

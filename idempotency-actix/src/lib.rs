@@ -95,8 +95,12 @@
 //! * [`RedisStore`] (`Idempotency::redis(pool)`, Redis ≥ 7.0): takes a bb8 pool of
 //!   bb8-redis connections for its settings and shares one multiplexed connection per
 //!   worker. Two round trips for a new key, one for a replay, none for unprotected requests;
-//!   every record is one key and every command or function touches one key, so the protocol
-//!   is ready for Redis Cluster; a cluster backend is not part of this release.
+//!   every record is one key and every command or function touches one key.
+//! * `RedisClusterStore` (`Idempotency::redis_cluster(client)`, feature `redis-cluster`):
+//!   the same protocol on Redis Cluster, through one shared async cluster connection per
+//!   worker that follows slot moves and failovers.
+//! * [`ReplicatedWrites`] (for either Redis store): each write waits for replicas, in the
+//!   same round trip, so a failover does not lose a lock or a committed record.
 //! * [`ReplayCache`] (opt-in, `Idempotency::replay_cache`): completed records kept in
 //!   process, so a replay costs no round trip at all.
 //! * `PostgresStore` (feature `postgres`, `Idempotency::postgres(store)`): durable records,
@@ -250,8 +254,10 @@ pub use store::{
 };
 #[cfg(feature = "postgres")]
 pub use store::{DEFAULT_TABLE, EXPIRY_BATCH, PostgresPool, PostgresStore, TableNameError};
+#[cfg(feature = "redis-cluster")]
+pub use store::{RedisClusterClient, RedisClusterStore};
 #[cfg(feature = "redis")]
-pub use store::{RedisPool, RedisStore};
+pub use store::{RedisPool, RedisStore, ReplicatedWrites};
 #[cfg(feature = "postgres")]
 pub use transaction::IdempotentTransaction;
 pub use workload::{DEFAULT_MAX_DETACHED, DEFAULT_MAX_IN_FLIGHT};

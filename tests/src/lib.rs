@@ -1,6 +1,9 @@
 //! Shared helpers of the end-to-end tests: Redis connections with clear failure messages,
 //! unique key prefixes, and handler-run counters.
 
+pub mod cluster;
+pub mod keyed_app;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -189,6 +192,41 @@ impl PrivateRedis {
         server
     }
 
+    /// Starts one as a replica of `primary` and waits until it is in sync with it.
+    ///
+    /// # Panics
+    ///
+    /// When it does not start, or is not in sync within 10 s.
+    pub async fn start_replica_of(primary: &PrivateRedis) -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|listener| listener.local_addr())
+            .expect("a free loopback port")
+            .port();
+        let extra_args = vec![
+            "--replicaof".to_owned(),
+            "127.0.0.1".to_owned(),
+            primary.port.to_string(),
+        ];
+        let replica = Self {
+            child: spawn_redis_server(port, &extra_args),
+            port,
+            extra_args,
+        };
+        replica.wait_until_it_answers().await;
+        for _ in 0..100 {
+            let info: String = redis::cmd("INFO")
+                .arg("replication")
+                .query_async(&mut replica.connection().await)
+                .await
+                .expect("INFO replication");
+            if info.contains("master_link_status:up") {
+                return replica;
+            }
+            actix_rt::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        panic!("the replica on port {port} did not sync within 10 s");
+    }
+
     /// Kills the server (like a crash: nothing is kept, it keeps nothing on disk).
     pub fn stop(&mut self) {
         let _ = self.child.kill();
@@ -295,7 +333,10 @@ impl PrivateRedis {
     }
 }
 
-fn spawn_redis_server(port: u16, extra_args: &[String]) -> std::process::Child {
+fn spawn_redis_server<S: AsRef<std::ffi::OsStr>>(
+    port: u16,
+    extra_args: &[S],
+) -> std::process::Child {
     std::process::Command::new("redis-server")
         .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
         .args(["--save", "", "--appendonly", "no"])
@@ -334,11 +375,13 @@ pub struct ReferenceServer {
 }
 
 /// The environment variables the reference server reads.
-const REFERENCE_SERVER_VARIABLES: [&str; 8] = [
+const REFERENCE_SERVER_VARIABLES: [&str; 10] = [
     "BIND",
     "REDIS_URL",
     "REDIS_CLUSTER_URLS",
     "DATABASE_URL",
+    "IDEMPOTENCY_REPLICAS",
+    "REPLAY_CACHE",
     "IDEMPOTENCY",
     "IDEMPOTENCY_METHODS",
     "IDEMPOTENCY_PREFIX",

@@ -5,7 +5,9 @@
 //!
 //! Each test starts its own servers (see [`ReferenceServer`]) on the Redis at `REDIS_URL`
 //! (default 127.0.0.1:6379) under a key prefix of its own (`IDEMPOTENCY_PREFIX`), and
-//! counts handler runs with `GET /stats`.
+//! counts handler runs with `GET /stats`. The tests named `on_redis_cluster_…` run the
+//! essentials on a local 6-node Redis Cluster (`REDIS_CLUSTER_URLS`) that this test binary
+//! starts.
 
 #![allow(clippy::unwrap_used)]
 
@@ -14,6 +16,7 @@ use std::time::{Duration, Instant};
 use actix_web::http::{Method, StatusCode};
 use actix_web::web::Bytes;
 use futures_util::future::join_all;
+use idempotency_actix_tests::cluster::RedisCluster;
 use idempotency_actix_tests::{
     RawExchange, ReferenceServer, Reply, keys_under, redis_connection, redis_url, unique_prefix,
 };
@@ -675,4 +678,146 @@ fn invalid_configuration_is_refused_with_a_clear_message() {
             "{variable}={value:?}: printed on stdout"
         );
     }
+}
+
+/// A server on this test binary's Redis Cluster under a prefix of its own, plus `env`.
+fn start_on_redis_cluster(test: &str, env: &[(&str, &str)]) -> (ReferenceServer, String) {
+    let seeds = RedisCluster::shared().urls_env();
+    let prefix = unique_prefix(test);
+    let mut vars = vec![
+        ("REDIS_CLUSTER_URLS", seeds.as_str()),
+        ("IDEMPOTENCY_PREFIX", &prefix),
+    ];
+    vars.extend_from_slice(env);
+    (ReferenceServer::start(&vars), prefix)
+}
+
+/// How many records the cluster holds under `prefix`, over all primaries.
+fn records_in_cluster(prefix: &str) -> usize {
+    RedisCluster::shared()
+        .count_keys_by_primary(prefix)
+        .values()
+        .sum()
+}
+
+#[actix_rt::test]
+async fn on_redis_cluster_replays_conflicts_mismatches_and_releases() {
+    let (server, prefix) = start_on_redis_cluster("e2e-cluster", &[]);
+    let client = client();
+    let orders = server.url("/orders");
+
+    // Replay, byte for byte.
+    let key = new_key();
+    let order = json!({ "item": "lamp", "qty": 2 });
+    let created = post_json(&client, &orders, Some(&key), &order).await;
+    created.assert_executed(StatusCode::CREATED);
+    post_json(&client, &orders, Some(&key), &order)
+        .await
+        .assert_replay_of(&created);
+    // Another body with the same key: 422.
+    post_json(
+        &client,
+        &orders,
+        Some(&key),
+        &json!({ "item": "lamp", "qty": 3 }),
+    )
+    .await
+    .assert_problem(StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(count(&client, &server, "orders").await, 1);
+
+    // A retry while the first runs: 409 with Retry-After, then the replay.
+    let slow = server.url("/orders?delay_ms=800");
+    let key = new_key();
+    let (first, second) =
+        futures_util::future::join(post_json(&client, &slow, Some(&key), &order), async {
+            actix_rt::time::sleep(Duration::from_millis(300)).await;
+            post_json(&client, &slow, Some(&key), &order).await
+        })
+        .await;
+    first.assert_executed(StatusCode::CREATED);
+    second.assert_problem(StatusCode::CONFLICT);
+    assert!(second.header("retry-after").is_some());
+    post_json(&client, &slow, Some(&key), &order)
+        .await
+        .assert_replay_of(&first);
+
+    // Error responses and panics release the key: the retry runs again.
+    let key = new_key();
+    let failing = server.url("/flaky?status=500");
+    post(&client, &failing, Some(&key))
+        .await
+        .assert_executed(StatusCode::INTERNAL_SERVER_ERROR);
+    post(&client, &failing, Some(&key))
+        .await
+        .assert_executed(StatusCode::INTERNAL_SERVER_ERROR);
+    let key = new_key();
+    let panicking = server.url("/flaky?panic=1");
+    post(&client, &panicking, Some(&key))
+        .await
+        .assert_executed(StatusCode::INTERNAL_SERVER_ERROR);
+    post(&client, &panicking, Some(&key))
+        .await
+        .assert_executed(StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(count(&client, &server, "flaky").await, 4);
+    assert_eq!(count(&client, &server, "orders").await, 2);
+    // The two completed orders live in the cluster; released keys left nothing.
+    assert_eq!(records_in_cluster(&prefix), 2);
+}
+
+#[actix_rt::test]
+async fn on_redis_cluster_two_servers_with_replicated_writes_run_a_handler_once() {
+    let seeds = RedisCluster::shared().urls_env();
+    let prefix = unique_prefix("e2e-cluster-two");
+    let env = [
+        ("REDIS_CLUSTER_URLS", seeds.as_str()),
+        ("IDEMPOTENCY_PREFIX", &prefix),
+        ("IDEMPOTENCY_REPLICAS", "1"),
+    ];
+    let servers = [ReferenceServer::start(&env), ReferenceServer::start(&env)];
+    let client = client();
+    let order = json!({ "item": "shelf", "qty": 1 });
+    let urls = servers
+        .each_ref()
+        .map(|server| server.url("/orders?delay_ms=300"));
+    // Five keys, ten duplicates each, alternating between the servers, all at once.
+    let keys: Vec<String> = (0..5).map(|_| new_key()).collect();
+    let replies = join_all(
+        keys.iter()
+            .cycle()
+            .take(50)
+            .enumerate()
+            .map(|(i, key)| post_json(&client, &urls[i % 2], Some(key), &order)),
+    )
+    .await;
+    assert!(
+        replies
+            .iter()
+            .all(|reply| matches!(reply.status, StatusCode::CREATED | StatusCode::CONFLICT)),
+        "{replies:?}"
+    );
+    let ran =
+        count(&client, &servers[0], "orders").await + count(&client, &servers[1], "orders").await;
+    assert_eq!(ran, 5, "each key ran once across both servers");
+    for key in &keys {
+        let first = post_json(&client, &urls[0], Some(key), &order).await;
+        assert!(first.is_replay(), "{first:?}");
+        post_json(&client, &urls[1], Some(key), &order)
+            .await
+            .assert_replay_of(&first);
+    }
+    assert_eq!(records_in_cluster(&prefix), 5);
+}
+
+#[test]
+fn redis_url_and_redis_cluster_urls_together_are_refused() {
+    let output = ReferenceServer::command()
+        .env("REDIS_URL", "redis://127.0.0.1:6379")
+        .env("REDIS_CLUSTER_URLS", "redis://127.0.0.1:7000")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("REDIS_CLUSTER_URLS"), "{stderr}");
+    assert!(output.stdout.is_empty());
 }

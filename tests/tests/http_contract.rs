@@ -1,7 +1,8 @@
 //! The HTTP contract of DESIGN §5, row by row, against real Actix servers on real sockets.
 //!
 //! Every test runs three times: on the in-memory store (`memory::…`), on Redis (`redis::…`,
-//! the server at `REDIS_URL`, default 127.0.0.1:6379), each under its own key prefix, and on
+//! the server at `REDIS_URL`, default 127.0.0.1:6379), each under its own key prefix, on
+//! Redis Cluster (`redis_cluster::…`, a local 6-node cluster this test binary starts), and on
 //! PostgreSQL (`postgres::…`, the server at `DATABASE_URL`, default 127.0.0.1:5432), each
 //! in a database of its own.
 
@@ -15,8 +16,9 @@ use actix_web::{App, HttpRequest, HttpResponse};
 use futures_util::stream;
 use idempotency_actix::{
     Idempotency, IdempotencyPolicy, IdempotentRoute, KeyScope, MemoryStore, PostgresStore,
-    RedisPool,
+    RedisClusterClient, RedisPool,
 };
+use idempotency_actix_tests::cluster::RedisCluster;
 use idempotency_actix_tests::{Reply, RunCounter, TestDatabase, redis_pool, unique_prefix};
 
 /// Which store a test server uses; cheap to clone into each worker's app factory.
@@ -25,6 +27,7 @@ enum Backend {
     Memory(MemoryStore),
     Redis(RedisPool),
     Postgres(PostgresStore),
+    RedisCluster(Box<RedisClusterClient>),
 }
 
 impl Backend {
@@ -42,11 +45,19 @@ impl Backend {
         (Self::Postgres(database.store().await), Some(database))
     }
 
+    async fn redis_cluster() -> (Self, Option<TestDatabase>) {
+        (
+            Self::RedisCluster(Box::new(RedisCluster::shared().client())),
+            None,
+        )
+    }
+
     fn idempotency(&self, prefix: &str) -> Idempotency {
         let idempotency = match self {
             Self::Memory(store) => Idempotency::new(store.clone()),
             Self::Redis(pool) => Idempotency::redis(pool.clone()),
             Self::Postgres(store) => Idempotency::postgres(store.clone()),
+            Self::RedisCluster(client) => Idempotency::redis_cluster((**client).clone()),
         };
         idempotency.key_prefix(prefix)
     }
@@ -613,6 +624,7 @@ macro_rules! every_backend {
         contract_suite!(memory; $($test),*);
         contract_suite!(redis; $($test),*);
         contract_suite!(postgres; $($test),*);
+        contract_suite!(redis_cluster; $($test),*);
     };
 }
 

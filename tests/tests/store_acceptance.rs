@@ -1,8 +1,10 @@
 //! The backend-agnostic acceptance suite: every store must pass every test here.
 //!
-//! Each test runs once per backend (`memory::…`, `redis::…`, `postgres::…`). The Redis runs
-//! use the server at `REDIS_URL` (default 127.0.0.1:6379), each test under its own key
-//! prefix; the PostgreSQL runs use the server at `DATABASE_URL` (default
+//! Each test runs once per backend (`memory::…`, `redis::…`, `redis_cluster::…`,
+//! `redis_cluster_replicated::…`, `postgres::…`). The Redis runs use the server at `REDIS_URL`
+//! (default 127.0.0.1:6379), the cluster runs a local 6-node cluster this test binary starts
+//! (the replicated run waits for each write to reach the primary's replica), each test under
+//! its own key prefix; the PostgreSQL runs use the server at `DATABASE_URL` (default
 //! postgres://postgres@127.0.0.1:5432/postgres), each test in a database of its own.
 
 #![allow(clippy::unwrap_used)]
@@ -403,4 +405,20 @@ acceptance_suite!(
 acceptance_suite!(
     postgres,
     database => idempotency_actix_tests::TestDatabase::store
+);
+acceptance_suite!(
+    redis_cluster,
+    idempotency_actix::RedisClusterStore::new(
+        idempotency_actix_tests::cluster::RedisCluster::shared().client()
+    )
+);
+acceptance_suite!(
+    redis_cluster_replicated,
+    idempotency_actix::RedisClusterStore::new(
+        idempotency_actix_tests::cluster::RedisCluster::shared().client()
+    )
+    .replicated_writes(idempotency_actix::ReplicatedWrites::new(
+        1,
+        std::time::Duration::from_millis(500)
+    ))
 );

@@ -1,7 +1,7 @@
 //! [`ServerConfig`]: the reference server's environment variables, checked before it starts.
 
 use std::ffi::OsString;
-use std::num::NonZeroUsize;
+use std::num::{NonZeroU32, NonZeroUsize};
 
 use actix_web::http::Method;
 
@@ -17,6 +17,8 @@ pub const PROTECTABLE_METHODS: [Method; 4] =
 /// | `BIND` | address to listen on; port 0 picks a free port | `127.0.0.1:8080` |
 /// | `REDIS_URL` | Redis store through a bb8 pool | unset: in-memory store |
 /// | `DATABASE_URL` | PostgreSQL store (schema migrated at start) and the `/ledger` routes | unset |
+/// | `REDIS_CLUSTER_URLS` | comma-separated seed node URLs: Redis Cluster store (not with `REDIS_URL`) | unset |
+/// | `IDEMPOTENCY_REPLICAS` | N: replicated writes, each write waits for N replicas (strict, 500 ms); needs a Redis store | unset: off |
 /// | `IDEMPOTENCY` | `on`, or `off` for no middleware at all (the benchmark baseline) | `on` |
 /// | `IDEMPOTENCY_METHODS` | comma-separated methods whose untagged routes are protected too, e.g. `POST,PATCH` | none |
 /// | `IDEMPOTENCY_PREFIX` | prefix of every storage key, to keep apps or test runs apart on one Redis | the crate's (`idempotency:`) |
@@ -33,6 +35,10 @@ pub struct ServerConfig {
     pub redis_url: Option<String>,
     /// `DATABASE_URL`.
     pub database_url: Option<String>,
+    /// `REDIS_CLUSTER_URLS`, split at commas.
+    pub redis_cluster_urls: Option<Vec<String>>,
+    /// `IDEMPOTENCY_REPLICAS`.
+    pub replicas: Option<NonZeroU32>,
     /// `IDEMPOTENCY`: whether the middleware is installed at all.
     pub idempotency: bool,
     /// `IDEMPOTENCY_METHODS`.
@@ -51,6 +57,8 @@ impl Default for ServerConfig {
             bind: "127.0.0.1:8080".to_owned(),
             redis_url: None,
             database_url: None,
+            redis_cluster_urls: None,
+            replicas: None,
             idempotency: true,
             protect_methods: Vec::new(),
             key_prefix: None,
@@ -148,6 +156,37 @@ impl ServerConfig {
                     names.join(" and ")
                 ),
             ));
+        }
+        const SEEDS: &str = "comma-separated Redis URLs of cluster nodes";
+        if let Some(value) = var("REDIS_CLUSTER_URLS", SEEDS)? {
+            if config.redis_url.is_some() {
+                return Err(invalid(
+                    "REDIS_CLUSTER_URLS",
+                    &value,
+                    "unset when REDIS_URL is set (one store at a time)",
+                ));
+            }
+            let seeds: Vec<String> = value
+                .split(',')
+                .map(str::trim)
+                .filter(|seed| !seed.is_empty())
+                .map(str::to_owned)
+                .collect();
+            if seeds.is_empty() {
+                return Err(invalid("REDIS_CLUSTER_URLS", &value, SEEDS));
+            }
+            config.redis_cluster_urls = Some(seeds);
+        }
+        const REPLICAS: &str =
+            "a positive number of replicas, with REDIS_URL or REDIS_CLUSTER_URLS";
+        if let Some(value) = var("IDEMPOTENCY_REPLICAS", REPLICAS)? {
+            let replicas = value
+                .parse()
+                .map_err(|_| invalid("IDEMPOTENCY_REPLICAS", &value, REPLICAS))?;
+            if config.redis_url.is_none() && config.redis_cluster_urls.is_none() {
+                return Err(invalid("IDEMPOTENCY_REPLICAS", &value, REPLICAS));
+            }
+            config.replicas = Some(replicas);
         }
 
         const SWITCH: &str = "on or off";
@@ -254,6 +293,48 @@ mod tests {
             config.expect("one store").database_url.as_deref(),
             Some("postgres://postgres@127.0.0.1/postgres")
         );
+    }
+
+    #[test]
+    fn reads_the_cluster_seeds_and_replicas() {
+        let config = parse(&[
+            (
+                "REDIS_CLUSTER_URLS",
+                "redis://127.0.0.1:7000, redis://127.0.0.1:7001,",
+            ),
+            ("IDEMPOTENCY_REPLICAS", "1"),
+        ])
+        .expect("valid");
+        assert_eq!(
+            config.redis_cluster_urls,
+            Some(vec![
+                "redis://127.0.0.1:7000".to_owned(),
+                "redis://127.0.0.1:7001".to_owned()
+            ])
+        );
+        assert_eq!(config.replicas.map(NonZeroU32::get), Some(1));
+    }
+
+    #[test]
+    fn refuses_two_stores_and_replicas_without_redis() {
+        let both = parse(&[
+            ("REDIS_URL", "redis://127.0.0.1:6379"),
+            ("REDIS_CLUSTER_URLS", "redis://127.0.0.1:7000"),
+        ])
+        .expect_err("two stores");
+        assert_eq!(both.variable, "REDIS_CLUSTER_URLS");
+        let memory = parse(&[("IDEMPOTENCY_REPLICAS", "1")]).expect_err("no Redis");
+        assert_eq!(memory.variable, "IDEMPOTENCY_REPLICAS");
+        for value in ["0", "-1", "one"] {
+            let error = parse(&[
+                ("REDIS_URL", "redis://127.0.0.1:6379"),
+                ("IDEMPOTENCY_REPLICAS", value),
+            ])
+            .expect_err(value);
+            assert_eq!(error.variable, "IDEMPOTENCY_REPLICAS");
+        }
+        let no_seeds = parse(&[("REDIS_CLUSTER_URLS", " , ")]).expect_err("no seeds");
+        assert_eq!(no_seeds.variable, "REDIS_CLUSTER_URLS");
     }
 
     #[test]

@@ -29,7 +29,10 @@ use std::net::SocketAddr;
 
 use actix_web::dev::{Server, ServiceRequest};
 use actix_web::{App, HttpServer, web};
-use idempotency_actix::{Idempotency, KeyScope, PostgresStore, RedisPool, RedisStore, ReplayCache};
+use idempotency_actix::{
+    Idempotency, KeyScope, PostgresStore, RedisClusterClient, RedisClusterStore, RedisPool,
+    RedisStore, ReplayCache, ReplicatedWrites,
+};
 
 pub use self::config::{ConfigError, PROTECTABLE_METHODS, ServerConfig};
 pub use self::ledger::{
@@ -38,6 +41,9 @@ pub use self::ledger::{
 pub use self::routes::{
     Counters, FlakyAnswer, MAX_DELAY_MS, MAX_LARGE_BYTES, NewOrder, Order, Payment, Seq, Stats,
 };
+
+/// How long each write waits for its replicas with `IDEMPOTENCY_REPLICAS` set.
+pub const REPLICA_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// The size of the replay cache with `REPLAY_CACHE=on`.
 pub const REPLAY_CACHE_BYTES: u64 = 64 * 1024 * 1024;
@@ -65,17 +71,49 @@ enum Store {
     /// The process-wide in-memory store (`REDIS_URL` unset).
     Memory,
     /// Redis through a bb8 pool (`REDIS_URL` set).
-    Redis(RedisPool),
+    Redis(RedisPool, Option<ReplicatedWrites>),
+    /// Redis Cluster (`REDIS_CLUSTER_URLS` set).
+    RedisCluster(Box<RedisClusterClient>, Option<ReplicatedWrites>),
     /// PostgreSQL (`DATABASE_URL` set).
     Postgres(PostgresStore),
 }
 
 impl Store {
-    fn describe(&self) -> &'static str {
+    fn describe(&self) -> String {
+        let (store, replication) = match self {
+            Self::Memory => return "in-memory store".to_owned(),
+            Self::Postgres(_) => return "PostgreSQL store".to_owned(),
+            Self::Redis(_, replication) => ("Redis store", replication),
+            Self::RedisCluster(_, replication) => ("Redis Cluster store", replication),
+        };
+        match replication {
+            Some(writes) => format!(
+                "{store} with writes replicated to {} replicas",
+                writes.replicas()
+            ),
+            None => store.to_owned(),
+        }
+    }
+
+    /// The middleware on this store (called once per worker).
+    fn idempotency(&self) -> Idempotency {
         match self {
-            Self::Memory => "in-memory store",
-            Self::Redis(_) => "Redis store",
-            Self::Postgres(_) => "PostgreSQL store",
+            Self::Memory => Idempotency::memory(),
+            Self::Postgres(store) => Idempotency::postgres(store.clone()),
+            Self::Redis(pool, replication) => {
+                let store = RedisStore::new(pool.clone());
+                Idempotency::new(match replication {
+                    Some(writes) => store.replicated_writes(*writes),
+                    None => store,
+                })
+            }
+            Self::RedisCluster(client, replication) => {
+                let store = RedisClusterStore::new((**client).clone());
+                Idempotency::new(match replication {
+                    Some(writes) => store.replicated_writes(*writes),
+                    None => store,
+                })
+            }
         }
     }
 }
@@ -87,6 +125,8 @@ pub enum StartError {
     RedisUrl(String),
     /// `DATABASE_URL` is not a PostgreSQL URL, or the schema could not be migrated.
     Database(String),
+    /// `REDIS_CLUSTER_URLS` are not Redis URLs.
+    RedisClusterUrls(String),
     /// `BIND` could not be bound.
     Bind {
         /// The address asked for.
@@ -101,6 +141,7 @@ impl std::fmt::Display for StartError {
         match self {
             Self::RedisUrl(error) => write!(f, "invalid REDIS_URL: {error}"),
             Self::Database(error) => write!(f, "DATABASE_URL: {error}"),
+            Self::RedisClusterUrls(error) => write!(f, "invalid REDIS_CLUSTER_URLS: {error}"),
             Self::Bind { address, error } => write!(f, "cannot listen on BIND={address}: {error}"),
         }
     }
@@ -109,7 +150,7 @@ impl std::fmt::Display for StartError {
 impl std::error::Error for StartError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            Self::RedisUrl(_) | Self::Database(_) => None,
+            Self::RedisUrl(_) | Self::Database(_) | Self::RedisClusterUrls(_) => None,
             Self::Bind { error, .. } => Some(error),
         }
     }
@@ -141,8 +182,15 @@ pub struct Running {
 /// When `REDIS_URL` is not a Redis URL, `DATABASE_URL` is not a PostgreSQL URL or its
 /// database cannot be migrated, or `BIND` cannot be bound.
 pub async fn start(config: &ServerConfig) -> Result<Running, StartError> {
-    let store = match (&config.redis_url, &config.database_url) {
-        (_, Some(url)) => {
+    let replication = config
+        .replicas
+        .map(|replicas| ReplicatedWrites::new(replicas.get(), REPLICA_WAIT));
+    let store = match (
+        &config.database_url,
+        &config.redis_url,
+        &config.redis_cluster_urls,
+    ) {
+        (Some(url), _, _) => {
             let database = |error: &dyn std::fmt::Display| StartError::Database(error.to_string());
             let pool = PostgresStore::pool(url).map_err(|error| database(&error))?;
             let store = PostgresStore::new(pool);
@@ -155,16 +203,24 @@ pub async fn start(config: &ServerConfig) -> Result<Running, StartError> {
                 .map_err(|error| database(&error))?;
             Store::Postgres(store)
         }
-        (Some(url), None) => {
+        (None, Some(url), _) => {
             let pool =
                 RedisStore::pool(url).map_err(|error| StartError::RedisUrl(error.to_string()))?;
             // With IDEMPOTENCY=off the URL is still checked, but Redis is never contacted.
             if config.idempotency {
                 warn_if_unreachable(&pool).await;
             }
-            Store::Redis(pool)
+            Store::Redis(pool, replication)
         }
-        (None, None) => Store::Memory,
+        (None, None, Some(seeds)) => {
+            let client = RedisClusterStore::client(seeds.iter().map(String::as_str))
+                .map_err(|error| StartError::RedisClusterUrls(error.to_string()))?;
+            if config.idempotency {
+                warn_if_cluster_unreachable(&client).await;
+            }
+            Store::RedisCluster(Box::new(client), replication)
+        }
+        (None, None, None) => Store::Memory,
     };
     let counters = web::Data::new(Counters::default());
     let ledger_runs = web::Data::new(LedgerRuns::default());
@@ -208,11 +264,7 @@ pub async fn start(config: &ServerConfig) -> Result<Running, StartError> {
             .replay_cache
             .then(|| ReplayCache::with_max_bytes(REPLAY_CACHE_BYTES));
         serve!(HttpServer::new(move || {
-            let mut idempotency = match &store {
-                Store::Memory => Idempotency::memory(),
-                Store::Redis(pool) => Idempotency::redis(pool.clone()),
-                Store::Postgres(store) => Idempotency::postgres(store.clone()),
-            };
+            let mut idempotency = store.idempotency();
             idempotency = idempotency.scope(KeyScope::from_fn(principal));
             if let Some(prefix) = &prefix {
                 idempotency = idempotency.key_prefix(prefix.clone());
@@ -264,6 +316,24 @@ async fn warn_if_unreachable(pool: &RedisPool) {
         eprintln!(
             "warning: Redis at REDIS_URL does not answer ({error}); protected requests get 503 until it does"
         );
+    }
+}
+
+/// Warns on stderr when the cluster does not answer within 2 s.
+async fn warn_if_cluster_unreachable(client: &RedisClusterClient) {
+    let connected = actix_web::rt::time::timeout(
+        std::time::Duration::from_secs(2),
+        client.get_async_connection(),
+    )
+    .await;
+    match connected {
+        Ok(Ok(_)) => {}
+        Ok(Err(error)) => eprintln!(
+            "warning: Redis Cluster at REDIS_CLUSTER_URLS does not answer ({error}); protected requests get 503 until it does"
+        ),
+        Err(_) => eprintln!(
+            "warning: Redis Cluster at REDIS_CLUSTER_URLS does not answer within 2 s; protected requests get 503 until it does"
+        ),
     }
 }
 

@@ -97,6 +97,27 @@ impl Idempotency {
         Self::new(store)
     }
 
+    /// Idempotency on Redis Cluster through one shared async cluster connection per worker.
+    ///
+    /// See [`RedisClusterStore`](crate::RedisClusterStore) for how it connects and
+    /// [`RedisClusterStore::client`](crate::RedisClusterStore::client) for a client with
+    /// the timeouts it wants. For replicated writes, build the store and use
+    /// [`Idempotency::new`].
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use actix_web::App;
+    /// use idempotency_actix::{Idempotency, RedisClusterStore};
+    ///
+    /// let client = RedisClusterStore::client(["redis://127.0.0.1:7000"]).expect("a valid URL");
+    /// let app = App::new().wrap(Idempotency::redis_cluster(client));
+    /// ```
+    #[cfg(feature = "redis-cluster")]
+    pub fn redis_cluster(client: crate::store::RedisClusterClient) -> Self {
+        Self::new(crate::store::RedisClusterStore::new(client))
+    }
+
     /// Idempotency on the process-wide in-memory store ([`MemoryStore::shared`]): for
     /// development, tests and single-instance apps. Every worker (and every app in the
     /// process) that uses it shares one store.

@@ -38,8 +38,10 @@ pub use self::memory::{MemoryStore, MemoryStoreBuilder};
 pub use self::postgres::{
     DEFAULT_TABLE, EXPIRY_BATCH, PostgresPool, PostgresStore, TableNameError,
 };
+#[cfg(feature = "redis-cluster")]
+pub use self::redis::{RedisClusterClient, RedisClusterStore};
 #[cfg(feature = "redis")]
-pub use self::redis::{RedisPool, RedisStore};
+pub use self::redis::{RedisPool, RedisStore, ReplicatedWrites};
 
 /// The random token that identifies one holder of an in-flight record.
 ///

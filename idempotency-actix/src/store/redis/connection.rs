@@ -15,11 +15,13 @@
 use std::sync::Mutex;
 
 use futures_util::lock::Mutex as AsyncMutex;
-use redis::Value;
 use redis::aio::MultiplexedConnection;
 
 use super::RedisPool;
-use super::protocol::{self, Request};
+use super::exchange::{Exchange, Reply};
+use super::protocol;
+use super::spares::Spares;
+use super::steps::Transport;
 use crate::store::StoreError;
 
 /// The connection a store shares between its requests.
@@ -29,6 +31,8 @@ pub(super) struct SharedConnection {
     /// Held while a connection is made, so concurrent requests wait for one connection
     /// instead of each making their own.
     connecting: AsyncMutex<()>,
+    /// Connections of their own for exchanges that block theirs (`WAIT`).
+    spares: Spares<MultiplexedConnection>,
 }
 
 /// A connection and a number that tells it apart from the one it replaced.
@@ -44,6 +48,7 @@ impl SharedConnection {
             pool,
             current: Mutex::new(None),
             connecting: AsyncMutex::new(()),
+            spares: Spares::new(),
         }
     }
 
@@ -53,7 +58,7 @@ impl SharedConnection {
 
     /// Sends `request`; if the connection turns out dead, replaces it and sends once more
     /// (every request of the protocol is safe to send twice).
-    pub(super) async fn send(&self, request: &Request) -> Result<Value, StoreError> {
+    pub(super) async fn send(&self, request: &Exchange) -> Result<Reply, StoreError> {
         let Generation {
             mut connection,
             number,
@@ -122,6 +127,15 @@ impl SharedConnection {
     /// A new connection from the pool's connection manager, driven by this thread.
     async fn open(&self) -> Result<MultiplexedConnection, StoreError> {
         self.pool.dedicated_connection().await.map_err(unavailable)
+    }
+}
+
+impl Transport for SharedConnection {
+    async fn send(&self, exchange: &Exchange) -> Result<Reply, StoreError> {
+        if exchange.blocks() {
+            return self.spares.send(exchange, || self.open()).await;
+        }
+        SharedConnection::send(self, exchange).await
     }
 }
 

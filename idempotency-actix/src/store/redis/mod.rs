@@ -1,23 +1,31 @@
 //! [`RedisStore`]: records in Redis, reached through a bb8 pool of bb8-redis connections.
 //!
 //! The protocol (commands, functions, reply decoding) lives in `protocol` and the record
-//! layout in `record`, apart from the connection handling in `connection`, so a store on
-//! another kind of connection runs the same protocol.
+//! layout in `record`; `exchange` sends a request alone or pipelined with `WAIT`
+//! (`replication`), and `steps` runs the four steps over any transport. Only the
+//! connection differs between the stores: `connection` for this one, `cluster` for
+//! [`RedisClusterStore`](crate::RedisClusterStore) (feature `redis-cluster`).
 
+#[cfg(feature = "redis-cluster")]
+mod cluster;
 mod connection;
+mod exchange;
 mod inspection;
 mod protocol;
 mod record;
+mod replication;
+mod spares;
+mod steps;
 
 use std::time::Duration;
 
 use bb8_redis::RedisConnectionManager;
 
+#[cfg(feature = "redis-cluster")]
+pub use self::cluster::{RedisClusterClient, RedisClusterStore};
 use self::connection::SharedConnection;
-use super::{BeginOutcome, Deletion, IdempotencyStore, LeaseToken, RecordSnapshot, StoreError};
-use crate::fingerprint::Fingerprint;
-use crate::record::StoredResponse;
-use crate::scope::StorageKey;
+pub use self::replication::ReplicatedWrites;
+use self::steps::Steps;
 
 /// The pool type [`Idempotency::redis`](crate::Idempotency::redis) takes.
 pub type RedisPool = bb8::Pool<RedisConnectionManager>;
@@ -27,7 +35,7 @@ pub type RedisPool = bb8::Pool<RedisConnectionManager>;
 ///
 /// A record holds its state (in flight or completed), the request's fingerprint, the lease
 /// token of the request that runs or ran, and, once completed, its expiry and the encoded
-/// [`StoredResponse`]. The key's expiry is the lease while in flight and the TTL once
+/// [`StoredResponse`](crate::StoredResponse). The key's expiry is the lease while in flight and the TTL once
 /// completed. Records of another format version are still recognised as in flight or
 /// completed, so two versions of an app sharing Redis never take each other's keys; a
 /// response this version cannot decode is a store error (503 when failing closed), never a
@@ -47,6 +55,9 @@ pub type RedisPool = bb8::Pool<RedisConnectionManager>;
 /// command sent once more. Each clone of the store (one per worker, as `HttpServer::new`
 /// builds the app per worker) opens its own connection, on its worker's thread.
 ///
+/// With [`replicated_writes`](Self::replicated_writes), `WAIT` is pipelined behind the lock
+/// and the commit on the same connection, in the same round trip.
+///
 /// # Examples
 ///
 /// ```no_run
@@ -63,6 +74,7 @@ pub type RedisPool = bb8::Pool<RedisConnectionManager>;
 /// ```
 pub struct RedisStore {
     connection: SharedConnection,
+    replication: Option<ReplicatedWrites>,
 }
 
 impl RedisStore {
@@ -70,6 +82,27 @@ impl RedisStore {
     pub fn new(pool: RedisPool) -> Self {
         Self {
             connection: SharedConnection::new(pool),
+            replication: None,
+        }
+    }
+
+    /// Waits until replicas hold each write (the lock in `begin`, and the commit) before
+    /// going on; see [`ReplicatedWrites`] for what it guarantees and costs.
+    #[must_use]
+    pub fn replicated_writes(mut self, writes: ReplicatedWrites) -> Self {
+        self.replication = Some(writes);
+        self
+    }
+
+    /// The replication setting, if any.
+    pub fn replication(&self) -> Option<ReplicatedWrites> {
+        self.replication
+    }
+
+    fn steps(&self) -> Steps<'_, SharedConnection> {
+        Steps {
+            transport: &self.connection,
+            replication: self.replication,
         }
     }
 
@@ -96,9 +129,13 @@ impl RedisStore {
 }
 
 impl Clone for RedisStore {
-    /// A store on the same pool with a connection of its own (made on first use).
+    /// A store on the same pool with a connection of its own (made on first use) and the
+    /// same replication setting.
     fn clone(&self) -> Self {
-        Self::new(self.connection.pool().clone())
+        Self {
+            connection: SharedConnection::new(self.connection.pool().clone()),
+            replication: self.replication,
+        }
     }
 }
 
@@ -106,73 +143,9 @@ impl std::fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisStore")
             .field("pool", self.connection.pool())
+            .field("replication", &self.replication)
             .finish_non_exhaustive()
     }
 }
 
-impl IdempotencyStore for RedisStore {
-    async fn begin(
-        &self,
-        key: &StorageKey,
-        fingerprint: &Fingerprint,
-        token: &LeaseToken,
-        lease: Duration,
-    ) -> Result<BeginOutcome, StoreError> {
-        let (outcome, _) = self
-            .begin_with_remaining_ttl(key, fingerprint, token, lease)
-            .await?;
-        Ok(outcome)
-    }
-
-    async fn begin_with_remaining_ttl(
-        &self,
-        key: &StorageKey,
-        fingerprint: &Fingerprint,
-        token: &LeaseToken,
-        lease: Duration,
-    ) -> Result<(BeginOutcome, Option<Duration>), StoreError> {
-        let request = protocol::begin(key, fingerprint, token, lease);
-        let reply = self.connection.send(&request).await?;
-        protocol::begin_outcome(reply, fingerprint, token)
-    }
-
-    async fn renew(
-        &self,
-        key: &StorageKey,
-        token: &LeaseToken,
-        lease: Duration,
-    ) -> Result<bool, StoreError> {
-        let request = protocol::renew(key, token, lease);
-        protocol::held(self.connection.send(&request).await?)
-    }
-
-    async fn commit(
-        &self,
-        key: &StorageKey,
-        token: &LeaseToken,
-        response: &StoredResponse,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        let request = protocol::commit(key, token, response, ttl);
-        protocol::held(self.connection.send(&request).await?)
-    }
-
-    async fn release(&self, key: &StorageKey, token: &LeaseToken) -> Result<bool, StoreError> {
-        let request = protocol::release(key, token);
-        protocol::held(self.connection.send(&request).await?)
-    }
-
-    async fn inspect(
-        &self,
-        key: &StorageKey,
-        with_body: bool,
-    ) -> Result<Option<RecordSnapshot>, StoreError> {
-        let request = inspection::inspect(key);
-        inspection::snapshot(self.connection.send(&request).await?, with_body)
-    }
-
-    async fn delete(&self, key: &StorageKey, force: bool) -> Result<Deletion, StoreError> {
-        let request = inspection::delete(key, force);
-        inspection::deletion(self.connection.send(&request).await?)
-    }
-}
+steps::idempotency_store_on_steps!(RedisStore);

@@ -41,6 +41,13 @@ pub(crate) enum Request {
 }
 
 impl Request {
+    /// The command (or `FCALL`) itself, to pipeline it with another.
+    pub(crate) fn command(&self) -> &redis::Cmd {
+        match self {
+            Self::Command(command) | Self::Function(command) => command,
+        }
+    }
+
     /// Sends the request on `connection` and returns the raw reply.
     pub(crate) async fn send(
         &self,
@@ -98,12 +105,14 @@ redis.register_function('idempotency_actix_2_release', function(keys, args)
 end)
 ";
 
-fn is_function_not_found(error: &redis::RedisError) -> bool {
+pub(crate) fn is_function_not_found(error: &redis::RedisError) -> bool {
     error.to_string().contains("Function not found")
 }
 
 /// Loads [`LIBRARY`]; one that another connection loaded meanwhile is fine.
-async fn load_library(connection: &mut impl redis::aio::ConnectionLike) -> redis::RedisResult<()> {
+pub(crate) async fn load_library(
+    connection: &mut impl redis::aio::ConnectionLike,
+) -> redis::RedisResult<()> {
     let loaded: redis::RedisResult<Value> = redis::cmd("FUNCTION")
         .arg("LOAD")
         .arg(LIBRARY)

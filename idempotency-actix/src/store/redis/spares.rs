@@ -1,0 +1,69 @@
+//! [`Spares`]: connections lent to one exchange at a time, for exchanges that block their
+//! connection.
+//!
+//! `WAIT` blocks the connection it runs on until the replicas acknowledge: Redis reads
+//! nothing else from that connection meanwhile. On the store's shared connection, the
+//! replicated writes of concurrent requests would then reach the replicas one replica
+//! round trip after another. So a replicated exchange borrows a connection of its own:
+//! an idle one kept from an earlier exchange, or a new one; concurrent `WAIT`s then
+//! overlap, and all answer with the same acknowledgement from the replicas.
+
+use std::future::Future;
+use std::sync::Mutex;
+
+use super::exchange::{Exchange, Reply};
+use super::protocol;
+use crate::store::StoreError;
+
+/// How many idle connections are kept for the next exchanges; more are closed after use.
+/// Above the concurrency a worker usually sees, so that steady traffic reuses connections
+/// instead of opening and closing them (a cluster connection connects to every node).
+const MAX_IDLE: usize = 64;
+
+/// Idle connections, each lent to one exchange at a time.
+pub(crate) struct Spares<C> {
+    idle: Mutex<Vec<C>>,
+}
+
+impl<C: redis::aio::ConnectionLike> Spares<C> {
+    pub(crate) fn new() -> Self {
+        Self {
+            idle: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Sends `exchange` on an idle connection, or on a new one from `open`. The connection
+    /// is kept for later exchanges unless it failed or enough are kept.
+    pub(crate) async fn send<Open, Opened>(
+        &self,
+        exchange: &Exchange,
+        open: Open,
+    ) -> Result<Reply, StoreError>
+    where
+        Open: FnOnce() -> Opened,
+        Opened: Future<Output = Result<C, StoreError>>,
+    {
+        let idle = self.lock().pop();
+        let mut connection = match idle {
+            Some(connection) => connection,
+            None => open().await?,
+        };
+        let reply = exchange.send(&mut connection).await;
+        let broken = reply
+            .as_ref()
+            .is_err_and(|error| error.is_io_error() || error.is_unrecoverable_error());
+        if !broken {
+            let mut idle = self.lock();
+            if idle.len() < MAX_IDLE {
+                idle.push(connection);
+            }
+        }
+        reply.map_err(protocol::store_error)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<C>> {
+        self.idle
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}

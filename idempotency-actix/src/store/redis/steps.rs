@@ -1,0 +1,195 @@
+//! The four steps of the Redis stores over any [`Transport`]: build the request, send it,
+//! decode the reply, check replication. [`RedisStore`](super::RedisStore) and
+//! [`RedisClusterStore`](super::RedisClusterStore) differ only in their transport.
+
+use std::time::Duration;
+
+use super::exchange::{Exchange, Reply};
+use super::replication::ReplicatedWrites;
+use super::{inspection, protocol};
+use crate::fingerprint::Fingerprint;
+use crate::record::StoredResponse;
+use crate::scope::StorageKey;
+use crate::store::{BeginOutcome, Deletion, LeaseToken, RecordSnapshot, StoreError};
+
+/// How a store gets a request to Redis and its reply back.
+pub(crate) trait Transport {
+    /// Sends `exchange` (once, or again after a reconnection: every request is safe to send
+    /// twice), on the connection shared by the store's requests, or, when the exchange
+    /// blocks its connection, on one of its own.
+    async fn send(&self, exchange: &Exchange) -> Result<Reply, StoreError>;
+}
+
+/// A transport and the store's replication setting.
+pub(crate) struct Steps<'a, T> {
+    pub(crate) transport: &'a T,
+    pub(crate) replication: Option<ReplicatedWrites>,
+}
+
+impl<T: Transport> Steps<'_, T> {
+    pub(crate) async fn begin(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        token: &LeaseToken,
+        lease: Duration,
+    ) -> Result<(BeginOutcome, Option<Duration>), StoreError> {
+        let exchange = Exchange::new(
+            protocol::begin(key, fingerprint, token, lease),
+            self.replication,
+        );
+        let reply = self.transport.send(&exchange).await?;
+        let found = protocol::begin_outcome(reply.value, fingerprint, token)?;
+        // Only a lock this request holds must be on the replicas; a record found is
+        // answered as it is.
+        if found.0 == BeginOutcome::Acquired {
+            reply.replication.check("begin")?;
+        }
+        Ok(found)
+    }
+
+    pub(crate) async fn renew(
+        &self,
+        key: &StorageKey,
+        token: &LeaseToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        let reply = self
+            .transport
+            .send(&Exchange::plain(protocol::renew(key, token, lease)))
+            .await?;
+        protocol::held(reply.value)
+    }
+
+    pub(crate) async fn commit(
+        &self,
+        key: &StorageKey,
+        token: &LeaseToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let exchange = Exchange::new(
+            protocol::commit(key, token, response, ttl),
+            self.replication,
+        );
+        let reply = self.transport.send(&exchange).await?;
+        let held = protocol::held(reply.value)?;
+        if held {
+            reply.replication.check("commit")?;
+        }
+        Ok(held)
+    }
+
+    pub(crate) async fn release(
+        &self,
+        key: &StorageKey,
+        token: &LeaseToken,
+    ) -> Result<bool, StoreError> {
+        let reply = self
+            .transport
+            .send(&Exchange::plain(protocol::release(key, token)))
+            .await?;
+        protocol::held(reply.value)
+    }
+
+    pub(crate) async fn inspect(
+        &self,
+        key: &StorageKey,
+        with_body: bool,
+    ) -> Result<Option<RecordSnapshot>, StoreError> {
+        let reply = self
+            .transport
+            .send(&Exchange::plain(inspection::inspect(key)))
+            .await?;
+        inspection::snapshot(reply.value, with_body)
+    }
+
+    pub(crate) async fn delete(
+        &self,
+        key: &StorageKey,
+        force: bool,
+    ) -> Result<Deletion, StoreError> {
+        let reply = self
+            .transport
+            .send(&Exchange::plain(inspection::delete(key, force)))
+            .await?;
+        inspection::deletion(reply.value)
+    }
+}
+
+/// Implements [`IdempotencyStore`](crate::IdempotencyStore) for a store with a
+/// `fn steps(&self) -> Steps<'_, impl Transport>`.
+macro_rules! idempotency_store_on_steps {
+    ($store:ty) => {
+        impl $crate::store::IdempotencyStore for $store {
+            async fn begin(
+                &self,
+                key: &$crate::scope::StorageKey,
+                fingerprint: &$crate::fingerprint::Fingerprint,
+                token: &$crate::store::LeaseToken,
+                lease: ::std::time::Duration,
+            ) -> Result<$crate::store::BeginOutcome, $crate::store::StoreError> {
+                let (outcome, _) = self.steps().begin(key, fingerprint, token, lease).await?;
+                Ok(outcome)
+            }
+
+            async fn begin_with_remaining_ttl(
+                &self,
+                key: &$crate::scope::StorageKey,
+                fingerprint: &$crate::fingerprint::Fingerprint,
+                token: &$crate::store::LeaseToken,
+                lease: ::std::time::Duration,
+            ) -> Result<
+                ($crate::store::BeginOutcome, Option<::std::time::Duration>),
+                $crate::store::StoreError,
+            > {
+                self.steps().begin(key, fingerprint, token, lease).await
+            }
+
+            async fn renew(
+                &self,
+                key: &$crate::scope::StorageKey,
+                token: &$crate::store::LeaseToken,
+                lease: ::std::time::Duration,
+            ) -> Result<bool, $crate::store::StoreError> {
+                self.steps().renew(key, token, lease).await
+            }
+
+            async fn commit(
+                &self,
+                key: &$crate::scope::StorageKey,
+                token: &$crate::store::LeaseToken,
+                response: &$crate::record::StoredResponse,
+                ttl: ::std::time::Duration,
+            ) -> Result<bool, $crate::store::StoreError> {
+                self.steps().commit(key, token, response, ttl).await
+            }
+
+            async fn release(
+                &self,
+                key: &$crate::scope::StorageKey,
+                token: &$crate::store::LeaseToken,
+            ) -> Result<bool, $crate::store::StoreError> {
+                self.steps().release(key, token).await
+            }
+
+            async fn inspect(
+                &self,
+                key: &$crate::scope::StorageKey,
+                with_body: bool,
+            ) -> Result<Option<$crate::store::RecordSnapshot>, $crate::store::StoreError> {
+                self.steps().inspect(key, with_body).await
+            }
+
+            async fn delete(
+                &self,
+                key: &$crate::scope::StorageKey,
+                force: bool,
+            ) -> Result<$crate::store::Deletion, $crate::store::StoreError> {
+                self.steps().delete(key, force).await
+            }
+        }
+    };
+}
+
+pub(crate) use idempotency_store_on_steps;

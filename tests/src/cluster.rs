@@ -1,0 +1,560 @@
+//! [`RedisCluster`]: a local Redis Cluster of the tests' own (3 primaries, 3 replicas), with
+//! the faults the cluster tests inject: kill a primary, move slots, wait for the cluster to
+//! agree again.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// The highest data port a node may use: its cluster bus listens on the data port + 10000.
+const MAX_DATA_PORT: u16 = 55_535;
+/// The lowest port tried, above the usual well-known and registered services.
+const MIN_DATA_PORT: u16 = 20_000;
+/// How long a node may stay silent before the others consider it failed. Short enough for
+/// a failover within a few seconds, long enough that a loaded test machine does not make
+/// healthy nodes look failed.
+const NODE_TIMEOUT_MS: u32 = 3_000;
+/// How long any wait for the cluster may take before the test fails.
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A 6-node Redis Cluster (3 primaries, each with 1 replica) on free loopback ports, every
+/// node a `redis-server --cluster-enabled yes` with its own directory under the system's
+/// temporary directory, nothing persisted.
+///
+/// Dropping it kills the nodes and removes their directories. The one from
+/// [`shared`](Self::shared) is never dropped (statics are not), so a watchdog process
+/// does the same when the test binary exits, however it exits: it waits for the end of a
+/// pipe that only the test process holds.
+#[derive(Debug)]
+pub struct RedisCluster {
+    dir: PathBuf,
+    nodes: Mutex<Vec<Node>>,
+    /// The watchdogs (one per batch of started nodes); each cleans up when its pipe closes.
+    watchdogs: Mutex<Vec<Watchdog>>,
+}
+
+/// A shell that waits for the end of its stdin, then kills nodes and removes their
+/// directories.
+#[derive(Debug)]
+struct Watchdog {
+    process: Child,
+    /// The write end of its stdin: nothing is written, only its closing matters.
+    pipe: Option<ChildStdin>,
+}
+
+#[derive(Debug)]
+struct Node {
+    port: u16,
+    child: Child,
+    alive: bool,
+}
+
+/// One primary as the cluster reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Primary {
+    /// Its data port on 127.0.0.1.
+    pub port: u16,
+    /// Its cluster node id.
+    pub id: String,
+    /// The slot ranges it serves (inclusive).
+    pub slots: Vec<(u16, u16)>,
+}
+
+impl RedisCluster {
+    /// The cluster of this test binary, started on first use.
+    ///
+    /// # Panics
+    ///
+    /// When the cluster cannot be started (see [`start`](Self::start)).
+    pub fn shared() -> &'static Self {
+        static SHARED: OnceLock<RedisCluster> = OnceLock::new();
+        SHARED.get_or_init(Self::start)
+    }
+
+    /// Starts the 6 nodes, creates the cluster with `redis-cli --cluster create` and waits
+    /// until every node reports `cluster_state:ok`, every replica is in sync and all nodes
+    /// agree on which primary serves which slots.
+    ///
+    /// Blocks the calling thread for a few seconds.
+    ///
+    /// # Panics
+    ///
+    /// When `redis-server` or `redis-cli` is missing, or the cluster does not settle
+    /// within 60 s, with the nodes' logs.
+    pub fn start() -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "idempotency-cluster-{}",
+            uuid::Uuid::new_v4().simple()
+        ));
+        std::fs::create_dir_all(&dir).expect("a temporary directory for the cluster");
+        let mut nodes = Vec::new();
+        let mut taken = Vec::new();
+        for _ in 0..6 {
+            let port = free_port_pair(&taken);
+            taken.push(port);
+            nodes.push(Node {
+                port,
+                child: spawn_node(&dir, port),
+                alive: true,
+            });
+        }
+        let watchdog = spawn_watchdog(&dir, &nodes);
+        let cluster = Self {
+            dir,
+            nodes: Mutex::new(nodes),
+            watchdogs: Mutex::new(vec![watchdog]),
+        };
+        for port in cluster.ports() {
+            cluster.wait_for(&format!("node {port} to answer PING"), || {
+                query::<String>(port, &mut redis::cmd("PING")).ok()
+            });
+        }
+        cluster.create();
+        cluster.wait_until_settled();
+        cluster
+    }
+
+    fn create(&self) {
+        let addresses: Vec<String> = self
+            .ports()
+            .iter()
+            .map(|port| format!("127.0.0.1:{port}"))
+            .collect();
+        let output = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addresses)
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap_or_else(|error| {
+                panic!("cannot run redis-cli ({error}); install it with: apt-get install -y redis-server")
+            });
+        assert!(
+            output.status.success(),
+            "redis-cli --cluster create failed ({}):\n{}\n{}",
+            output.status,
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+
+    /// The data ports of the nodes that were not killed.
+    pub fn ports(&self) -> Vec<u16> {
+        self.lock_nodes()
+            .iter()
+            .filter(|node| node.alive)
+            .map(|node| node.port)
+            .collect()
+    }
+
+    /// The seed URLs of every node started (killed ones included: a client must cope with
+    /// a dead seed).
+    pub fn urls(&self) -> Vec<String> {
+        self.lock_nodes()
+            .iter()
+            .map(|node| format!("redis://127.0.0.1:{}", node.port))
+            .collect()
+    }
+
+    /// A client of this cluster with the settings of
+    /// [`RedisClusterStore::client`](idempotency_actix::RedisClusterStore::client).
+    pub fn client(&self) -> idempotency_actix::RedisClusterClient {
+        idempotency_actix::RedisClusterStore::client(self.urls()).expect("valid node URLs")
+    }
+
+    /// [`urls`](Self::urls) joined by commas, as `REDIS_CLUSTER_URLS` takes them.
+    pub fn urls_env(&self) -> String {
+        self.urls().join(",")
+    }
+
+    /// The primaries as the first live node sees them, by port.
+    pub fn primaries(&self) -> Vec<Primary> {
+        let port = self.ports()[0];
+        let mut primaries = parse_primaries(&cluster_nodes(port));
+        primaries.sort_by_key(|primary| primary.port);
+        primaries
+    }
+
+    /// The port of the primary that serves `key`'s slot.
+    ///
+    /// # Panics
+    ///
+    /// When no primary serves it (the cluster is not settled).
+    pub fn primary_of(&self, key: &str) -> u16 {
+        let slot = self.slot_of(key);
+        self.primaries()
+            .into_iter()
+            .find(|primary| {
+                primary
+                    .slots
+                    .iter()
+                    .any(|&(first, last)| (first..=last).contains(&slot))
+            })
+            .unwrap_or_else(|| panic!("no primary serves slot {slot}"))
+            .port
+    }
+
+    /// The hash slot of `key`.
+    pub fn slot_of(&self, key: &str) -> u16 {
+        let port = self.ports()[0];
+        query(port, redis::cmd("CLUSTER").arg("KEYSLOT").arg(key)).expect("CLUSTER KEYSLOT")
+    }
+
+    /// Kills the node on `port` with SIGKILL (a crash: it keeps nothing).
+    pub fn kill(&self, port: u16) {
+        let mut nodes = self.lock_nodes();
+        let node = nodes
+            .iter_mut()
+            .find(|node| node.port == port)
+            .unwrap_or_else(|| panic!("no node on port {port}"));
+        let _ = node.child.kill();
+        let _ = node.child.wait();
+        node.alive = false;
+    }
+
+    /// Starts the killed node on `port` again, in its directory: it reads its cluster
+    /// configuration, learns that a replica took its slots, and rejoins as that replica
+    /// (call [`wait_until_settled`](Self::wait_until_settled) to wait for its sync).
+    ///
+    /// # Panics
+    ///
+    /// When no node was started on `port`, or it is still running.
+    pub fn restart(&self, port: u16) {
+        let mut nodes = self.lock_nodes();
+        let node = nodes
+            .iter_mut()
+            .find(|node| node.port == port)
+            .unwrap_or_else(|| panic!("no node on port {port}"));
+        assert!(!node.alive, "node {port} is running");
+        node.child = spawn_node(&self.dir, port);
+        node.alive = true;
+        let watchdog = spawn_watchdog(&self.dir, std::slice::from_ref(node));
+        self.watchdogs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(watchdog);
+    }
+
+    /// Moves `count` slots from the primary on `from` to the primary on `to` with
+    /// `redis-cli --cluster reshard` (keys are migrated with `MIGRATE` while clients keep
+    /// writing; they are redirected with `ASK` and `MOVED`), then waits until all nodes
+    /// agree again.
+    ///
+    /// # Panics
+    ///
+    /// When redis-cli fails, with its output.
+    pub fn move_slots(&self, from: u16, to: u16, count: u16) {
+        let primaries = self.primaries();
+        let id_of = |port: u16| {
+            primaries
+                .iter()
+                .find(|primary| primary.port == port)
+                .unwrap_or_else(|| panic!("no primary on port {port}"))
+                .id
+                .clone()
+        };
+        let output = Command::new("redis-cli")
+            .args(["--cluster", "reshard", &format!("127.0.0.1:{from}")])
+            .args(["--cluster-from", &id_of(from)])
+            .args(["--cluster-to", &id_of(to)])
+            .args(["--cluster-slots", &count.to_string()])
+            // Few keys per MIGRATE, so requests keep meeting keys on both sides.
+            .args(["--cluster-pipeline", "10", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .output()
+            .expect("redis-cli runs");
+        assert!(
+            output.status.success(),
+            "redis-cli --cluster reshard failed ({}):\n{}\n{}",
+            output.status,
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        self.wait_until_settled();
+    }
+
+    /// Waits until the live nodes have promoted a replica for every dead primary: every
+    /// live node reports `cluster_state:ok`, all agree on who serves which slot, every slot
+    /// is served by a live primary, and every live replica is in sync.
+    ///
+    /// # Panics
+    ///
+    /// After 60 s without that, with the nodes' logs.
+    pub fn wait_until_settled(&self) {
+        self.wait_for("the cluster to settle", || self.settled().then_some(()));
+    }
+
+    fn settled(&self) -> bool {
+        let live = self.ports();
+        let mut views = Vec::new();
+        for &port in &live {
+            let Ok(info) = query::<String>(port, redis::cmd("CLUSTER").arg("INFO")) else {
+                return false;
+            };
+            if !info.contains("cluster_state:ok") {
+                return false;
+            }
+            let Ok(replication) = query::<String>(port, redis::cmd("INFO").arg("replication"))
+            else {
+                return false;
+            };
+            if replication.contains("role:slave") && !replication.contains("master_link_status:up")
+            {
+                return false;
+            }
+            let nodes = cluster_nodes(port);
+            // `[slot->-id]` and `[slot-<-id]` mark a slot being migrated or imported.
+            if nodes.is_empty() || nodes.contains("->-") || nodes.contains("-<-") {
+                return false;
+            }
+            let mut primaries = parse_primaries(&nodes);
+            primaries.sort_by_key(|primary| primary.port);
+            views.push(primaries);
+        }
+        let Some(first) = views.first() else {
+            return false;
+        };
+        let covered: u32 = first
+            .iter()
+            .flat_map(|primary| &primary.slots)
+            .map(|&(a, b)| u32::from(b - a) + 1)
+            .sum();
+        views.iter().all(|view| view == first)
+            && covered == 16_384
+            && first.iter().all(|primary| live.contains(&primary.port))
+    }
+
+    /// How many keys that start with `prefix` each primary holds (port → count).
+    pub fn count_keys_by_primary(&self, prefix: &str) -> BTreeMap<u16, usize> {
+        self.primaries()
+            .iter()
+            .map(|primary| (primary.port, keys_on_node(primary.port, prefix).len()))
+            .collect()
+    }
+
+    /// A plain connection to the node on `port`.
+    ///
+    /// # Panics
+    ///
+    /// When it does not accept one.
+    pub fn connection(&self, port: u16) -> redis::Connection {
+        node_connection(port).unwrap_or_else(|error| panic!("node {port}: {error}"))
+    }
+
+    fn wait_for<T>(&self, what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
+        let started = Instant::now();
+        while started.elapsed() < SETTLE_TIMEOUT {
+            if let Some(value) = probe() {
+                return value;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!(
+            "timed out after {SETTLE_TIMEOUT:?} waiting for {what}; node logs:\n{}",
+            self.logs()
+        );
+    }
+
+    /// The tail of every node's log, for failure messages.
+    pub fn logs(&self) -> String {
+        self.lock_nodes()
+            .iter()
+            .map(|node| {
+                let log = std::fs::read_to_string(node_dir(&self.dir, node.port).join("redis.log"))
+                    .unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(15).collect();
+                let tail: Vec<&str> = tail.into_iter().rev().collect();
+                format!("--- node {} ---\n{}", node.port, tail.join("\n"))
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    fn lock_nodes(&self) -> std::sync::MutexGuard<'_, Vec<Node>> {
+        self.nodes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl Drop for RedisCluster {
+    fn drop(&mut self) {
+        for node in self.lock_nodes().iter_mut() {
+            let _ = node.child.kill();
+            let _ = node.child.wait();
+        }
+        let watchdogs = self
+            .watchdogs
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for watchdog in watchdogs.iter_mut() {
+            drop(watchdog.pipe.take());
+            let _ = watchdog.process.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A data port whose bus port (+10000) is free too, not in `taken`.
+fn free_port_pair(taken: &[u16]) -> u16 {
+    let span = u128::from(MAX_DATA_PORT - MIN_DATA_PORT);
+    for _ in 0..1_000 {
+        let offset = u16::try_from(uuid::Uuid::new_v4().as_u128() % span).expect("in range");
+        let port = MIN_DATA_PORT + offset;
+        let bindable = |port: u16| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok();
+        if !taken.contains(&port) && bindable(port) && bindable(port + 10_000) {
+            return port;
+        }
+    }
+    panic!("no free pair of loopback ports found");
+}
+
+fn node_dir(dir: &Path, port: u16) -> PathBuf {
+    dir.join(port.to_string())
+}
+
+fn spawn_node(dir: &Path, port: u16) -> Child {
+    let node_dir = node_dir(dir, port);
+    std::fs::create_dir_all(&node_dir).expect("a directory for the node");
+    Command::new("redis-server")
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+        .args(["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"])
+        .args(["--cluster-node-timeout", &NODE_TIMEOUT_MS.to_string()])
+        // A replica may always take over, however long it was cut off.
+        .args(["--cluster-replica-validity-factor", "0"])
+        .args(["--save", "", "--appendonly", "no"])
+        .args(["--logfile", "redis.log"])
+        .current_dir(&node_dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|error| {
+            panic!("cannot run redis-server ({error}); install it with: apt-get install -y redis-server")
+        })
+}
+
+/// A shell that waits for its stdin to close (the test process exited, however it
+/// exited), then kills the nodes and removes their directories.
+fn spawn_watchdog(dir: &Path, nodes: &[Node]) -> Watchdog {
+    let pids: Vec<String> = nodes
+        .iter()
+        .map(|node| node.child.id().to_string())
+        .collect();
+    let script = format!(
+        "read -r _; kill -9 {} 2>/dev/null; rm -rf '{}'",
+        pids.join(" "),
+        dir.display()
+    );
+    let mut process = Command::new("sh")
+        .args(["-c", &script])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("sh runs");
+    let pipe = process.stdin.take();
+    Watchdog { process, pipe }
+}
+
+fn node_connection(port: u16) -> redis::RedisResult<redis::Connection> {
+    redis::Client::open(format!("redis://127.0.0.1:{port}"))?
+        .get_connection_with_timeout(Duration::from_secs(2))
+}
+
+fn query<T: redis::FromRedisValue>(port: u16, command: &mut redis::Cmd) -> redis::RedisResult<T> {
+    let mut connection = node_connection(port)?;
+    connection.set_read_timeout(Some(Duration::from_secs(2)))?;
+    command.query(&mut connection)
+}
+
+fn cluster_nodes(port: u16) -> String {
+    query(port, redis::cmd("CLUSTER").arg("NODES")).unwrap_or_default()
+}
+
+/// The primaries that serve slots, from `CLUSTER NODES` output (failed nodes left out).
+fn parse_primaries(nodes: &str) -> Vec<Primary> {
+    nodes
+        .lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let flags = fields.get(2)?;
+            if !flags.contains("master") || flags.contains("fail") || fields.len() <= 8 {
+                return None;
+            }
+            let address = fields[1].split('@').next()?;
+            let port = address.rsplit(':').next()?.parse().ok()?;
+            let slots = fields[8..]
+                .iter()
+                .filter(|range| !range.starts_with('['))
+                .filter_map(|range| match range.split_once('-') {
+                    Some((first, last)) => Some((first.parse().ok()?, last.parse().ok()?)),
+                    None => range.parse().ok().map(|slot| (slot, slot)),
+                })
+                .collect();
+            Some(Primary {
+                port,
+                id: fields[0].to_owned(),
+                slots,
+            })
+        })
+        .collect()
+}
+
+fn keys_on_node(port: u16, prefix: &str) -> Vec<String> {
+    let mut connection = node_connection(port).expect("a connection to the node");
+    let mut keys = Vec::new();
+    let mut cursor: u64 = 0;
+    loop {
+        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(format!("{prefix}*"))
+            .arg("COUNT")
+            .arg(1000)
+            .query(&mut connection)
+            .expect("SCAN");
+        keys.extend(batch);
+        if next == 0 {
+            return keys;
+        }
+        cursor = next;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn primaries_are_read_from_cluster_nodes() {
+        let nodes = "\
+a1 127.0.0.1:30001@40001 myself,master - 0 0 1 connected 0-5460
+b2 127.0.0.1:30002@40002 master - 0 0 2 connected 5461-10922 [5461->-c3]
+c3 127.0.0.1:30003@40003 master,fail - 0 0 3 connected
+d4 127.0.0.1:30004@40004 slave a1 0 0 1 connected
+e5 127.0.0.1:30005@40005 master - 0 0 7 connected 10923-16383 42
+";
+        assert_eq!(
+            parse_primaries(nodes),
+            vec![
+                Primary {
+                    port: 30001,
+                    id: "a1".to_owned(),
+                    slots: vec![(0, 5460)]
+                },
+                Primary {
+                    port: 30002,
+                    id: "b2".to_owned(),
+                    slots: vec![(5461, 10922)]
+                },
+                Primary {
+                    port: 30005,
+                    id: "e5".to_owned(),
+                    slots: vec![(10923, 16383), (42, 42)]
+                },
+            ]
+        );
+    }
+}

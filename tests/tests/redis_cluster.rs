@@ -1,0 +1,98 @@
+//! The Redis Cluster store on a local 6-node cluster (3 primaries, 3 replicas) that this
+//! test binary starts: records land on every primary, and duplicates run once across app
+//! instances. The acceptance suite and the HTTP contract run on it in their own files;
+//! resharding and failover in `redis_cluster_resharding` and `redis_cluster_failover`.
+
+#![allow(clippy::unwrap_used)]
+
+use actix_web::http::StatusCode;
+use idempotency_actix::{Idempotency, RedisClusterStore};
+use idempotency_actix_tests::cluster::RedisCluster;
+use idempotency_actix_tests::keyed_app::{KeyedApp, RunsByKey};
+use idempotency_actix_tests::unique_prefix;
+
+fn app(prefix: &str, runs: &RunsByKey) -> KeyedApp {
+    let client = RedisCluster::shared().client();
+    let prefix = prefix.to_owned();
+    KeyedApp::start(
+        move || Idempotency::redis_cluster(client.clone()).key_prefix(prefix.clone()),
+        runs.clone(),
+    )
+}
+
+#[actix_web::test]
+async fn records_spread_over_all_three_primaries() {
+    let cluster = RedisCluster::shared();
+    let prefix = unique_prefix("spread");
+    let runs = RunsByKey::default();
+    let app = app(&prefix, &runs);
+    for n in 0..30 {
+        let reply = app.post(&format!("spread-{n}")).await.unwrap();
+        assert_eq!(reply.status, StatusCode::CREATED);
+    }
+    let per_primary = cluster.count_keys_by_primary(&prefix);
+    assert_eq!(per_primary.len(), 3, "{per_primary:?}");
+    assert!(
+        per_primary.values().all(|&keys| keys > 0),
+        "every primary holds records: {per_primary:?}"
+    );
+    assert_eq!(per_primary.values().sum::<usize>(), 30);
+    // And each is replayed from wherever it lives.
+    for n in 0..30 {
+        let reply = app.post(&format!("spread-{n}")).await.unwrap();
+        assert!(reply.is_replay(), "spread-{n} is replayed");
+    }
+    assert_eq!(runs.total(), 30);
+}
+
+#[actix_web::test]
+async fn two_app_instances_run_a_key_once() {
+    let prefix = unique_prefix("two_instances");
+    let runs = RunsByKey::default();
+    let (first, second) = (app(&prefix, &runs), app(&prefix, &runs));
+    for n in 0..10 {
+        let key = format!("shared-{n}");
+        let replies = futures_util::future::join_all((0..20).map(|i| {
+            let instance = if i % 2 == 0 { &first } else { &second };
+            instance.post(&key)
+        }))
+        .await;
+        let created: Vec<_> = replies
+            .iter()
+            .flatten()
+            .filter(|reply| reply.status == StatusCode::CREATED)
+            .collect();
+        assert!(!created.is_empty());
+        assert!(
+            replies
+                .iter()
+                .flatten()
+                .all(|reply| matches!(reply.status, StatusCode::CREATED | StatusCode::CONFLICT)),
+            "only 201s and 409s"
+        );
+        for reply in &created {
+            assert_eq!(reply.body, created[0].body, "one run's body for {key}");
+        }
+        assert_eq!(runs.of(&key), 1, "{key} ran once across both instances");
+    }
+}
+
+#[actix_web::test]
+async fn an_app_starts_while_the_cluster_is_down_and_answers_503() {
+    let unused = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .unwrap()
+        .port();
+    let client = RedisClusterStore::client([format!("redis://127.0.0.1:{unused}")]).unwrap();
+    let runs = RunsByKey::default();
+    let app = KeyedApp::start(
+        move || Idempotency::redis_cluster(client.clone()),
+        runs.clone(),
+    );
+    for _ in 0..2 {
+        let reply = app.post("down").await.unwrap();
+        assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(reply.header("retry-after").is_some());
+    }
+    assert_eq!(runs.total(), 0, "fail closed: the handler did not run");
+}
