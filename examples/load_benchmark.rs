@@ -428,7 +428,7 @@ fn run() -> Result<(), Error> {
         } else {
             None
         };
-        let load = Load {
+        let mode_load = Load {
             replica: replica.as_ref(),
             ..load
         };
@@ -443,7 +443,7 @@ fn run() -> Result<(), Error> {
             let before = load.measure(mode.route.baseline())?;
             baselines[route_index].1.push(before);
         }
-        let measured = load.measure(mode)?;
+        let measured = mode_load.measure(mode)?;
         drop(replica);
         let after = load.measure(mode.route.baseline())?;
         baselines[route_index].1.push(after);
@@ -929,13 +929,13 @@ impl Load<'_> {
         let nodes = self.redis_nodes(mode.backend);
         self.wrk(&script, &url, 1)?;
         let server_cpu = process_cpu(server.child.id())?;
-        let redis_cpu = redis_cpu(&nodes)?;
+        let redis_cpu_before = redis_cpu(&nodes)?;
         redis_commands(&nodes)?;
         let wrk_cpu = children_cpu()?;
         let run = self.wrk(&script, &url, self.seconds)?;
         let wrk_cpu = children_cpu()?.saturating_sub(wrk_cpu);
         let server_cpu = process_cpu(server.child.id())?.saturating_sub(server_cpu);
-        let redis_cpu = redis_cpu(&nodes)?.saturating_sub(redis_cpu);
+        let redis_cpu = redis_cpu(&nodes)?.saturating_sub(redis_cpu_before);
         let commands = redis_commands(&nodes)?;
         drop(server);
 
