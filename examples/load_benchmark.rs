@@ -832,9 +832,12 @@ fn psql(url: &str, sql: &str) -> Result<(), Error> {
     if output.status.success() {
         Ok(())
     } else {
-        Err(String::from_utf8_lossy(&output.stderr)
-            .trim()
-            .to_owned()
+        // On one line, so the printed reason for a skip stays one line.
+        let error = String::from_utf8_lossy(&output.stderr);
+        Err(error
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
             .into())
     }
 }
