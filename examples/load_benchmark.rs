@@ -1,39 +1,64 @@
-//! The load benchmark (DESIGN §10): the reference server in every mode against a private
-//! `redis-server`, loaded by `wrk`, each figure next to the unprotected baseline of the same
+//! The load benchmark (DESIGN §10): the reference server in every mode against stores of the
+//! benchmark's own, loaded by `wrk`, each figure next to the unprotected baseline of the same
 //! run. Run it with
 //!
 //! ```sh
 //! cargo run --release -p idempotency-actix-examples --example load_benchmark
+//! BENCH_MODES=postgres,cluster BENCH_SECONDS=3 cargo run --release -p idempotency-actix-examples --example load_benchmark
 //! ```
 //!
 //! It builds the reference server (release), starts one `redis-server` of its own on a free
 //! loopback port (never 6379), and for each mode starts the reference server with
-//! `WORKERS=1`, warms it up, and runs `wrk -t1 -c32` against `POST /orders`. Modes:
+//! `WORKERS=1`, warms it up, and runs `wrk -t1 -c32` against `POST /orders` (or
+//! `POST /ledger`, JSON `{"amount":1}`, where named). Modes, by their `BENCH_MODES` name:
 //!
-//! | mode | server | requests |
-//! |---|---|---|
-//! | baseline | `IDEMPOTENCY=off`, measured before and after every mode | a new key each |
-//! | Redis, new key | `REDIS_URL` | a new key each |
-//! | Redis, replay | `REDIS_URL` | one key, completed before the run |
-//! | Redis, replay, cache | `REDIS_URL`, `REPLAY_CACHE=on` | one key, completed before the run |
-//! | memory, new key | in-memory store | a new key each |
-//! | memory, replay | in-memory store | one key, completed before the run |
-//! | Redis, no key | `REDIS_URL` | no key (the route is protected, the key optional) |
+//! | `BENCH_MODES` | mode | server | requests |
+//! |---|---|---|---|
+//! | (always) | baseline | `IDEMPOTENCY=off`, measured before and after every mode | a new key each |
+//! | `redis` | Redis, new key | `REDIS_URL` | a new key each |
+//! | `redis` | Redis, replay | `REDIS_URL` | one key, completed before the run |
+//! | `redis` | Redis, replay, cache | `REDIS_URL`, `REPLAY_CACHE=on` | one key, completed before the run |
+//! | `memory` | memory, new key | in-memory store | a new key each |
+//! | `memory` | memory, replay | in-memory store | one key, completed before the run |
+//! | `redis` | Redis, no key | `REDIS_URL` | no key (the route is protected, the key optional) |
+//! | `replicated` | Redis + 1 replica, new key | `REDIS_URL`, `IDEMPOTENCY_REPLICAS=1`; a `redis-server --replicaof` the private one, started for this mode only | a new key each |
+//! | `cluster` | Redis Cluster, new key | `REDIS_CLUSTER_URLS`: a private cluster of 3 primaries (no replicas) | a new key each |
+//! | `cluster` | Redis Cluster, replay | the same | one key, completed before the run |
+//! | `postgres` | PostgreSQL, new key | `DATABASE_URL`: a fresh database | a new key each |
+//! | `postgres` | PostgreSQL, replay | the same | one key, completed before the run |
+//! | `postgres` | PostgreSQL, `POST /ledger`, new key | the same; the transactional route, its row inserted in the request's transaction | a new key each |
+//! | `postgres` | baseline `POST /ledger` | `IDEMPOTENCY=off`, `DATABASE_URL`: the handler inserts its row in a transaction of its own; before and after the `/ledger` mode | a new key each |
 //!
-//! Every mode runs the same `wrk` Lua script (only the key differs), so the load tool costs
-//! the same everywhere. Each mode's ratio is to the mean of the baselines measured just
-//! before and just after it (the baseline rows' own ratios are to the mean of all of them,
-//! a measure of how steady the machine was). Printed per mode: requests per second and its ratio to the baseline,
-//! p99 latency, server CPU per request (`/proc/PID/stat` user + system time over the run ÷
-//! requests), Redis CPU per request (`INFO cpu`) and Redis commands per request
-//! (`INFO commandstats`), wrk's CPU per request (this process's waited-for children), and the
-//! number of responses that were not 2xx (should be 0). "× baseline by CPU" is the ratio of
-//! the CPU all three processes (server, Redis, wrk) spend per request, baseline over mode:
-//! what the throughput ratio comes to when they have the machine's cores to themselves, and
-//! steady while other processes load the machine (the req/s ratio is not).
+//! `BENCH_MODES` is a comma-separated list of those names (default: all of them), to
+//! shorten a run; the baseline always runs. The cluster's nodes are `redis-server
+//! --cluster-enabled yes` on free loopback ports at most 55535 (their bus ports add 10000),
+//! joined by `redis-cli --cluster create`; the database is created with `psql` on the server
+//! at `BENCH_DATABASE_URL` [`postgres://postgres@127.0.0.1:5432/postgres`] and dropped at
+//! the end. When something a mode needs is missing (no PostgreSQL answers, the cluster or
+//! the replica does not start), its modes are skipped and a `skipped:` line says why, before
+//! the run and again under the table.
 //!
-//! Environment: `BENCH_SECONDS` [8] per mode, `BENCH_CONNECTIONS` [32].
-//! Needs `wrk` and `redis-server` (`apt-get install -y wrk redis-server`).
+//! Every mode runs the same `wrk` Lua script (only the key and, for `/ledger`, the body
+//! differ), so the load tool costs the same everywhere. Each mode's ratio is to the mean of
+//! the baselines of its route measured just before and just after it (the baseline rows' own
+//! ratios are to the mean of all baselines of their route, a measure of how steady the
+//! machine was). Printed per mode: requests per second and its ratio to the baseline, p99
+//! latency, server CPU per request (`/proc/PID/stat` user + system time over the run ÷
+//! requests), Redis CPU per request (`INFO cpu`, summed over every node: the cluster's
+//! primaries, the replica) and Redis commands per request (`INFO commandstats` of the
+//! primaries, without the replicas' `REPLCONF`), wrk's CPU per request (this process's
+//! waited-for children), and the number of responses that were not 2xx (should be 0).
+//! "× baseline by CPU" is the ratio of the CPU all three processes (server, Redis, wrk) spend
+//! per request, baseline over mode: what the throughput ratio comes to when they have the
+//! machine's cores to themselves, and steady while other processes load the machine (the
+//! req/s ratio is not). PostgreSQL's own CPU is not measured (its server is shared), so for
+//! the PostgreSQL modes that ratio counts the server and wrk only, and the Redis columns
+//! show `—`.
+//!
+//! Environment: `BENCH_SECONDS` [8] per mode, `BENCH_CONNECTIONS` [32], `BENCH_MODES` [all],
+//! `BENCH_DATABASE_URL` [`postgres://postgres@127.0.0.1:5432/postgres`]. Needs `wrk`,
+//! `redis-server` and `redis-cli` (`apt-get install -y wrk redis-server`); the PostgreSQL
+//! modes need `psql` (`apt-get install -y postgresql-client`) and a server to connect to.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -55,10 +80,62 @@ enum Keys {
     None,
 }
 
+/// The store a mode's server uses, and so what the benchmark must have started for it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Backend {
+    /// No store to start: the in-memory store, or no middleware at all.
+    Nothing,
+    /// The private `redis-server` (`REDIS_URL`).
+    Redis,
+    /// The private `redis-server` with a replica of its own (`REDIS_URL`,
+    /// `IDEMPOTENCY_REPLICAS=1`).
+    RedisReplicated,
+    /// The private 3-primary Redis Cluster (`REDIS_CLUSTER_URLS`).
+    RedisCluster,
+    /// A fresh database on the PostgreSQL server (`DATABASE_URL`).
+    Postgres,
+}
+
+/// The route a mode loads, and so the baseline it is compared with.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Route {
+    /// `POST /orders`: the baseline is the unprotected route without any store.
+    Orders,
+    /// `POST /ledger`: the baseline is the unprotected route, which inserts its row in a
+    /// transaction of its own.
+    Ledger,
+}
+
+impl Route {
+    fn path(self) -> &'static str {
+        match self {
+            Self::Orders => "/orders",
+            Self::Ledger => "/ledger",
+        }
+    }
+
+    fn body(self) -> &'static str {
+        match self {
+            Self::Orders => r#"{"item":"book","qty":1}"#,
+            Self::Ledger => r#"{"amount":1}"#,
+        }
+    }
+
+    fn baseline(self) -> &'static Mode {
+        match self {
+            Self::Orders => &BASELINE,
+            Self::Ledger => &LEDGER_BASELINE,
+        }
+    }
+}
+
 struct Mode {
     name: &'static str,
+    /// The `BENCH_MODES` name that selects it.
+    group: &'static str,
     env: &'static [(&'static str, &'static str)],
-    redis: bool,
+    backend: Backend,
+    route: Route,
     keys: Keys,
     /// The target ratio to the baseline (DESIGN §10), if there is one.
     target: Option<f64>,
@@ -66,60 +143,141 @@ struct Mode {
 
 const BASELINE: Mode = Mode {
     name: "baseline (IDEMPOTENCY=off)",
+    group: "baseline",
     env: &[("IDEMPOTENCY", "off")],
-    redis: false,
+    backend: Backend::Nothing,
+    route: Route::Orders,
     keys: Keys::New,
     target: None,
 };
 
-const MODES: [Mode; 6] = [
+const LEDGER_BASELINE: Mode = Mode {
+    name: "baseline POST /ledger (IDEMPOTENCY=off, PostgreSQL)",
+    group: "baseline",
+    env: &[("IDEMPOTENCY", "off")],
+    backend: Backend::Postgres,
+    route: Route::Ledger,
+    keys: Keys::New,
+    target: None,
+};
+
+/// The `BENCH_MODES` names, in the order the modes run.
+const GROUPS: [&str; 5] = ["redis", "memory", "replicated", "cluster", "postgres"];
+
+const MODES: [Mode; 12] = [
     Mode {
         name: "Redis, new key",
+        group: "redis",
         env: &[],
-        redis: true,
+        backend: Backend::Redis,
+        route: Route::Orders,
         keys: Keys::New,
         target: Some(0.50),
     },
     Mode {
         name: "Redis, replay",
+        group: "redis",
         env: &[],
-        redis: true,
+        backend: Backend::Redis,
+        route: Route::Orders,
         keys: Keys::Replay,
         target: Some(0.65),
     },
     Mode {
         name: "Redis, replay, REPLAY_CACHE=on",
+        group: "redis",
         env: &[("REPLAY_CACHE", "on")],
-        redis: true,
+        backend: Backend::Redis,
+        route: Route::Orders,
         keys: Keys::Replay,
         target: Some(0.90),
     },
     Mode {
         name: "memory, new key",
+        group: "memory",
         env: &[],
-        redis: false,
+        backend: Backend::Nothing,
+        route: Route::Orders,
         keys: Keys::New,
         target: Some(0.60),
     },
     Mode {
         name: "memory, replay",
+        group: "memory",
         env: &[],
-        redis: false,
+        backend: Backend::Nothing,
+        route: Route::Orders,
         keys: Keys::Replay,
         target: Some(0.90),
     },
     Mode {
         name: "Redis, no key (protected route)",
+        group: "redis",
         env: &[],
-        redis: true,
+        backend: Backend::Redis,
+        route: Route::Orders,
         keys: Keys::None,
         target: Some(0.95),
+    },
+    Mode {
+        name: "Redis + 1 replica, new key, IDEMPOTENCY_REPLICAS=1",
+        group: "replicated",
+        env: &[("IDEMPOTENCY_REPLICAS", "1")],
+        backend: Backend::RedisReplicated,
+        route: Route::Orders,
+        keys: Keys::New,
+        target: None,
+    },
+    Mode {
+        name: "Redis Cluster (3 primaries), new key",
+        group: "cluster",
+        env: &[],
+        backend: Backend::RedisCluster,
+        route: Route::Orders,
+        keys: Keys::New,
+        target: None,
+    },
+    Mode {
+        name: "Redis Cluster (3 primaries), replay",
+        group: "cluster",
+        env: &[],
+        backend: Backend::RedisCluster,
+        route: Route::Orders,
+        keys: Keys::Replay,
+        target: None,
+    },
+    Mode {
+        name: "PostgreSQL, new key",
+        group: "postgres",
+        env: &[],
+        backend: Backend::Postgres,
+        route: Route::Orders,
+        keys: Keys::New,
+        target: None,
+    },
+    Mode {
+        name: "PostgreSQL, replay",
+        group: "postgres",
+        env: &[],
+        backend: Backend::Postgres,
+        route: Route::Orders,
+        keys: Keys::Replay,
+        target: None,
+    },
+    Mode {
+        name: "PostgreSQL, POST /ledger, new key (transactional)",
+        group: "postgres",
+        env: &[],
+        backend: Backend::Postgres,
+        route: Route::Ledger,
+        keys: Keys::New,
+        target: None,
     },
 ];
 
 /// What one mode measured.
 struct Measured {
-    /// CPU per request of all three processes: the server, Redis and wrk.
+    /// CPU per request of all the processes measured: the server, Redis (every node) and wrk.
     total_cpu_per_request: Duration,
     per_second: f64,
     p99: Duration,
@@ -140,8 +298,38 @@ fn main() -> ExitCode {
     }
 }
 
+/// The `BENCH_MODES` names asked for (all of them when unset or empty).
+fn selected_groups() -> Result<Vec<&'static str>, Error> {
+    let asked = std::env::var("BENCH_MODES").unwrap_or_default();
+    if asked.trim().is_empty() {
+        return Ok(GROUPS.to_vec());
+    }
+    asked
+        .split(',')
+        .map(str::trim)
+        .filter(|name| !name.is_empty())
+        .map(|name| {
+            GROUPS
+                .iter()
+                .copied()
+                .find(|group| group.eq_ignore_ascii_case(name))
+                .ok_or_else(|| {
+                    format!(
+                        "BENCH_MODES names {name:?}; the modes are {}",
+                        GROUPS.join(",")
+                    )
+                    .into()
+                })
+        })
+        .collect()
+}
+
 fn run() -> Result<(), Error> {
-    for (tool, package) in [("wrk", "wrk"), ("redis-server", "redis-server")] {
+    for (tool, package) in [
+        ("wrk", "wrk"),
+        ("redis-server", "redis-server"),
+        ("redis-cli", "redis-tools"),
+    ] {
         if Command::new(tool)
             .arg("--version")
             .stdout(Stdio::null())
@@ -154,38 +342,121 @@ fn run() -> Result<(), Error> {
     }
     let seconds: u64 = env_number("BENCH_SECONDS", 8)?;
     let connections: u64 = env_number("BENCH_CONNECTIONS", 32)?;
+    let groups = selected_groups()?;
     let server = build_reference_server()?;
     let work =
         std::env::temp_dir().join(format!("idempotency-load-benchmark-{}", std::process::id()));
     std::fs::create_dir_all(&work)?;
-    let redis = Redis::start(&work)?;
+    let redis = Redis::start(&work, &[])?;
+    // What a group needs but is missing: its modes are skipped, with the reason printed.
+    let cluster = if groups.contains(&"cluster") {
+        RedisCluster::start(&work).map_err(|error| format!("no Redis Cluster: {error}"))
+    } else {
+        Err("not selected".to_owned())
+    };
+    let database = if groups.contains(&"postgres") {
+        Database::create().map_err(|error| format!("no PostgreSQL: {error}"))
+    } else {
+        Err("not selected".to_owned())
+    };
 
     println!(
-        "wrk -t1 -c{connections} -d{seconds}s, POST /orders, WORKERS=1, private redis-server on port {}",
+        "wrk -t1 -c{connections} -d{seconds}s, POST /orders (POST /ledger where named), WORKERS=1, private redis-server on port {}",
         redis.port
     );
+    if let Ok(cluster) = &cluster {
+        println!(
+            "private Redis Cluster (3 primaries, no replicas) on ports {}",
+            cluster.ports().join(",")
+        );
+    }
+    if let Ok(database) = &database {
+        println!("PostgreSQL: fresh database {}", database.url);
+    }
+    println!("BENCH_MODES={}", groups.join(","));
+    let mut skipped = Vec::new();
+    let missing = [
+        ("cluster", cluster.as_ref().err()),
+        ("postgres", database.as_ref().err()),
+    ];
+    for (group, reason) in missing {
+        if let Some(reason) = reason
+            && groups.contains(&group)
+        {
+            let line = format!("skipped: the {group} modes ({reason})");
+            println!("{line}");
+            skipped.push(line);
+        }
+    }
     println!("load before: {}", load_average());
     let load = Load {
         server: &server,
         work: &work,
         redis: &redis,
+        replica: None,
+        cluster: cluster.as_ref().ok(),
+        database: database.as_ref().ok(),
         seconds,
         connections,
     };
     // The baseline runs before and after every mode; each mode is compared with the mean of
     // the two baselines around it, so a change in the machine's load during the run (other
-    // processes) moves both sides of a ratio alike.
-    let mut baselines = vec![load.measure(&BASELINE)?];
+    // processes) moves both sides of a ratio alike. A mode on `POST /ledger` has a baseline
+    // of its own (the unprotected route, which writes its row too).
+    let mut baselines: Vec<(Route, Vec<Measured>)> = vec![(Route::Orders, Vec::new())];
+    let mut last_baseline = None;
     let mut results = Vec::new();
-    for mode in &MODES {
-        let measured = load.measure(mode)?;
-        baselines.push(load.measure(&BASELINE)?);
-        let around = &baselines[baselines.len() - 2..];
+    for mode in MODES.iter().filter(|mode| groups.contains(&mode.group)) {
+        let ready = match mode.backend {
+            Backend::RedisCluster => load.cluster.is_some(),
+            Backend::Postgres => load.database.is_some(),
+            _ => true,
+        };
+        if !ready {
+            continue;
+        }
+        let replica = if mode.backend == Backend::RedisReplicated {
+            match Redis::start_replica(&work, &redis) {
+                Ok(replica) => Some(replica),
+                Err(error) => {
+                    let line = format!("skipped: {} (no replica: {error})", mode.name);
+                    println!("{line}");
+                    skipped.push(line);
+                    continue;
+                }
+            }
+        } else {
+            None
+        };
+        let mode_load = Load {
+            replica: replica.as_ref(),
+            ..load
+        };
+        let route_index = match baselines.iter().position(|(route, _)| *route == mode.route) {
+            Some(index) => index,
+            None => {
+                baselines.push((mode.route, Vec::new()));
+                baselines.len() - 1
+            }
+        };
+        if last_baseline != Some(mode.route) {
+            let before = load.measure(mode.route.baseline())?;
+            baselines[route_index].1.push(before);
+        }
+        let measured = mode_load.measure(mode)?;
+        drop(replica);
+        let after = load.measure(mode.route.baseline())?;
+        baselines[route_index].1.push(after);
+        last_baseline = Some(mode.route);
+        let around = &baselines[route_index].1[baselines[route_index].1.len() - 2..];
         let baseline = Baseline {
             per_second: (around[0].per_second + around[1].per_second) / 2.0,
             total_cpu: (around[0].total_cpu_per_request + around[1].total_cpu_per_request) / 2,
         };
         results.push((mode, measured, baseline));
+    }
+    if baselines[0].1.is_empty() {
+        baselines[0].1.push(load.measure(&BASELINE)?);
     }
     println!("load after: {}", load_average());
 
@@ -194,21 +465,32 @@ fn run() -> Result<(), Error> {
         "| mode | req/s | × baseline (target) | × baseline by CPU | p99 | server CPU / req | Redis CPU / req | wrk CPU / req | Redis commands / req | non-2xx |"
     );
     println!("|---|---|---|---|---|---|---|---|---|---|");
-    let count = baselines.len() as f64;
-    let mean = Baseline {
-        per_second: baselines.iter().map(|b| b.per_second).sum::<f64>() / count,
-        total_cpu: baselines
-            .iter()
-            .map(|b| b.total_cpu_per_request)
-            .sum::<Duration>()
-            .div_f64(count),
-    };
-    for (i, measured) in baselines.iter().enumerate() {
-        print_row(&format!("baseline {}", i + 1), measured, &mean, None);
+    for (route, measured) in &baselines {
+        let count = measured.len() as f64;
+        let mean = Baseline {
+            per_second: measured.iter().map(|b| b.per_second).sum::<f64>() / count,
+            total_cpu: measured
+                .iter()
+                .map(|b| b.total_cpu_per_request)
+                .sum::<Duration>()
+                .div_f64(count),
+        };
+        let label = match route {
+            Route::Orders => "baseline",
+            Route::Ledger => "baseline POST /ledger",
+        };
+        for (i, measured) in measured.iter().enumerate() {
+            print_row(&format!("{label} {}", i + 1), measured, &mean, None);
+        }
     }
     for (mode, measured, baseline) in &results {
         print_row(mode.name, measured, baseline, mode.target);
     }
+    for line in &skipped {
+        println!("{line}");
+    }
+    drop(cluster);
+    drop(database);
     let _ = std::fs::remove_dir_all(&work);
     Ok(())
 }
@@ -300,27 +582,56 @@ struct Redis {
 }
 
 impl Redis {
-    fn start(work: &Path) -> Result<Self, Error> {
-        let port = free_port()?;
+    /// Starts `redis-server` on a free loopback port with `args` added, nothing persisted.
+    fn start(work: &Path, args: &[&str]) -> Result<Self, Error> {
+        Self::start_on(work, free_port()?, args)
+    }
+
+    fn start_on(work: &Path, port: u16, args: &[&str]) -> Result<Self, Error> {
         let child = Command::new("redis-server")
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no"])
+            .args(args)
             .current_dir(work)
             .stdout(Stdio::null())
             .spawn()?;
         let redis = Self { child, port };
+        redis.wait_for("to answer PING", |redis| {
+            Ok(redis.cli(&["PING"])?.trim() == "PONG")
+        })?;
+        Ok(redis)
+    }
+
+    /// Starts a replica of `primary` and waits until it is in sync.
+    fn start_replica(work: &Path, primary: &Self) -> Result<Self, Error> {
+        let primary_port = primary.port.to_string();
+        let replica = Self::start(work, &["--replicaof", "127.0.0.1", &primary_port])?;
+        replica.wait_for("to sync with its primary", |replica| {
+            Ok(replica
+                .cli(&["INFO", "replication"])?
+                .contains("master_link_status:up"))
+        })?;
+        Ok(replica)
+    }
+
+    /// Polls `ready` until it holds, for at most 30 s.
+    fn wait_for(
+        &self,
+        what: &str,
+        ready: impl Fn(&Self) -> Result<bool, Error>,
+    ) -> Result<(), Error> {
         let started = Instant::now();
-        while redis
-            .cli(&["PING"])
-            .map(|pong| pong.trim() != "PONG")
-            .unwrap_or(true)
-        {
-            if started.elapsed() > Duration::from_secs(10) {
-                return Err("redis-server did not answer PING within 10 s".into());
+        while !ready(self).unwrap_or(false) {
+            if started.elapsed() > Duration::from_secs(30) {
+                return Err(format!(
+                    "redis-server on port {} did not {what} within 30 s",
+                    self.port
+                )
+                .into());
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        Ok(redis)
+        Ok(())
     }
 
     fn url(&self) -> String {
@@ -349,8 +660,14 @@ impl Redis {
         ))
     }
 
+    /// Whether it is a primary (a replica's command counts repeat its primary's writes).
+    fn is_primary(&self) -> Result<bool, Error> {
+        Ok(self.cli(&["INFO", "replication"])?.contains("role:master"))
+    }
+
     /// Commands run since the last reset (what clients sent and what scripts ran), leaving
-    /// out this benchmark's own `INFO`/`CONFIG`; then resets the counts.
+    /// out this benchmark's own `INFO`/`CONFIG` and the replicas' `REPLCONF`; then resets
+    /// the counts.
     fn take_commands(&self) -> Result<BTreeMap<String, u64>, Error> {
         let info = self.cli(&["INFO", "commandstats"])?;
         self.cli(&["CONFIG", "RESETSTAT"])?;
@@ -361,7 +678,7 @@ impl Redis {
                 let calls = stats.split(',').find_map(|s| s.strip_prefix("calls="))?;
                 Some((name.to_owned(), calls.parse().ok()?))
             })
-            .filter(|(name, _)| !["info", "config"].contains(&name.as_str()))
+            .filter(|(name, _)| !["info", "config", "replconf"].contains(&name.as_str()))
             .collect())
     }
 }
@@ -379,11 +696,180 @@ fn free_port() -> Result<u16, Error> {
         .port())
 }
 
+/// A private Redis Cluster: 3 primaries, no replicas, each node a `redis-server
+/// --cluster-enabled yes` on a free loopback port. Dropping it stops the nodes.
+struct RedisCluster {
+    nodes: Vec<Redis>,
+}
+
+/// The highest data port a cluster node may use: its cluster bus listens on port + 10000.
+const MAX_CLUSTER_PORT: u16 = 55_535;
+
+impl RedisCluster {
+    fn start(work: &Path) -> Result<Self, Error> {
+        let mut nodes: Vec<Redis> = Vec::new();
+        for _ in 0..3 {
+            let port = free_cluster_port(&nodes)?;
+            let config = format!("nodes-{port}.conf");
+            nodes.push(Redis::start_on(
+                work,
+                port,
+                &["--cluster-enabled", "yes", "--cluster-config-file", &config],
+            )?);
+        }
+        let cluster = Self { nodes };
+        let output = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(
+                cluster
+                    .ports()
+                    .iter()
+                    .map(|port| format!("127.0.0.1:{port}")),
+            )
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .output()?;
+        if !output.status.success() {
+            return Err(format!(
+                "redis-cli --cluster create failed: {}",
+                String::from_utf8_lossy(&output.stdout)
+            )
+            .into());
+        }
+        for node in &cluster.nodes {
+            node.wait_for("to report cluster_state:ok", |node| {
+                Ok(node.cli(&["CLUSTER", "INFO"])?.contains("cluster_state:ok"))
+            })?;
+        }
+        Ok(cluster)
+    }
+
+    fn ports(&self) -> Vec<String> {
+        self.nodes
+            .iter()
+            .map(|node| node.port.to_string())
+            .collect()
+    }
+
+    /// The seed URLs for `REDIS_CLUSTER_URLS`.
+    fn urls(&self) -> String {
+        self.nodes
+            .iter()
+            .map(Redis::url)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+}
+
+/// A free loopback port at most [`MAX_CLUSTER_PORT`] whose bus port is free too, not used by
+/// `taken`.
+fn free_cluster_port(taken: &[Redis]) -> Result<u16, Error> {
+    for _ in 0..1_000 {
+        let port = free_port()?;
+        if port <= MAX_CLUSTER_PORT
+            && !taken.iter().any(|node| node.port == port)
+            && std::net::TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok()
+        {
+            return Ok(port);
+        }
+    }
+    Err(format!("no free loopback port pair at or below {MAX_CLUSTER_PORT}").into())
+}
+
+/// A fresh database on the PostgreSQL server at `BENCH_DATABASE_URL`, created with `psql`
+/// and dropped when this is dropped.
+struct Database {
+    /// Where to connect to create and drop it.
+    admin_url: String,
+    name: String,
+    /// Its URL, for `DATABASE_URL`.
+    url: String,
+}
+
+impl Database {
+    fn create() -> Result<Self, Error> {
+        let admin_url = std::env::var("BENCH_DATABASE_URL")
+            .ok()
+            .filter(|url| !url.is_empty())
+            .unwrap_or_else(|| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
+        let name = format!("idempotency_load_benchmark_{}", std::process::id());
+        psql(&admin_url, &format!("CREATE DATABASE {name}"))
+            .map_err(|error| format!("cannot create a database at {admin_url}: {error}"))?;
+        let url = with_database(&admin_url, &name);
+        Ok(Self {
+            admin_url,
+            name,
+            url,
+        })
+    }
+}
+
+impl Drop for Database {
+    fn drop(&mut self) {
+        let dropped = psql(
+            &self.admin_url,
+            &format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name),
+        );
+        if let Err(error) = dropped {
+            eprintln!(
+                "load_benchmark: could not drop database {}: {error}",
+                self.name
+            );
+        }
+    }
+}
+
+/// Runs one SQL statement with `psql`; its error output on failure.
+fn psql(url: &str, sql: &str) -> Result<(), Error> {
+    let output = Command::new("psql")
+        .args(["-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", url, "-c", sql])
+        .env("PGCONNECT_TIMEOUT", "5")
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|error| {
+            format!("cannot run psql ({error}): apt-get install -y postgresql-client")
+        })?;
+    if output.status.success() {
+        Ok(())
+    } else {
+        // On one line, so the printed reason for a skip stays one line.
+        let error = String::from_utf8_lossy(&output.stderr);
+        Err(error
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
+            .into())
+    }
+}
+
+/// `url` with its database name replaced by `name` (query parameters kept).
+fn with_database(url: &str, name: &str) -> String {
+    let (base, query) = url
+        .split_once('?')
+        .map_or((url, ""), |(base, query)| (base, query));
+    let authority_start = base.find("://").map_or(0, |index| index + 3);
+    let server = match base[authority_start..].find('/') {
+        Some(slash) => &base[..authority_start + slash],
+        None => base,
+    };
+    let query = if query.is_empty() {
+        String::new()
+    } else {
+        format!("?{query}")
+    };
+    format!("{server}/{name}{query}")
+}
+
 /// Everything a measurement needs.
+#[derive(Clone, Copy)]
 struct Load<'a> {
     server: &'a Path,
     work: &'a Path,
     redis: &'a Redis,
+    /// The replica of `redis`, while a mode with replicated writes runs.
+    replica: Option<&'a Redis>,
+    cluster: Option<&'a RedisCluster>,
+    database: Option<&'a Database>,
     seconds: u64,
     connections: u64,
 }
@@ -401,11 +887,25 @@ impl Load<'_> {
             .env("WORKERS", "1")
             .env("IDEMPOTENCY_PREFIX", &prefix)
             .env_remove("REDIS_URL")
+            .env_remove("REDIS_CLUSTER_URLS")
+            .env_remove("DATABASE_URL")
+            .env_remove("IDEMPOTENCY_REPLICAS")
             .env_remove("REPLAY_CACHE")
             .env_remove("IDEMPOTENCY")
             .env_remove("IDEMPOTENCY_METHODS");
-        if mode.redis {
-            command.env("REDIS_URL", self.redis.url());
+        match mode.backend {
+            Backend::Nothing => {}
+            Backend::Redis | Backend::RedisReplicated => {
+                command.env("REDIS_URL", self.redis.url());
+            }
+            Backend::RedisCluster => {
+                let cluster = self.cluster.ok_or("no Redis Cluster")?;
+                command.env("REDIS_CLUSTER_URLS", cluster.urls());
+            }
+            Backend::Postgres => {
+                let database = self.database.ok_or("no PostgreSQL database")?;
+                command.env("DATABASE_URL", &database.url);
+            }
         }
         for (name, value) in mode.env {
             command.env(name, value);
@@ -414,8 +914,8 @@ impl Load<'_> {
 
         let fixed_key = "load-benchmark-replay";
         if mode.keys == Keys::Replay {
-            let first = post(server.addr, Some(fixed_key))?;
-            let again = post(server.addr, Some(fixed_key))?;
+            let first = post(server.addr, mode.route, fixed_key)?;
+            let again = post(server.addr, mode.route, fixed_key)?;
             if !first.starts_with("HTTP/1.1 201")
                 || !again
                     .to_ascii_lowercase()
@@ -425,29 +925,26 @@ impl Load<'_> {
             }
         }
         let script = self.work.join("request.lua");
-        std::fs::write(&script, lua_script(mode.keys, fixed_key))?;
-        let url = format!("http://{}/orders", server.addr);
+        std::fs::write(&script, lua_script(mode.keys, fixed_key, mode.route))?;
+        let url = format!("http://{}{}", server.addr, mode.route.path());
 
         // Warm up (connections, caches, the script load), then measure.
+        let nodes = self.redis_nodes(mode.backend);
         self.wrk(&script, &url, 1)?;
         let server_cpu = process_cpu(server.child.id())?;
-        let redis_cpu = self.redis.cpu()?;
-        self.redis.take_commands()?;
+        let redis_cpu_before = redis_cpu(&nodes)?;
+        redis_commands(&nodes)?;
         let wrk_cpu = children_cpu()?;
         let run = self.wrk(&script, &url, self.seconds)?;
         let wrk_cpu = children_cpu()?.saturating_sub(wrk_cpu);
         let server_cpu = process_cpu(server.child.id())?.saturating_sub(server_cpu);
-        let redis_cpu = if mode.redis {
-            self.redis.cpu()?.saturating_sub(redis_cpu)
-        } else {
-            Duration::ZERO
-        };
-        let commands: u64 = self.redis.take_commands()?.values().sum();
+        let redis_cpu = redis_cpu(&nodes)?.saturating_sub(redis_cpu_before);
+        let commands = redis_commands(&nodes)?;
         drop(server);
 
         let requests = run.requests.max(1);
         let per_request = |total: Duration| total / u32::try_from(requests).unwrap_or(u32::MAX);
-        let touches_redis = mode.redis;
+        let touches_redis = !nodes.is_empty();
         Ok(Measured {
             per_second: run.requests as f64 / run.duration.as_secs_f64(),
             p99: run.p99,
@@ -458,6 +955,19 @@ impl Load<'_> {
             redis_cpu_per_request: touches_redis.then(|| per_request(redis_cpu)),
             redis_commands_per_request: touches_redis.then(|| commands as f64 / requests as f64),
         })
+    }
+
+    /// The Redis servers a mode's server talks to, replicas included.
+    fn redis_nodes(&self, backend: Backend) -> Vec<&Redis> {
+        match backend {
+            Backend::Nothing | Backend::Postgres => Vec::new(),
+            Backend::Redis => vec![self.redis],
+            Backend::RedisReplicated => std::iter::once(self.redis).chain(self.replica).collect(),
+            Backend::RedisCluster => self
+                .cluster
+                .map(|cluster| cluster.nodes.iter().collect())
+                .unwrap_or_default(),
+        }
     }
 
     fn wrk(&self, script: &Path, url: &str, seconds: u64) -> Result<WrkRun, Error> {
@@ -494,6 +1004,25 @@ impl Load<'_> {
     }
 }
 
+/// User + system CPU time of `nodes` so far, together.
+fn redis_cpu(nodes: &[&Redis]) -> Result<Duration, Error> {
+    nodes.iter().map(|node| node.cpu()).sum()
+}
+
+/// The commands the primaries among `nodes` ran since the last call (see
+/// [`Redis::take_commands`]), together; resets every node's counts.
+fn redis_commands(nodes: &[&Redis]) -> Result<u64, Error> {
+    let mut total = 0;
+    for node in nodes {
+        let primary = node.is_primary()?;
+        let commands: u64 = node.take_commands()?.values().sum();
+        if primary {
+            total += commands;
+        }
+    }
+    Ok(total)
+}
+
 struct WrkRun {
     requests: u64,
     duration: Duration,
@@ -503,7 +1032,7 @@ struct WrkRun {
 
 /// The wrk script: the same per-request work in every mode, only the key differs. It prints
 /// one `BENCH` line that the benchmark reads.
-fn lua_script(keys: Keys, fixed_key: &str) -> String {
+fn lua_script(keys: Keys, fixed_key: &str, route: Route) -> String {
     let key = match keys {
         Keys::New => "headers['Idempotency-Key'] = prefix .. counter".to_owned(),
         Keys::Replay => format!("headers['Idempotency-Key'] = '{fixed_key}'"),
@@ -514,7 +1043,7 @@ fn lua_script(keys: Keys, fixed_key: &str) -> String {
 local counter = 0
 local prefix = string.format("%x-%x-", os.time(), math.random(0, 2^30))
 local headers = {{ ["Content-Type"] = "application/json" }}
-local body = '{{"item":"book","qty":1}}'
+local body = '{body}'
 
 request = function()
   counter = counter + 1
@@ -528,7 +1057,8 @@ done = function(summary, latency, requests)
   io.write(string.format("BENCH requests=%d duration_us=%d p99_us=%d not_2xx=%d errors=%d\n",
     summary.requests, summary.duration, latency:percentile(99), summary.errors.status, errors))
 end
-"#
+"#,
+        body = route.body()
     )
 }
 
@@ -573,15 +1103,14 @@ impl Drop for Server {
     }
 }
 
-/// One `POST /orders` (to complete the replay key before a run); the raw response.
-fn post(addr: SocketAddr, key: Option<&str>) -> Result<String, Error> {
-    let body = r#"{"item":"book","qty":1}"#;
-    let key = key.map_or(String::new(), |key| format!("Idempotency-Key: {key}\r\n"));
+/// One keyed `POST` of `route` (to complete the replay key before a run); the raw response.
+fn post(addr: SocketAddr, route: Route, key: &str) -> Result<String, Error> {
+    let (path, body) = (route.path(), route.body());
     let mut stream = TcpStream::connect(addr)?;
     stream.set_read_timeout(Some(Duration::from_secs(5)))?;
     write!(
         stream,
-        "POST /orders HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n{key}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nIdempotency-Key: {key}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     )?;
     let mut response = String::new();
