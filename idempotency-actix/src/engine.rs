@@ -23,6 +23,7 @@ use crate::capture::{CapturingBody, Commit};
 use crate::error::IdempotencyError;
 use crate::fingerprint::{Fingerprint, FingerprintParts};
 use crate::key::IdempotencyKey;
+use crate::lost_record::{self, NoticedBy};
 use crate::policy::{IdempotencyPolicy, Policy};
 use crate::record::StoredResponse;
 use crate::replay::{ReplayedHeaders, replay_response};
@@ -130,6 +131,8 @@ pub(crate) struct HeldLock {
     pub(crate) lease: Cell<Duration>,
     pub(crate) renewed_at: Cell<Instant>,
     pub(crate) route_policy: RefCell<Option<IdempotencyPolicy>>,
+    /// Whether the loss of this lock's record has been reported (once per request).
+    lost_reported: Cell<bool>,
     store: Rc<dyn DynStore>,
     store_timeout: Duration,
 }
@@ -214,7 +217,7 @@ impl Engine {
             // lease has passed, so the key is not blocked for a whole lease.
             let store = Rc::clone(&self.store);
             let (key, token) = (storage_key.clone(), token.clone());
-            self.retry_in_background(policy.lease, Until::Succeeded, move || {
+            self.retry_in_background(policy.lease, move || {
                 let (store, key, token) = (Rc::clone(&store), key.clone(), token.clone());
                 async move { store.release(&key, &token).await }
             });
@@ -229,6 +232,7 @@ impl Engine {
                     lease: Cell::new(policy.lease),
                     renewed_at: Cell::new(Instant::now()),
                     route_policy: RefCell::new(None),
+                    lost_reported: Cell::new(false),
                     store: Rc::clone(&self.store),
                     store_timeout: self.settings.store_timeout,
                 });
@@ -530,43 +534,31 @@ impl Engine {
         }
     }
 
-    /// Commits `stored`; if the store fails, retries in the background (the response goes
-    /// out meanwhile, never held back or lost).
-    async fn commit(&self, lock: &HeldLock, stored: StoredResponse, ttl: Duration) {
-        let (storage_key, token) = (&lock.storage_key, &lock.token);
+    /// Commits `stored`; if the store fails, the response goes out meanwhile (never held
+    /// back or lost) and the commit is retried in the background under a renewed lease, so
+    /// the key stays locked (409) rather than free for a second run; see [`keep_committing`].
+    async fn commit(&self, lock: &Rc<HeldLock>, stored: StoredResponse, ttl: Duration) {
+        let storage_key = &lock.storage_key;
         match self
-            .bounded(self.store.commit(storage_key, token, &stored, ttl))
+            .bounded(self.store.commit(storage_key, &lock.token, &stored, ttl))
             .await
         {
             Ok(true) => tracing::debug!(key = storage_key.as_str(), "idempotency: committed"),
-            Ok(false) => tracing::warn!(
-                key = storage_key.as_str(),
-                "idempotency: lease lost before commit; response sent but not stored"
-            ),
+            Ok(false) => lock.report_lost(NoticedBy::Commit),
             Err(error) => {
                 tracing::warn!(
-                    key = storage_key.as_str(),
                     %error,
-                    "idempotency: commit failed; response sent, commit retried in the background"
+                    "idempotency: commit failed; response sent, key kept locked and commit retried in the background"
                 );
-                let store = Rc::clone(&self.store);
-                let (key, token) = (storage_key.clone(), token.clone());
-                self.retry_in_background(lock.lease.get(), Until::Answered, move || {
-                    let (store, key, token, stored) = (
-                        Rc::clone(&store),
-                        key.clone(),
-                        token.clone(),
-                        stored.clone(),
-                    );
-                    async move { store.commit(&key, &token, &stored, ttl).await }
-                });
+                actix_rt::spawn(keep_committing(Rc::clone(lock), stored, ttl));
             }
         }
     }
 
-    /// Retries `operation` with backoff (50 ms doubling to 1 s) until it is done as `until`
-    /// says or `lease` has passed: after that the record it concerns has expired by itself.
-    fn retry_in_background<F, Fut>(&self, lease: Duration, until: Until, operation: F)
+    /// Retries `operation` with backoff (50 ms doubling to 1 s) until it answers `true` or
+    /// `lease` has passed: after that the record it concerns has expired by itself. (Releasing
+    /// a `begin` that timed out: `false` only means it has not landed yet.)
+    fn retry_in_background<F, Fut>(&self, lease: Duration, operation: F)
     where
         F: Fn() -> Fut + 'static,
         Fut: Future<Output = Result<bool, StoreError>> + 'static,
@@ -579,11 +571,11 @@ impl Engine {
             while Instant::now() + pause < deadline {
                 actix_rt::time::sleep(pause).await;
                 match within(timeout, operation()).await {
-                    Ok(done) if done || until == Until::Answered => {
-                        tracing::info!(done, "idempotency: background store operation answered");
+                    Ok(true) => {
+                        tracing::info!("idempotency: background release answered");
                         return;
                     }
-                    Ok(_) => answered = true,
+                    Ok(false) => answered = true,
                     Err(_) => {}
                 }
                 pause = (pause * 2).min(Duration::from_secs(1));
@@ -603,16 +595,6 @@ impl Engine {
             tracing::error!(key = storage_key.as_str(), %error, "idempotency: release failed; the key frees itself when its lease expires");
         }
     }
-}
-
-/// When a background store operation is done.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Until {
-    /// When the store answers at all (a commit: `false` means the lease was lost).
-    Answered,
-    /// When it answers `true` (releasing a `begin` that timed out: `false` only means it has
-    /// not landed yet).
-    Succeeded,
 }
 
 /// What became of a request whose lock was acquired.
@@ -662,10 +644,7 @@ async fn keep_renewing(lock: &HeldLock) {
         match lock.renew().await {
             Ok(true) => {}
             Ok(false) => {
-                tracing::warn!(
-                    key = lock.storage_key.as_str(),
-                    "idempotency: lease lost while the handler ran"
-                );
+                lock.report_lost(NoticedBy::Renewal);
                 return;
             }
             Err(error) => {
@@ -673,6 +652,59 @@ async fn keep_renewing(lock: &HeldLock) {
             }
         }
     }
+}
+
+/// Retries the commit of `stored` after it failed (Redis out of memory, unreachable, slow),
+/// renewing the lease meanwhile so that the key stays locked: retries get 409, never a
+/// second run of a handler whose response went out. Backoff 50 ms doubling to 1 s (at most a
+/// third of the lease, so renewals stay on time).
+///
+/// Bounded by `ttl`, how long the record was wanted: had the commit landed, it would have
+/// expired by then and a retry would have run the handler again anyway. Stops at the first
+/// answer: committed, or "not held" (the record was lost: reported).
+async fn keep_committing(lock: Rc<HeldLock>, stored: StoredResponse, ttl: Duration) {
+    let deadline = Instant::now() + ttl;
+    let mut pause = Duration::from_millis(50);
+    // Renewal stops at the first "not held": the commit then tells whether the record was
+    // lost or already completed by this token (a commit that timed out but landed).
+    let mut renewing = true;
+    let mut attempts = 0_u32;
+    while Instant::now() + pause < deadline {
+        actix_rt::time::sleep(pause).await;
+        if renewing && lock.renewed_at.get().elapsed() >= lock.lease.get() / 3 {
+            match lock.renew().await {
+                Ok(true) => {}
+                Ok(false) => renewing = false,
+                Err(error) => {
+                    tracing::warn!(%error, "idempotency: lease renewal failed while the commit is retried")
+                }
+            }
+        }
+        attempts += 1;
+        let commit = lock
+            .store
+            .commit(&lock.storage_key, &lock.token, &stored, ttl);
+        match within(lock.store_timeout, commit).await {
+            Ok(true) => {
+                tracing::info!(attempts, "idempotency: background commit landed");
+                return;
+            }
+            Ok(false) => {
+                lock.report_lost(NoticedBy::Commit);
+                return;
+            }
+            Err(error) => {
+                tracing::debug!(%error, attempts, "idempotency: background commit failed; retrying")
+            }
+        }
+        pause = (pause * 2)
+            .min(Duration::from_secs(1))
+            .min(lock.lease.get() / 3);
+    }
+    tracing::error!(
+        attempts,
+        "idempotency: commit kept failing for the record's whole ttl; the key is released when its lease expires"
+    );
 }
 
 /// A background task that stops when this is dropped.
@@ -688,6 +720,13 @@ impl Drop for AbortOnDrop {
 const RENEWAL_TICK: Duration = Duration::from_millis(100);
 
 impl HeldLock {
+    /// Reports the loss of this lock's record, once however many steps notice it.
+    fn report_lost(&self, noticed_by: NoticedBy) {
+        if !self.lost_reported.replace(true) {
+            lost_record::report(&self.storage_key, noticed_by);
+        }
+    }
+
     /// Extends the lease to its current length, bounded by the store timeout.
     pub(crate) async fn renew(&self) -> Result<bool, StoreError> {
         let renewal = self

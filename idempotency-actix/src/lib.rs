@@ -161,6 +161,7 @@ mod engine;
 mod error;
 mod fingerprint;
 mod key;
+mod lost_record;
 mod middleware;
 mod policy;
 mod record;

@@ -11,6 +11,7 @@ mod record;
 use std::time::Duration;
 
 use bb8_redis::RedisConnectionManager;
+use redis::Value;
 
 use self::connection::SharedConnection;
 use super::{BeginOutcome, IdempotencyStore, LeaseToken, StoreError};
@@ -36,7 +37,7 @@ pub type RedisPool = bb8::Pool<RedisConnectionManager>;
 /// Round trips: a new key costs two, a replay one, an unprotected request none. `begin` is
 /// one plain `SET key record NX PX lease GET`; `commit`, `renew` and `release` are each one
 /// `FCALL` of a short Lua function fenced by the lease token (the library
-/// `idempotency_actix_2` is loaded by the store with `FUNCTION LOAD` when a server does not
+/// `idempotency_actix_2_r2` is loaded by the store with `FUNCTION LOAD` when a server does not
 /// have it yet).
 ///
 /// Connections: the store opens one multiplexed connection with the pool's connection
@@ -131,7 +132,18 @@ impl IdempotencyStore for RedisStore {
         lease: Duration,
     ) -> Result<(BeginOutcome, Option<Duration>), StoreError> {
         let request = protocol::begin(key, fingerprint, token, lease);
-        let reply = self.connection.send(&request).await?;
+        let reply = match self.connection.send(&request).await {
+            // A full Redis (`noeviction`) refuses `SET` even where `NX` would write nothing:
+            // read the record instead, so a key in flight still answers 409 and a completed
+            // one replays; only a new key is refused (503 when failing closed).
+            Err(error) if protocol::is_out_of_memory(&error) => {
+                match self.connection.send(&protocol::read(key)).await? {
+                    Value::Nil => return Err(error),
+                    record => record,
+                }
+            }
+            reply => reply?,
+        };
         protocol::begin_outcome(reply, fingerprint, token)
     }
 
