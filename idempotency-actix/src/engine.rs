@@ -207,27 +207,32 @@ impl Engine {
         let body_len = body.len();
         req.set_payload(Payload::from(body));
 
-        let token = LeaseToken::generate();
+        // This future is dropped if the client goes away; a `begin` dropped on the way may
+        // still land, so the guard releases it then, as after a timeout.
+        let pending = PendingBegin {
+            engine: Rc::clone(&self),
+            lease: policy.lease,
+            storage_key,
+            token: LeaseToken::generate(),
+            armed: Cell::new(true),
+        };
+        let (storage_key, token) = (&pending.storage_key, &pending.token);
         let (begun, transaction) = self
-            .begin_or_claim_transaction(&storage_key, &fingerprint, &token, &policy)
+            .begin_or_claim_transaction(storage_key, &fingerprint, token, &policy)
             .await;
+        pending.armed.set(false);
         if begun.is_err() {
             // A `begin` that timed out may still land, even after a first release found
             // nothing; release (compare-and-delete on our token) until one removes it or a
             // lease has passed, so the key is not blocked for a whole lease.
-            let store = Rc::clone(&self.store);
-            let (key, token) = (storage_key.clone(), token.clone());
-            self.retry_in_background(policy.lease, move || {
-                let (store, key, token) = (Rc::clone(&store), key.clone(), token.clone());
-                async move { store.release(&key, &token).await }
-            });
+            self.release_in_background(policy.lease, storage_key.clone(), token.clone());
         }
         match begun {
             Ok(BeginOutcome::Acquired) => {
                 tracing::debug!(key = storage_key.as_str(), "idempotency: executing");
                 let lock = Rc::new(HeldLock {
-                    storage_key,
-                    token,
+                    storage_key: storage_key.clone(),
+                    token: token.clone(),
                     body_len,
                     lease: Cell::new(policy.lease),
                     renewed_at: Cell::new(Instant::now()),
@@ -236,15 +241,26 @@ impl Engine {
                     store: Rc::clone(&self.store),
                     store_timeout: self.settings.store_timeout,
                 });
-                #[cfg(feature = "postgres")]
-                if let Some(transaction) = transaction {
-                    return self
-                        .run_and_commit_transaction(policy, lock, transaction, req, service)
-                        .await;
-                }
-                #[cfg(not(feature = "postgres"))]
-                let _ = transaction; // never one without the feature
-                self.run_and_commit(policy, lock, req, service, slot).await
+                // On a task of its own: the handler runs to completion and its response is
+                // committed even when the client disconnects and Actix drops this future.
+                let engine = Rc::clone(&self);
+                let run = actix_rt::spawn(async move {
+                    #[cfg(feature = "postgres")]
+                    if let Some(transaction) = transaction {
+                        return engine
+                            .run_and_commit_transaction(policy, lock, transaction, req, service)
+                            .await;
+                    }
+                    #[cfg(not(feature = "postgres"))]
+                    let _ = transaction; // never one without the feature
+                    engine
+                        .run_and_commit(policy, lock, req, service, slot)
+                        .await
+                });
+                run.await.map_err(|error| {
+                    tracing::error!(%error, "idempotency: request task failed");
+                    actix_web::error::ErrorInternalServerError("request processing failed")
+                })?
             }
             Ok(BeginOutcome::Completed(stored)) => {
                 tracing::debug!(key = storage_key.as_str(), "idempotency: replayed");
@@ -555,14 +571,16 @@ impl Engine {
         }
     }
 
-    /// Retries `operation` with backoff (50 ms doubling to 1 s) until it answers `true` or
-    /// `lease` has passed: after that the record it concerns has expired by itself. (Releasing
-    /// a `begin` that timed out: `false` only means it has not landed yet.)
-    fn retry_in_background<F, Fut>(&self, lease: Duration, operation: F)
-    where
-        F: Fn() -> Fut + 'static,
-        Fut: Future<Output = Result<bool, StoreError>> + 'static,
-    {
+    /// Releases the claim of `token` on `key` in the background, retried with backoff (50 ms
+    /// doubling to 1 s) until it answers `true` or `lease` has passed: after that the record
+    /// has expired by itself. For a `begin` that timed out or was dropped: `false` only means
+    /// it has not landed yet.
+    fn release_in_background(&self, lease: Duration, key: StorageKey, token: LeaseToken) {
+        let store = Rc::clone(&self.store);
+        let operation = move || {
+            let (store, key, token) = (Rc::clone(&store), key.clone(), token.clone());
+            async move { store.release(&key, &token).await }
+        };
         let timeout = self.settings.store_timeout;
         let deadline = Instant::now() + lease;
         actix_rt::spawn(async move {
@@ -593,6 +611,29 @@ impl Engine {
     async fn release(&self, storage_key: &StorageKey, token: &LeaseToken) {
         if let Err(error) = self.bounded(self.store.release(storage_key, token)).await {
             tracing::error!(key = storage_key.as_str(), %error, "idempotency: release failed; the key frees itself when its lease expires");
+        }
+    }
+}
+
+/// A `begin` under way in a request's future, which Actix drops if the client goes away: the
+/// `begin` may still land then, so dropping the guard while it is armed releases the claim
+/// in the background (as after a timeout), and the key is not blocked for a lease with no
+/// handler running.
+struct PendingBegin {
+    engine: Rc<Engine>,
+    lease: Duration,
+    storage_key: StorageKey,
+    token: LeaseToken,
+    /// Cleared once `begin` has answered (or failed): the request takes it from there.
+    armed: Cell<bool>,
+}
+
+impl Drop for PendingBegin {
+    fn drop(&mut self) {
+        if self.armed.get() {
+            tracing::debug!("idempotency: client gone during begin; releasing in the background");
+            let (key, token) = (self.storage_key.clone(), self.token.clone());
+            self.engine.release_in_background(self.lease, key, token);
         }
     }
 }
