@@ -25,6 +25,7 @@ use crate::error::IdempotencyError;
 use crate::fingerprint::{Fingerprint, FingerprintParts};
 use crate::instrument::{self, LockHeld, Outcome, RequestRecord, StoreOperation, StoreTimer};
 use crate::key::IdempotencyKey;
+use crate::lost_record::{self, NoticedBy};
 use crate::policy::{IdempotencyPolicy, Policy};
 use crate::record::StoredResponse;
 use crate::replay::{ReplayedHeaders, replay_response};
@@ -132,6 +133,8 @@ pub(crate) struct HeldLock {
     pub(crate) lease: Cell<Duration>,
     pub(crate) renewed_at: Cell<Instant>,
     pub(crate) route_policy: RefCell<Option<IdempotencyPolicy>>,
+    /// Whether the loss of this lock's record has been reported (once per request).
+    lost_reported: Cell<bool>,
     store: Rc<dyn DynStore>,
     store_timeout: Duration,
 }
@@ -231,25 +234,25 @@ impl Engine {
         let body_len = body.len();
         req.set_payload(Payload::from(body));
 
-        let token = LeaseToken::generate();
+        // This future is dropped if the client goes away; a `begin` dropped on the way may
+        // still land, so the guard releases it then, as after a timeout.
+        let pending = PendingBegin {
+            engine: Rc::clone(&self),
+            lease: policy.lease,
+            storage_key,
+            token: LeaseToken::generate(),
+            armed: Cell::new(true),
+        };
+        let (storage_key, token) = (&pending.storage_key, &pending.token);
         let (begun, transaction) = self
-            .begin_or_claim_transaction(&storage_key, &fingerprint, &token, &policy)
+            .begin_or_claim_transaction(storage_key, &fingerprint, token, &policy)
             .await;
+        pending.armed.set(false);
         if begun.is_err() {
             // A `begin` that timed out may still land, even after a first release found
             // nothing; release (compare-and-delete on our token) until one removes it or a
             // lease has passed, so the key is not blocked for a whole lease.
-            let store = Rc::clone(&self.store);
-            let (key, token) = (storage_key.clone(), token.clone());
-            self.retry_in_background(
-                StoreOperation::Release,
-                policy.lease,
-                Until::Succeeded,
-                move || {
-                    let (store, key, token) = (Rc::clone(&store), key.clone(), token.clone());
-                    async move { store.release(&key, &token).await }
-                },
-            );
+            self.release_in_background(policy.lease, storage_key.clone(), token.clone());
         }
         match begun {
             Ok(BeginOutcome::Acquired) => {
@@ -257,24 +260,36 @@ impl Engine {
                 instrument::decided(&req.extensions(), Outcome::Executed);
                 let _in_flight = LockHeld::enter(&req.extensions());
                 let lock = Rc::new(HeldLock {
-                    storage_key,
-                    token,
+                    storage_key: storage_key.clone(),
+                    token: token.clone(),
                     body_len,
                     lease: Cell::new(policy.lease),
                     renewed_at: Cell::new(Instant::now()),
                     route_policy: RefCell::new(None),
+                    lost_reported: Cell::new(false),
                     store: Rc::clone(&self.store),
                     store_timeout: self.settings.store_timeout,
                 });
-                #[cfg(feature = "postgres")]
-                if let Some(transaction) = transaction {
-                    return self
-                        .run_and_commit_transaction(policy, lock, transaction, req, service)
-                        .await;
-                }
-                #[cfg(not(feature = "postgres"))]
-                let _ = transaction; // never one without the feature
-                self.run_and_commit(policy, lock, req, service, slot).await
+                // On a task of its own: the handler runs to completion and its response is
+                // committed even when the client disconnects and Actix drops this future.
+                let engine = Rc::clone(&self);
+                let run = actix_rt::spawn(async move {
+                    #[cfg(feature = "postgres")]
+                    if let Some(transaction) = transaction {
+                        return engine
+                            .run_and_commit_transaction(policy, lock, transaction, req, service)
+                            .await;
+                    }
+                    #[cfg(not(feature = "postgres"))]
+                    let _ = transaction; // never one without the feature
+                    engine
+                        .run_and_commit(policy, lock, req, service, slot)
+                        .await
+                });
+                run.await.map_err(|error| {
+                    tracing::error!(%error, "idempotency: request task failed");
+                    actix_web::error::ErrorInternalServerError("request processing failed")
+                })?
             }
             Ok(BeginOutcome::Completed(stored)) => {
                 tracing::debug!(key = storage_key.as_str(), "idempotency: replayed");
@@ -568,61 +583,40 @@ impl Engine {
         }
     }
 
-    /// Commits `stored`; if the store fails, retries in the background (the response goes
-    /// out meanwhile, never held back or lost).
-    async fn commit(&self, lock: &HeldLock, stored: StoredResponse, ttl: Duration) {
-        let (storage_key, token) = (&lock.storage_key, &lock.token);
+    /// Commits `stored`; if the store fails, the response goes out meanwhile (never held
+    /// back or lost) and the commit is retried in the background under a renewed lease, so
+    /// the key stays locked (409) rather than free for a second run; see [`keep_committing`].
+    async fn commit(&self, lock: &Rc<HeldLock>, stored: StoredResponse, ttl: Duration) {
+        let storage_key = &lock.storage_key;
         match self
             .bounded(
                 StoreOperation::Commit,
-                self.store.commit(storage_key, token, &stored, ttl),
+                self.store.commit(storage_key, &lock.token, &stored, ttl),
             )
             .await
         {
             Ok(true) => tracing::debug!(key = storage_key.as_str(), "idempotency: committed"),
-            Ok(false) => tracing::warn!(
-                key = storage_key.as_str(),
-                "idempotency: lease lost before commit; response sent but not stored"
-            ),
+            Ok(false) => lock.report_lost(NoticedBy::Commit),
             Err(error) => {
                 tracing::warn!(
-                    key = storage_key.as_str(),
                     %error,
-                    "idempotency: commit failed; response sent, commit retried in the background"
+                    "idempotency: commit failed; response sent, key kept locked and commit retried in the background"
                 );
-                let store = Rc::clone(&self.store);
-                let (key, token) = (storage_key.clone(), token.clone());
-                self.retry_in_background(
-                    StoreOperation::Commit,
-                    lock.lease.get(),
-                    Until::Answered,
-                    move || {
-                        let (store, key, token, stored) = (
-                            Rc::clone(&store),
-                            key.clone(),
-                            token.clone(),
-                            stored.clone(),
-                        );
-                        async move { store.commit(&key, &token, &stored, ttl).await }
-                    },
-                );
+                actix_rt::spawn(keep_committing(Rc::clone(lock), stored, ttl));
             }
         }
     }
 
-    /// Retries `operation` (a store operation of `kind`) with backoff (50 ms doubling to
-    /// 1 s) until it is done as `until` says or `lease` has passed: after that the record it
-    /// concerns has expired by itself.
-    fn retry_in_background<F, Fut>(
-        &self,
-        kind: StoreOperation,
-        lease: Duration,
-        until: Until,
-        operation: F,
-    ) where
-        F: Fn() -> Fut + 'static,
-        Fut: Future<Output = Result<bool, StoreError>> + 'static,
-    {
+    /// Releases the claim of `token` on `key` in the background, retried with backoff (50 ms
+    /// doubling to 1 s) until it answers `true` or `lease` has passed: after that the record
+    /// has expired by itself. For a `begin` that timed out or was dropped: `false` only means
+    /// it has not landed yet.
+    fn release_in_background(&self, lease: Duration, key: StorageKey, token: LeaseToken) {
+        let store = Rc::clone(&self.store);
+        let operation = move || {
+            let (store, key, token) = (Rc::clone(&store), key.clone(), token.clone());
+            async move { store.release(&key, &token).await }
+        };
         let timeout = self.settings.store_timeout;
         let deadline = Instant::now() + lease;
         actix_rt::spawn(async move {
@@ -630,13 +624,13 @@ impl Engine {
             let mut answered = false;
             while Instant::now() + pause < deadline {
                 actix_rt::time::sleep(pause).await;
-                instrument::background_retry(kind);
-                match within(kind, timeout, operation()).await {
-                    Ok(done) if done || until == Until::Answered => {
-                        tracing::info!(done, "idempotency: background store operation answered");
+                instrument::background_retry(StoreOperation::Release);
+                match within(StoreOperation::Release, timeout, operation()).await {
+                    Ok(true) => {
+                        tracing::info!("idempotency: background release answered");
                         return;
                     }
-                    Ok(_) => answered = true,
+                    Ok(false) => answered = true,
                     Err(_) => {}
                 }
                 pause = (pause * 2).min(Duration::from_secs(1));
@@ -662,14 +656,27 @@ impl Engine {
     }
 }
 
-/// When a background store operation is done.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Until {
-    /// When the store answers at all (a commit: `false` means the lease was lost).
-    Answered,
-    /// When it answers `true` (releasing a `begin` that timed out: `false` only means it has
-    /// not landed yet).
-    Succeeded,
+/// A `begin` under way in a request's future, which Actix drops if the client goes away: the
+/// `begin` may still land then, so dropping the guard while it is armed releases the claim
+/// in the background (as after a timeout), and the key is not blocked for a lease with no
+/// handler running.
+struct PendingBegin {
+    engine: Rc<Engine>,
+    lease: Duration,
+    storage_key: StorageKey,
+    token: LeaseToken,
+    /// Cleared once `begin` has answered (or failed): the request takes it from there.
+    armed: Cell<bool>,
+}
+
+impl Drop for PendingBegin {
+    fn drop(&mut self) {
+        if self.armed.get() {
+            tracing::debug!("idempotency: client gone during begin; releasing in the background");
+            let (key, token) = (self.storage_key.clone(), self.token.clone());
+            self.engine.release_in_background(self.lease, key, token);
+        }
+    }
 }
 
 /// What became of a request whose lock was acquired.
@@ -719,10 +726,7 @@ async fn keep_renewing(lock: &HeldLock) {
         match lock.renew().await {
             Ok(true) => {}
             Ok(false) => {
-                tracing::warn!(
-                    key = lock.storage_key.as_str(),
-                    "idempotency: lease lost while the handler ran"
-                );
+                lock.report_lost(NoticedBy::Renewal);
                 return;
             }
             Err(error) => {
@@ -730,6 +734,60 @@ async fn keep_renewing(lock: &HeldLock) {
             }
         }
     }
+}
+
+/// Retries the commit of `stored` after it failed (Redis out of memory, unreachable, slow),
+/// renewing the lease meanwhile so that the key stays locked: retries get 409, never a
+/// second run of a handler whose response went out. Backoff 50 ms doubling to 1 s (at most a
+/// third of the lease, so renewals stay on time).
+///
+/// Bounded by `ttl`, how long the record was wanted: had the commit landed, it would have
+/// expired by then and a retry would have run the handler again anyway. Stops at the first
+/// answer: committed, or "not held" (the record was lost: reported).
+async fn keep_committing(lock: Rc<HeldLock>, stored: StoredResponse, ttl: Duration) {
+    let deadline = Instant::now() + ttl;
+    let mut pause = Duration::from_millis(50);
+    // Renewal stops at the first "not held": the commit then tells whether the record was
+    // lost or already completed by this token (a commit that timed out but landed).
+    let mut renewing = true;
+    let mut attempts = 0_u32;
+    while Instant::now() + pause < deadline {
+        actix_rt::time::sleep(pause).await;
+        if renewing && lock.renewed_at.get().elapsed() >= lock.lease.get() / 3 {
+            match lock.renew().await {
+                Ok(true) => {}
+                Ok(false) => renewing = false,
+                Err(error) => {
+                    tracing::warn!(%error, "idempotency: lease renewal failed while the commit is retried")
+                }
+            }
+        }
+        attempts += 1;
+        instrument::background_retry(StoreOperation::Commit);
+        let commit = lock
+            .store
+            .commit(&lock.storage_key, &lock.token, &stored, ttl);
+        match within(StoreOperation::Commit, lock.store_timeout, commit).await {
+            Ok(true) => {
+                tracing::info!(attempts, "idempotency: background commit landed");
+                return;
+            }
+            Ok(false) => {
+                lock.report_lost(NoticedBy::Commit);
+                return;
+            }
+            Err(error) => {
+                tracing::debug!(%error, attempts, "idempotency: background commit failed; retrying")
+            }
+        }
+        pause = (pause * 2)
+            .min(Duration::from_secs(1))
+            .min(lock.lease.get() / 3);
+    }
+    tracing::error!(
+        attempts,
+        "idempotency: commit kept failing for the record's whole ttl; the key is released when its lease expires"
+    );
 }
 
 /// A background task that stops when this is dropped.
@@ -745,6 +803,13 @@ impl Drop for AbortOnDrop {
 const RENEWAL_TICK: Duration = Duration::from_millis(100);
 
 impl HeldLock {
+    /// Reports the loss of this lock's record, once however many steps notice it.
+    fn report_lost(&self, noticed_by: NoticedBy) {
+        if !self.lost_reported.replace(true) {
+            lost_record::report(&self.storage_key, noticed_by);
+        }
+    }
+
     /// Extends the lease to its current length, bounded by the store timeout.
     pub(crate) async fn renew(&self) -> Result<bool, StoreError> {
         let renewal = self

@@ -207,6 +207,7 @@ mod fingerprint;
 mod inspect;
 mod instrument;
 mod key;
+mod lost_record;
 mod middleware;
 #[cfg(feature = "utoipa")]
 mod openapi;

@@ -270,3 +270,52 @@ async fn each_protected_request_has_a_span_with_route_outcome_and_status() {
         "the key value leaked into the log"
     );
 }
+
+#[actix_web::test]
+async fn a_lost_in_flight_record_is_an_error_without_the_key() {
+    log();
+    let redis = idempotency_actix_tests::PrivateRedis::start().await;
+    let pool = RedisStore::pool(&redis.url()).unwrap();
+    let server = idempotency_actix_tests::FloodServer::start(
+        move || {
+            Idempotency::redis(pool.clone())
+                .scope(KeyScope::global())
+                .policy(
+                    idempotency_actix::IdempotencyPolicy::default()
+                        .lease(std::time::Duration::from_secs(1)),
+                )
+        },
+        64,
+    );
+    let secret = "customer-4711-lost-record";
+    let first = server.start_slow(secret).await.unwrap();
+    // As an eviction would: the in-flight record vanishes while its handler runs.
+    let _: () = redis::cmd("FLUSHALL")
+        .query_async(&mut redis.connection().await)
+        .await
+        .unwrap();
+    let mut line = None;
+    for _ in 0..500 {
+        line = logged()
+            .lines()
+            .find(|line| line.contains("in-flight record lost"))
+            .map(str::to_owned);
+        if line.is_some() {
+            break;
+        }
+        actix_rt::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let line = line.expect("the renewal noticed the lost record within 10 s");
+    server.gate.open();
+    assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+    assert!(line.contains("ERROR"), "{line}");
+    assert!(line.contains(r#"noticed_by="renewal""#), "{line}");
+    assert!(
+        !line.contains("key="),
+        "no storage key at error level: {line}"
+    );
+    assert!(
+        !logged().contains(secret),
+        "the key value leaked into the log"
+    );
+}

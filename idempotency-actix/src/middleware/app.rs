@@ -304,6 +304,23 @@ impl Idempotency {
         self.settings.replay_cache = Some(cache);
         self
     }
+
+    /// How many in-flight records this process has lost since it started: requests whose
+    /// handler ran while their record vanished from the store (a renewal or the commit
+    /// answered "not held", most likely because Redis evicted the record under memory
+    /// pressure). Each is also logged as an error; a retry of such a request may run its
+    /// handler again. Counted for the whole process, every app and worker included.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::Idempotency;
+    ///
+    /// assert_eq!(Idempotency::lost_records(), 0);
+    /// ```
+    pub fn lost_records() -> u64 {
+        crate::lost_record::total()
+    }
 }
 
 impl std::fmt::Debug for Idempotency {

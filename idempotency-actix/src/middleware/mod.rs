@@ -79,9 +79,11 @@ where
     IdempotencyFuture::processing(Box::pin(async move { Ok(response) }))
 }
 
-/// Processes `req` on its own task, so the handler runs to completion and commits even when
-/// the client disconnects and Actix drops the response future. A keyed request takes a slot
-/// of the worker's workload first, or is refused with 503 when a cap is reached.
+/// Processes `req`. A keyed request takes a slot of the worker's workload first, or is
+/// refused with 503 when a cap is reached. Only the handler's run under a lock and its
+/// commit go on a task of their own (spawned by the engine), so that they complete even
+/// when the client disconnects and Actix drops this future; a keyless request, a replay or a
+/// refusal costs no task.
 fn process<S, B>(
     engine: Rc<Engine>,
     policy: Policy,
@@ -104,13 +106,9 @@ where
         None
     };
     let client = ClientAttached::new(slot.clone());
-    let task = actix_rt::spawn(engine.process(policy, req, service, slot));
     IdempotencyFuture::processing(Box::pin(async move {
-        let answered = task.await;
+        let answered = engine.process(policy, req, service, slot).await;
         client.finish();
-        answered.map_err(|error| {
-            tracing::error!(%error, "idempotency: request task failed");
-            actix_web::error::ErrorInternalServerError("request processing failed")
-        })?
+        answered
     }))
 }

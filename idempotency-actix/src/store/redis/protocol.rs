@@ -70,19 +70,25 @@ impl Request {
 ///
 /// Functions rather than `EVALSHA` scripts: the same Lua costs about 1 µs less per call
 /// inside Redis (measured with `INFO commandstats`), and a function stays loaded across a
-/// `SCRIPT FLUSH`. The name carries the record format, so versions of this crate with
-/// another format load their own library next to this one.
+/// `SCRIPT FLUSH`. The name carries the record format and the library's revision (`r2`:
+/// renew and release flagged `allow-oom`), so versions of this crate with another format or
+/// revision load their own library next to this one.
+///
+/// Under `maxmemory` Redis refuses a function that may grow memory once it is full; renew
+/// (`PEXPIRE`) and release (`DEL`) never do, so they are flagged `allow-oom` and keep working:
+/// a request whose commit is refused keeps its key locked by renewing it until memory frees.
+/// Commit grows memory and is left unflagged (refused when full, retried by the engine).
 ///
 /// Lua strings are 1-based: the token field (length byte, then the token) starts at byte
 /// `TOKEN_OFFSET + 1` = 35 and the state is byte 2 (`i` = 105, `c` = 99). Each function
 /// reads only the header with `GETRANGE` (`""` for a missing key), never the stored body.
-pub(crate) const LIBRARY: &str = r"#!lua name=idempotency_actix_2
+pub(crate) const LIBRARY: &str = r"#!lua name=idempotency_actix_2_r2
 
 local function header(key, token_field)
   return redis.call('GETRANGE', key, 0, 33 + #token_field)
 end
 
-redis.register_function('idempotency_actix_2_commit', function(keys, args)
+redis.register_function('idempotency_actix_2_r2_commit', function(keys, args)
   local head = header(keys[1], args[1])
   if string.sub(head, 35) ~= args[1] then return 0 end
   if string.byte(head, 2) == 99 then return 1 end
@@ -90,19 +96,27 @@ redis.register_function('idempotency_actix_2_commit', function(keys, args)
   return 1
 end)
 
-redis.register_function('idempotency_actix_2_renew', function(keys, args)
-  local head = header(keys[1], args[1])
-  if string.byte(head, 2) ~= 105 or string.sub(head, 35) ~= args[1] then return 0 end
-  redis.call('PEXPIRE', keys[1], args[2])
-  return 1
-end)
+redis.register_function{
+  function_name = 'idempotency_actix_2_r2_renew',
+  flags = {'allow-oom'},
+  callback = function(keys, args)
+    local head = header(keys[1], args[1])
+    if string.byte(head, 2) ~= 105 or string.sub(head, 35) ~= args[1] then return 0 end
+    redis.call('PEXPIRE', keys[1], args[2])
+    return 1
+  end,
+}
 
-redis.register_function('idempotency_actix_2_release', function(keys, args)
-  local head = header(keys[1], args[1])
-  if string.byte(head, 2) ~= 105 or string.sub(head, 35) ~= args[1] then return 0 end
-  redis.call('DEL', keys[1])
-  return 1
-end)
+redis.register_function{
+  function_name = 'idempotency_actix_2_r2_release',
+  flags = {'allow-oom'},
+  callback = function(keys, args)
+    local head = header(keys[1], args[1])
+    if string.byte(head, 2) ~= 105 or string.sub(head, 35) ~= args[1] then return 0 end
+    redis.call('DEL', keys[1])
+    return 1
+  end,
+}
 ";
 
 pub(crate) fn is_function_not_found(error: &redis::RedisError) -> bool {
@@ -149,6 +163,25 @@ pub(crate) fn begin(
     Request::Command(command)
 }
 
+/// `GET` of the record: what [`begin`] falls back to when Redis is out of memory. Its reply
+/// decodes with [`begin_outcome`] like `begin`'s (nil: no record).
+pub(crate) fn read(key: &StorageKey) -> Request {
+    let mut command = redis::cmd("GET");
+    command.arg(key.as_str());
+    Request::Command(command)
+}
+
+/// Whether Redis refused the command because it is at `maxmemory` (`OOM` error), as it
+/// refuses every write that may grow memory under `noeviction`.
+pub(crate) fn is_out_of_memory(error: &StoreError) -> bool {
+    match error {
+        StoreError::Unavailable(source) => source
+            .downcast_ref::<redis::RedisError>()
+            .is_some_and(|error| error.code() == Some("OOM")),
+        _ => false,
+    }
+}
+
 /// Decodes the reply to [`begin`]: the outcome and, for a completed record, how much longer
 /// it is kept.
 pub(crate) fn begin_outcome(
@@ -191,7 +224,7 @@ pub(crate) fn commit(
     response: &StoredResponse,
     ttl: Duration,
 ) -> Request {
-    let mut call = function("idempotency_actix_2_commit", key);
+    let mut call = function("idempotency_actix_2_r2_commit", key);
     call.arg(record::token_field(token))
         .arg(record::completion(response, ttl))
         .arg(record::millis(ttl));
@@ -200,7 +233,7 @@ pub(crate) fn commit(
 
 /// `renew`: extend the lease held by `token` to `lease` from now.
 pub(crate) fn renew(key: &StorageKey, token: &LeaseToken, lease: Duration) -> Request {
-    let mut call = function("idempotency_actix_2_renew", key);
+    let mut call = function("idempotency_actix_2_r2_renew", key);
     call.arg(record::token_field(token))
         .arg(record::millis(lease));
     Request::Function(call)
@@ -208,7 +241,7 @@ pub(crate) fn renew(key: &StorageKey, token: &LeaseToken, lease: Duration) -> Re
 
 /// `release`: delete the in-flight record held by `token`.
 pub(crate) fn release(key: &StorageKey, token: &LeaseToken) -> Request {
-    let mut call = function("idempotency_actix_2_release", key);
+    let mut call = function("idempotency_actix_2_r2_release", key);
     call.arg(record::token_field(token));
     Request::Function(call)
 }

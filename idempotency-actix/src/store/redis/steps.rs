@@ -38,7 +38,22 @@ impl<T: Transport> Steps<'_, T> {
             protocol::begin(key, fingerprint, token, lease),
             self.replication,
         );
-        let reply = self.transport.send(&exchange).await?;
+        let reply = match self.transport.send(&exchange).await {
+            // A full Redis (`noeviction`) refuses `SET` even where `NX` would write nothing:
+            // read the record instead, so a key in flight still answers 409 and a completed
+            // one replays; only a new key is refused (503 when failing closed).
+            Err(error) if protocol::is_out_of_memory(&error) => {
+                let read = self
+                    .transport
+                    .send(&Exchange::plain(protocol::read(key)))
+                    .await?;
+                if read.value == redis::Value::Nil {
+                    return Err(error);
+                }
+                read
+            }
+            reply => reply?,
+        };
         let found = protocol::begin_outcome(reply.value, fingerprint, token)?;
         // Only a lock this request holds must be on the replicas; a record found is
         // answered as it is.

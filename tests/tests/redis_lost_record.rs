@@ -1,0 +1,55 @@
+//! An in-flight record lost while its handler runs (issue 13 item 1), as Redis eviction
+//! under `allkeys-lru` would lose it, simulated on a private `redis-server` by deleting every
+//! key: the loss is counted (and logged as an error), and the first request, once its
+//! handler ends, does not commit over the request that took the key meanwhile.
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use actix_web::http::StatusCode;
+use idempotency_actix::{Idempotency, IdempotencyPolicy, RedisStore};
+use idempotency_actix_tests::{FloodServer, PrivateRedis};
+
+#[actix_web::test]
+async fn a_lost_record_is_counted_and_never_committed_over_its_new_holder() {
+    let redis = PrivateRedis::start().await;
+    let pool = RedisStore::pool(&redis.url()).unwrap();
+    let server = FloodServer::start(
+        move || {
+            Idempotency::redis(pool.clone())
+                .policy(IdempotencyPolicy::default().lease(Duration::from_secs(1)))
+        },
+        64,
+    );
+    let first = server.start_slow("evicted").await.unwrap();
+    let _: () = redis::cmd("FLUSHALL")
+        .query_async(&mut redis.connection().await)
+        .await
+        .unwrap();
+    // The record is gone, so a retry runs the handler again: the double run this incident is.
+    let second = server.start_slow("evicted").await.unwrap();
+    assert_eq!(server.slow_runs.get(), 2);
+
+    // The first request's next renewal finds the key held by the second.
+    for _ in 0..1_000 {
+        if Idempotency::lost_records() > 0 {
+            break;
+        }
+        actix_rt::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(Idempotency::lost_records(), 1);
+
+    server.gate.open();
+    let (first, second) = (first.await.unwrap(), second.await.unwrap());
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(second.status, StatusCode::CREATED);
+    assert_ne!(first.body, second.body);
+    let replay = server.post("/slow", "evicted").await;
+    assert!(replay.is_replay(), "{replay:?}");
+    assert_eq!(
+        replay.body, second.body,
+        "the second holder's record stands"
+    );
+    assert_eq!(Idempotency::lost_records(), 1, "counted once per request");
+}
