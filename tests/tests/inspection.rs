@@ -1,6 +1,6 @@
 //! Inspection (issue 11 item 4): look up and delete one record by (scope, key), on every
-//! store. Each test runs once per backend (memory, Redis, PostgreSQL), like the acceptance
-//! suite; the last one goes through a real app and shows what deleting a record does for the
+//! store. Each test runs once per backend (memory, Redis, PostgreSQL, Redis Cluster), like
+//! the acceptance suite; the last one goes through a real app and shows what deleting a record does for the
 //! next request. PostgreSQL-specific: a transactional route's claim, which lives inside its
 //! transaction, shows as in flight and cannot be deleted.
 
@@ -298,4 +298,10 @@ inspection_suite!(
 inspection_suite!(
     postgres,
     database => idempotency_actix_tests::TestDatabase::store
+);
+inspection_suite!(
+    redis_cluster,
+    idempotency_actix::RedisClusterStore::new(
+        idempotency_actix_tests::cluster::RedisCluster::shared().client()
+    )
 );
