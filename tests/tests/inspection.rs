@@ -1,7 +1,7 @@
 //! Inspection (issue 11 item 4): look up and delete one record by (scope, key), on every
 //! store. Each test runs once per backend (memory, Redis, PostgreSQL, Redis Cluster), like
-//! the acceptance suite; the last one goes through a real app and shows what deleting a record does for the
-//! next request. PostgreSQL-specific: a transactional route's claim, which lives inside its
+//! the acceptance suite; the last one goes through a real app and shows what deleting a record
+//! does for the next request. PostgreSQL-specific: a transactional route's claim, which lives inside its
 //! transaction, shows as in flight and cannot be deleted.
 
 #![allow(clippy::unwrap_used)]
