@@ -235,10 +235,11 @@ impl Engine {
         req.set_payload(Payload::from(body));
 
         // This future is dropped if the client goes away; a `begin` dropped on the way may
-        // still land, so the guard releases it then, as after a timeout.
+        // still land, so the guard abandons its token then, as after a timeout.
         let pending = PendingBegin {
             engine: Rc::clone(&self),
             lease: policy.lease,
+            remember_for: policy.ttl,
             storage_key,
             token: LeaseToken::generate(),
             armed: Cell::new(true),
@@ -249,10 +250,9 @@ impl Engine {
             .await;
         pending.armed.set(false);
         if begun.is_err() {
-            // A `begin` that timed out may still land, even after a first release found
-            // nothing; release (compare-and-delete on our token) until one removes it or a
-            // lease has passed, so the key is not blocked for a whole lease.
-            self.release_in_background(policy.lease, storage_key.clone(), token.clone());
+            // A `begin` that timed out may have landed or may still land: abandon the token,
+            // so that whatever the order the key is not blocked with no handler running.
+            self.abandon_in_background(&pending);
         }
         match begun {
             Ok(BeginOutcome::Acquired) => {
@@ -297,7 +297,9 @@ impl Engine {
                 let response = replay_response(stored);
                 Ok(req.into_response(response.map_body(|_, body| IdempotentBody::produced(body))))
             }
-            Ok(BeginOutcome::InFlight) => {
+            // Only a `begin` given up on meets its token abandoned, never one still awaited;
+            // were a store to answer it, nothing ran and the client may retry: a 409.
+            Ok(BeginOutcome::InFlight | BeginOutcome::Abandoned) => {
                 tracing::debug!(
                     key = storage_key.as_str(),
                     "idempotency: conflict, in flight"
@@ -607,18 +609,21 @@ impl Engine {
         }
     }
 
-    /// Releases the claim of `token` on `key` in the background, retried with backoff (50 ms
-    /// doubling to 1 s) until it answers `true` or `lease` has passed: after that the record
-    /// has expired by itself. For a `begin` that timed out or was dropped: `false` only means
-    /// it has not landed yet.
-    fn release_in_background(&self, lease: Duration, key: StorageKey, token: LeaseToken) {
+    /// Abandons the token of `pending` in the background (see
+    /// [`IdempotencyStore::abandon`](crate::IdempotencyStore::abandon)), retried with backoff
+    /// (50 ms doubling to 1 s) until it answers `true` or a lease has passed. `false` means
+    /// another record holds the key: the late `begin` could only land once it is gone, so
+    /// the abandon is tried again.
+    fn abandon_in_background(&self, pending: &PendingBegin) {
         let store = Rc::clone(&self.store);
+        let (key, token) = (pending.storage_key.clone(), pending.token.clone());
+        let remember_for = pending.remember_for;
         let operation = move || {
             let (store, key, token) = (Rc::clone(&store), key.clone(), token.clone());
-            async move { store.release(&key, &token).await }
+            async move { store.abandon(&key, &token, remember_for).await }
         };
         let timeout = self.settings.store_timeout;
-        let deadline = Instant::now() + lease;
+        let deadline = Instant::now() + pending.lease;
         actix_rt::spawn(async move {
             let mut pause = Duration::from_millis(50);
             let mut answered = false;
@@ -627,7 +632,7 @@ impl Engine {
                 instrument::background_retry(StoreOperation::Release);
                 match within(StoreOperation::Release, timeout, operation()).await {
                     Ok(true) => {
-                        tracing::info!("idempotency: background release answered");
+                        tracing::info!("idempotency: a begin that did not answer is abandoned");
                         return;
                     }
                     Ok(false) => answered = true,
@@ -636,7 +641,9 @@ impl Engine {
                 pause = (pause * 2).min(Duration::from_secs(1));
             }
             if answered {
-                tracing::debug!("idempotency: a timed-out begin never landed; nothing to release");
+                tracing::debug!(
+                    "idempotency: another record held the key while a begin that did not answer was abandoned"
+                );
             } else {
                 tracing::error!(
                     "idempotency: store unreachable for a whole lease; the record expires by itself"
@@ -657,12 +664,14 @@ impl Engine {
 }
 
 /// A `begin` under way in a request's future, which Actix drops if the client goes away: the
-/// `begin` may still land then, so dropping the guard while it is armed releases the claim
-/// in the background (as after a timeout), and the key is not blocked for a lease with no
-/// handler running.
+/// `begin` may still land then, so dropping the guard while it is armed abandons the token
+/// in the background (as after a timeout), and the key is not blocked with no handler
+/// running.
 struct PendingBegin {
     engine: Rc<Engine>,
     lease: Duration,
+    /// How long the store remembers the abandoned token: the route's ttl.
+    remember_for: Duration,
     storage_key: StorageKey,
     token: LeaseToken,
     /// Cleared once `begin` has answered (or failed): the request takes it from there.
@@ -672,9 +681,8 @@ struct PendingBegin {
 impl Drop for PendingBegin {
     fn drop(&mut self) {
         if self.armed.get() {
-            tracing::debug!("idempotency: client gone during begin; releasing in the background");
-            let (key, token) = (self.storage_key.clone(), self.token.clone());
-            self.engine.release_in_background(self.lease, key, token);
+            tracing::debug!("idempotency: client gone during begin; abandoning in the background");
+            self.engine.abandon_in_background(self);
         }
     }
 }

@@ -182,12 +182,14 @@
 //!   A stream that outgrows the stored-body limit completes its record then and stops
 //!   renewing its lease, so an endless stream holds nothing; one whose client left is read
 //!   on to its end (or the limit) and committed.
-//! * Every store operation is bounded by the store timeout (2 s). If `begin` times out, the
-//!   lock it may still create is released in the background (until a release removes it
-//!   or a lease has passed, so a `begin` that lands late still loses); if the commit fails, the
-//!   response is sent anyway and the commit is retried in the background for up to the
-//!   lease, while retries get 409. Only a store that stays down longer than the lease frees
-//!   the key for a second run.
+//! * Every store operation is bounded by the store timeout (2 s). If `begin` times out (or
+//!   its client goes away), its token is abandoned in the background
+//!   ([`IdempotencyStore::abandon`]): the store remembers it, so that `begin`, landing late
+//!   in whatever order, creates nothing. If the commit fails, the response is sent anyway
+//!   and the commit is retried in the background, the lease renewed meanwhile, until it
+//!   lands or the record's ttl has passed, while retries get 409: only a lost in-flight
+//!   record (evicted or deleted) frees the key for a second run, and it is logged and
+//!   counted ([`Idempotency::lost_records`]).
 //! * Each worker takes on at most [`DEFAULT_MAX_IN_FLIGHT`] keyed requests at once, at most
 //!   [`DEFAULT_MAX_DETACHED`] of them without their client ([`Idempotency::max_in_flight`],
 //!   [`Idempotency::max_detached`]); beyond that new keyed requests get 503 with

@@ -77,6 +77,58 @@ async fn a_table_of_its_own_name_is_created_and_used() {
 }
 
 #[actix_web::test]
+async fn a_table_of_the_previous_release_is_migrated_to_keep_abandoned_tokens() {
+    let database = TestDatabase::create().await;
+    // The table as 0.2 created it: only the states 'i' and 'c'.
+    database
+        .connection()
+        .await
+        .batch_execute(
+            "CREATE TABLE idempotency_records (
+                 key         text        PRIMARY KEY,
+                 fingerprint bytea       NOT NULL,
+                 token       text        NOT NULL,
+                 state       \"char\"      NOT NULL CHECK (state IN ('i', 'c')),
+                 version     smallint    NOT NULL,
+                 expires_at  timestamptz NOT NULL,
+                 response    bytea
+             )",
+        )
+        .await
+        .unwrap();
+    let store = database.store().await;
+    store.migrate().await.unwrap();
+    let late = LeaseToken::generate();
+    assert!(store.abandon(&key("k"), &late, LEASE).await.unwrap());
+    assert_eq!(
+        store
+            .begin(&key("k"), &print(), &late, LEASE)
+            .await
+            .unwrap(),
+        BeginOutcome::Abandoned
+    );
+    // Exactly one check on the state is left, and it still refuses what no version writes.
+    let refused = database
+        .connection()
+        .await
+        .batch_execute("INSERT INTO idempotency_records VALUES ('x', '', 't', 'z', 1, now(), NULL)")
+        .await;
+    assert!(refused.is_err(), "a state of no version was accepted");
+    let checks: i64 = database
+        .connection()
+        .await
+        .query_one(
+            "SELECT count(*) FROM pg_constraint
+             WHERE conrelid = 'idempotency_records'::regclass AND contype = 'c'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(checks, 1);
+}
+
+#[actix_web::test]
 async fn names_that_are_not_identifiers_never_reach_sql() {
     let database = TestDatabase::create().await;
     let pool = PostgresStore::pool(database.url()).unwrap();

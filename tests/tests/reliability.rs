@@ -568,15 +568,16 @@ async fn graceful_shutdown_lets_in_flight_requests_finish_and_commit() {
 }
 
 /// A store whose `begin`s land only once its gate is open, even when the caller gave up
-/// waiting: a `begin` that timed out and runs late, after the engine's first release.
+/// waiting: a `begin` that timed out and runs late, after the engine abandoned its token.
 #[derive(Clone)]
-struct LateBegins {
-    inner: idempotency_actix::MemoryStore,
+struct LateBegins<S> {
+    inner: S,
     gate: Gate,
-    releases: RunCounter,
+    abandons: RunCounter,
+    landed: RunCounter,
 }
 
-impl IdempotencyStore for LateBegins {
+impl<S: IdempotencyStore + Clone> IdempotencyStore for LateBegins<S> {
     async fn begin(
         &self,
         key: &StorageKey,
@@ -584,12 +585,14 @@ impl IdempotencyStore for LateBegins {
         token: &LeaseToken,
         lease: Duration,
     ) -> Result<BeginOutcome, StoreError> {
-        let (store, gate) = (self.inner.clone(), self.gate.clone());
+        let (store, gate, landed) = (self.inner.clone(), self.gate.clone(), self.landed.clone());
         let (key, fingerprint, token) = (key.clone(), *fingerprint, token.clone());
         // On a task of its own: it lands even if the caller stops waiting.
         actix_rt::spawn(async move {
             gate.wait().await;
-            store.begin(&key, &fingerprint, &token, lease).await
+            let begun = store.begin(&key, &fingerprint, &token, lease).await;
+            landed.record();
+            begun
         })
         .await
         .unwrap()
@@ -615,19 +618,34 @@ impl IdempotencyStore for LateBegins {
     }
 
     async fn release(&self, key: &StorageKey, token: &LeaseToken) -> Result<bool, StoreError> {
-        self.releases.record();
         self.inner.release(key, token).await
+    }
+
+    async fn abandon(
+        &self,
+        key: &StorageKey,
+        token: &LeaseToken,
+        remember_for: Duration,
+    ) -> Result<bool, StoreError> {
+        let abandoned = self.inner.abandon(key, token, remember_for).await;
+        self.abandons.record();
+        abandoned
     }
 }
 
-#[actix_web::test]
-async fn a_begin_that_lands_after_its_release_does_not_block_the_key() {
+/// A `begin` times out (503); the engine abandons its token; only then does the `begin`
+/// land. The retry that follows runs at once: never a 409, and the handler runs once.
+async fn a_begin_that_lands_after_it_was_abandoned_never_blocks_the_key(
+    inner: impl IdempotencyStore + Clone + Send,
+) {
     let runs = RunCounter::default();
     let store = LateBegins {
-        inner: idempotency_actix::MemoryStore::new(),
+        inner,
         gate: Gate::default(),
-        releases: RunCounter::default(),
+        abandons: RunCounter::default(),
+        landed: RunCounter::default(),
     };
+    let prefix = unique_prefix("late-begin");
     let server = {
         let (runs, store) = (runs.clone(), store.clone());
         actix_test::start(move || {
@@ -635,6 +653,7 @@ async fn a_begin_that_lands_after_its_release_does_not_block_the_key() {
                 .app_data(web::Data::new(runs.clone()))
                 .wrap(
                     Idempotency::new(store.clone())
+                        .key_prefix(&prefix)
                         .store_timeout(Duration::from_millis(200))
                         .scope(KeyScope::global()),
                 )
@@ -652,21 +671,36 @@ async fn a_begin_that_lands_after_its_release_does_not_block_the_key() {
 
     let timed_out = post(&client, &url, "late").await;
     assert_eq!(timed_out.status, StatusCode::SERVICE_UNAVAILABLE);
-    // The engine's first release finds nothing; only then does the `begin` land.
-    store.releases.wait_for(1).await;
+    // The engine abandons the token first; only then does the `begin` land.
+    store.abandons.wait_for(1).await;
     store.gate.open();
+    store.landed.wait_for(1).await;
 
-    // The late lock is released by the engine's next attempts: the retry runs well within
-    // the two-minute lease.
-    for _ in 0..100 {
-        let retry = post(&client, &url, "late").await;
-        if retry.status == StatusCode::CONFLICT {
-            actix_rt::time::sleep(Duration::from_millis(50)).await;
-            continue;
-        }
-        assert_eq!(retry.status, StatusCode::CREATED);
-        assert_eq!(runs.get(), 1);
-        return;
-    }
-    panic!("the late begin blocked the key");
+    let retry = post(&client, &url, "late").await;
+    assert_eq!(
+        retry.status,
+        StatusCode::CREATED,
+        "the late begin blocked the key"
+    );
+    assert_eq!(runs.get(), 1);
+    let replay = post(&client, &url, "late").await;
+    assert!(replay.replayed);
+    assert_eq!(replay.body, retry.body);
+    assert_eq!(runs.get(), 1);
+}
+
+#[actix_web::test]
+async fn a_begin_that_lands_after_it_was_abandoned_never_blocks_the_key_in_memory() {
+    a_begin_that_lands_after_it_was_abandoned_never_blocks_the_key(
+        idempotency_actix::MemoryStore::new(),
+    )
+    .await;
+}
+
+#[actix_web::test]
+async fn a_begin_that_lands_after_it_was_abandoned_never_blocks_the_key_on_redis() {
+    a_begin_that_lands_after_it_was_abandoned_never_blocks_the_key(RedisStore::new(
+        redis_pool().await,
+    ))
+    .await;
 }

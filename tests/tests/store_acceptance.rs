@@ -57,14 +57,22 @@ async fn acquire(
     }
 }
 
+/// What a new request (a fresh token) with `body` finds.
+async fn begin_new(
+    store: &impl IdempotencyStore,
+    key: &StorageKey,
+    body: &[u8],
+    lease: Duration,
+) -> BeginOutcome {
+    let token = LeaseToken::generate();
+    store.begin(key, &print(body), &token, lease).await.unwrap()
+}
+
 async fn a_new_key_is_acquired_once(store: impl IdempotencyStore, prefix: String) {
     let key = key(&prefix, "k");
     acquire(&store, &key, b"a", LEASE).await;
     assert_eq!(
-        store
-            .begin(&key, &print(b"a"), &LeaseToken::generate(), LEASE)
-            .await
-            .unwrap(),
+        begin_new(&store, &key, b"a", LEASE).await,
         BeginOutcome::InFlight
     );
 }
@@ -76,10 +84,7 @@ async fn another_fingerprint_is_a_mismatch_in_flight_and_completed(
     let key = key(&prefix, "k");
     let token = acquire(&store, &key, b"a", LEASE).await;
     assert_eq!(
-        store
-            .begin(&key, &print(b"b"), &LeaseToken::generate(), LEASE)
-            .await
-            .unwrap(),
+        begin_new(&store, &key, b"b", LEASE).await,
         BeginOutcome::FingerprintMismatch
     );
     assert!(
@@ -89,10 +94,7 @@ async fn another_fingerprint_is_a_mismatch_in_flight_and_completed(
             .unwrap()
     );
     assert_eq!(
-        store
-            .begin(&key, &print(b"b"), &LeaseToken::generate(), LEASE)
-            .await
-            .unwrap(),
+        begin_new(&store, &key, b"b", LEASE).await,
         BeginOutcome::FingerprintMismatch
     );
 }
@@ -108,10 +110,7 @@ async fn a_committed_response_is_replayed_exactly(store: impl IdempotencyStore, 
     );
     for _ in 0..3 {
         assert_eq!(
-            store
-                .begin(&key, &print(b"a"), &LeaseToken::generate(), LEASE)
-                .await
-                .unwrap(),
+            begin_new(&store, &key, b"a", LEASE).await,
             BeginOutcome::Completed(response(b"{\"id\":1}"))
         );
     }
@@ -127,10 +126,7 @@ async fn a_record_without_body_is_replayed_without_body(
     omitted.body = None;
     assert!(store.commit(&key, &token, &omitted, TTL).await.unwrap());
     assert_eq!(
-        store
-            .begin(&key, &print(b"a"), &LeaseToken::generate(), LEASE)
-            .await
-            .unwrap(),
+        begin_new(&store, &key, b"a", LEASE).await,
         BeginOutcome::Completed(omitted)
     );
 }
@@ -148,10 +144,7 @@ async fn begin_is_idempotent_for_its_token(store: impl IdempotencyStore, prefix:
     );
     // ...which another token cannot take.
     assert_eq!(
-        store
-            .begin(&key, &print(b"a"), &LeaseToken::generate(), LEASE)
-            .await
-            .unwrap(),
+        begin_new(&store, &key, b"a", LEASE).await,
         BeginOutcome::InFlight
     );
     assert!(store.release(&key, &token).await.unwrap());
@@ -178,10 +171,7 @@ async fn a_wrong_token_cannot_commit_renew_or_release(
     assert!(!store.renew(&key, &stranger, LEASE).await.unwrap());
     assert!(!store.release(&key, &stranger).await.unwrap());
     assert_eq!(
-        store
-            .begin(&key, &print(b"a"), &LeaseToken::generate(), LEASE)
-            .await
-            .unwrap(),
+        begin_new(&store, &key, b"a", LEASE).await,
         BeginOutcome::InFlight
     );
 }
@@ -225,10 +215,7 @@ async fn a_committed_record_cannot_be_released_renewed_or_overwritten(
     let stranger = LeaseToken::generate();
     assert!(!store.commit(&key, &stranger, &second, TTL).await.unwrap());
     assert_eq!(
-        store
-            .begin(&key, &print(b"a"), &LeaseToken::generate(), LEASE)
-            .await
-            .unwrap(),
+        begin_new(&store, &key, b"a", LEASE).await,
         BeginOutcome::Completed(response(b"first"))
     );
 }
@@ -252,10 +239,7 @@ async fn renewal_keeps_the_lease(store: impl IdempotencyStore, prefix: String) {
     }
     // 1.2 s after the start, one and a half leases: still held.
     assert_eq!(
-        store
-            .begin(&key, &print(b"a"), &LeaseToken::generate(), lease)
-            .await
-            .unwrap(),
+        begin_new(&store, &key, b"a", lease).await,
         BeginOutcome::InFlight
     );
 }
@@ -283,10 +267,7 @@ async fn a_lost_lease_cannot_overwrite_the_new_holder(
             .unwrap()
     );
     assert_eq!(
-        store
-            .begin(&key, &print(b"a"), &LeaseToken::generate(), LEASE)
-            .await
-            .unwrap(),
+        begin_new(&store, &key, b"a", LEASE).await,
         BeginOutcome::Completed(response(b"fast"))
     );
 }
@@ -301,10 +282,7 @@ async fn a_completed_record_expires_after_its_ttl(store: impl IdempotencyStore, 
             .unwrap()
     );
     assert!(matches!(
-        store
-            .begin(&key, &print(b"a"), &LeaseToken::generate(), LEASE)
-            .await
-            .unwrap(),
+        begin_new(&store, &key, b"a", LEASE).await,
         BeginOutcome::Completed(_)
     ));
     actix_rt::time::sleep(Duration::from_millis(800)).await;
@@ -332,10 +310,116 @@ async fn concurrent_begins_acquire_exactly_once(store: impl IdempotencyStore, pr
     assert_eq!((acquired, in_flight), (1, 49));
 }
 
+async fn an_abandoned_token_never_takes_the_key_later(
+    store: impl IdempotencyStore,
+    prefix: String,
+) {
+    // The abandon lands first (the `begin` it gives up on is still on its way).
+    let key = key(&prefix, "k");
+    let late = LeaseToken::generate();
+    assert!(store.abandon(&key, &late, TTL).await.unwrap());
+    assert_eq!(
+        store.begin(&key, &print(b"a"), &late, LEASE).await.unwrap(),
+        BeginOutcome::Abandoned
+    );
+    // The marker is no record and holds nothing...
+    assert!(!store.renew(&key, &late, LEASE).await.unwrap());
+    assert!(
+        !store
+            .commit(&key, &late, &response(b"x"), TTL)
+            .await
+            .unwrap()
+    );
+    assert!(!store.release(&key, &late).await.unwrap());
+    // ...and blocks no one: a retry with another token, even another body, runs.
+    let retry = acquire(&store, &key, b"b", LEASE).await;
+    assert!(
+        store
+            .commit(&key, &retry, &response(b"b"), TTL)
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        begin_new(&store, &key, b"b", LEASE).await,
+        BeginOutcome::Completed(response(b"b"))
+    );
+}
+
+async fn abandoning_a_begin_that_landed_frees_the_key(
+    store: impl IdempotencyStore,
+    prefix: String,
+) {
+    let key = key(&prefix, "k");
+    let token = acquire(&store, &key, b"a", LEASE).await;
+    assert!(store.abandon(&key, &token, TTL).await.unwrap());
+    // The same `begin` arriving once more (sent twice) creates nothing.
+    assert_eq!(
+        store
+            .begin(&key, &print(b"a"), &token, LEASE)
+            .await
+            .unwrap(),
+        BeginOutcome::Abandoned
+    );
+    acquire(&store, &key, b"a", LEASE).await;
+}
+
+async fn abandon_leaves_another_record_alone(store: impl IdempotencyStore, prefix: String) {
+    let key = key(&prefix, "k");
+    let holder = acquire(&store, &key, b"a", LEASE).await;
+    // Another request holds the key: not done, the caller tries again later.
+    assert!(
+        !store
+            .abandon(&key, &LeaseToken::generate(), TTL)
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        begin_new(&store, &key, b"a", LEASE).await,
+        BeginOutcome::InFlight
+    );
+    assert!(
+        store
+            .commit(&key, &holder, &response(b"a"), TTL)
+            .await
+            .unwrap()
+    );
+    // A completed record keeps any late `begin` out by itself: done, and left as it is.
+    assert!(store.abandon(&key, &holder, TTL).await.unwrap());
+    assert!(
+        store
+            .abandon(&key, &LeaseToken::generate(), TTL)
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        begin_new(&store, &key, b"a", LEASE).await,
+        BeginOutcome::Completed(response(b"a"))
+    );
+}
+
+async fn a_marker_remembers_every_token_abandoned_on_its_key(
+    store: impl IdempotencyStore,
+    prefix: String,
+) {
+    let key = key(&prefix, "k");
+    let tokens: Vec<LeaseToken> = (0..3).map(|_| LeaseToken::generate()).collect();
+    for token in &tokens {
+        assert!(store.abandon(&key, token, TTL).await.unwrap());
+    }
+    for token in &tokens {
+        assert_eq!(
+            store.begin(&key, &print(b"a"), token, LEASE).await.unwrap(),
+            BeginOutcome::Abandoned
+        );
+    }
+    acquire(&store, &key, b"a", LEASE).await;
+}
+
+/// One module per backend, each with every test of the suite (one list for all backends).
 macro_rules! acceptance_suite {
-    ($backend:ident, $make_store:expr) => {
+    ($backend:ident, $($make_store:tt)+) => {
         mod $backend {
-            acceptance_suite!(@tests $make_store;
+            acceptance_suite!(@each [$($make_store)+];
                 a_new_key_is_acquired_once,
                 another_fingerprint_is_a_mismatch_in_flight_and_completed,
                 a_committed_response_is_replayed_exactly,
@@ -351,32 +435,15 @@ macro_rules! acceptance_suite {
                 a_lost_lease_cannot_overwrite_the_new_holder,
                 a_completed_record_expires_after_its_ttl,
                 concurrent_begins_acquire_exactly_once,
+                an_abandoned_token_never_takes_the_key_later,
+                abandoning_a_begin_that_landed_frees_the_key,
+                abandon_leaves_another_record_alone,
+                a_marker_remembers_every_token_abandoned_on_its_key,
             );
         }
     };
     // A backend that needs a database of the test's own: `$make_store` gets it.
-    ($backend:ident, database => $make_store:expr) => {
-        mod $backend {
-            acceptance_suite!(@database $make_store;
-                a_new_key_is_acquired_once,
-                another_fingerprint_is_a_mismatch_in_flight_and_completed,
-                a_committed_response_is_replayed_exactly,
-                a_record_without_body_is_replayed_without_body,
-                keys_are_independent,
-                begin_is_idempotent_for_its_token,
-                a_wrong_token_cannot_commit_renew_or_release,
-                operations_on_a_missing_key_report_false,
-                release_frees_the_key,
-                a_committed_record_cannot_be_released_renewed_or_overwritten,
-                an_expired_lease_frees_the_key,
-                renewal_keeps_the_lease,
-                a_lost_lease_cannot_overwrite_the_new_holder,
-                a_completed_record_expires_after_its_ttl,
-                concurrent_begins_acquire_exactly_once,
-            );
-        }
-    };
-    (@database $make_store:expr; $($test:ident),* $(,)?) => {
+    (@each [database => $make_store:expr]; $($test:ident),* $(,)?) => {
         $(
             #[actix_web::test]
             async fn $test() {
@@ -386,7 +453,7 @@ macro_rules! acceptance_suite {
             }
         )*
     };
-    (@tests $make_store:expr; $($test:ident),* $(,)?) => {
+    (@each [$make_store:expr]; $($test:ident),* $(,)?) => {
         $(
             #[actix_web::test]
             async fn $test() {

@@ -13,6 +13,9 @@
 //!    another request's record).
 //! 4. [`release`](IdempotencyStore::release): delete the in-flight record, only if the token
 //!    still holds it (after an error response, a panic, or a cancelled request).
+//! 5. [`abandon`](IdempotencyStore::abandon): give up a `begin` that never answered (it timed
+//!    out, or its request went away): whether that `begin` landed already, lands later or
+//!    never, the token holds nothing afterwards.
 //!
 //! Every record lives under one key, so every step touches one key (Redis Cluster safe).
 
@@ -86,6 +89,10 @@ pub enum BeginOutcome {
     InFlight,
     /// A record (in flight or completed) exists for another fingerprint.
     FingerprintMismatch,
+    /// The token was [abandoned](IdempotencyStore::abandon) before this `begin` landed:
+    /// nothing was created. Only a `begin` that its caller gave up on can meet this, so the
+    /// middleware never sees it for a request it still serves.
+    Abandoned,
 }
 
 /// A store could not do what was asked. The client sees an opaque 503 (or, fail-open, an
@@ -197,6 +204,29 @@ pub trait IdempotencyStore: 'static {
         token: &LeaseToken,
     ) -> impl Future<Output = Result<bool, StoreError>>;
 
+    /// Gives up the `begin` of `token` that never answered (it timed out, or the request
+    /// went away): it may have landed, may land later, or never. `true` once `token` holds
+    /// nothing and never will: its in-flight record, if any, is gone, and the store keeps a
+    /// marker for `remember_for` so that a `begin` of `token` landing later creates nothing
+    /// (it answers [`BeginOutcome::Abandoned`]). The marker blocks no one: a `begin` with any
+    /// other token takes the key as if it were free. `false` when another record is there
+    /// (another token's, or a completed one): the caller tries again later, as a late
+    /// `begin` of `token` can only land once that record is gone.
+    ///
+    /// The default calls [`release`](Self::release), which only wins over a `begin` that
+    /// landed before it: the middleware then keeps trying for a lease, and a `begin` landing
+    /// later than that blocks the key until its lease expires. Every store of this crate
+    /// overrides it.
+    fn abandon(
+        &self,
+        key: &StorageKey,
+        token: &LeaseToken,
+        remember_for: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> {
+        let _ = remember_for;
+        self.release(key, token)
+    }
+
     /// The record under `key` as it is now, for support and operations (see
     /// [`Inspector`](crate::Inspector)): its state, expiry and stored status and headers,
     /// and the stored body only if `with_body`. `None` when there is no live record.
@@ -262,6 +292,13 @@ pub(crate) trait DynStore {
         key: &'a StorageKey,
         token: &'a LeaseToken,
     ) -> LocalBoxFuture<'a, Result<bool, StoreError>>;
+
+    fn abandon<'a>(
+        &'a self,
+        key: &'a StorageKey,
+        token: &'a LeaseToken,
+        remember_for: Duration,
+    ) -> LocalBoxFuture<'a, Result<bool, StoreError>>;
 }
 
 impl<T: IdempotencyStore> DynStore for T {
@@ -310,5 +347,14 @@ impl<T: IdempotencyStore> DynStore for T {
         token: &'a LeaseToken,
     ) -> LocalBoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(IdempotencyStore::release(self, key, token))
+    }
+
+    fn abandon<'a>(
+        &'a self,
+        key: &'a StorageKey,
+        token: &'a LeaseToken,
+        remember_for: Duration,
+    ) -> LocalBoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(IdempotencyStore::abandon(self, key, token, remember_for))
     }
 }

@@ -33,14 +33,16 @@ pub const EXPIRY_BATCH: i64 = 1_000;
 ///
 /// One row per record in one table (created by [`migrate`](Self::migrate)): `key` (the
 /// storage key, primary key), `fingerprint` (32 bytes), `token` (the lease token of the
-/// request that ran), `state` (`i` in flight, `c` completed), `version` (the record format),
+/// request that ran; for a marker, the abandoned tokens it remembers, separated by spaces),
+/// `state` (`i` in flight, `c` completed, `a` the marker of abandoned tokens, see
+/// [`IdempotencyStore::abandon`]), `version` (the record format),
 /// `expires_at` (the lease while in flight, the TTL once completed; the database's clock
 /// decides) and `response` (the encoded [`StoredResponse`]). A row whose `expires_at` has
 /// passed counts as absent: `begin` takes it over, and
 /// [`delete_expired`](Self::delete_expired) deletes such rows in bounded batches off the
 /// request path.
 ///
-/// Round trips: `begin`, `commit`, `renew` and `release` are one statement each (`begin` is
+/// Round trips: `begin`, `commit`, `renew`, `release` and `abandon` are one statement each (`begin` is
 /// one `INSERT … ON CONFLICT … DO UPDATE … WHERE <expired or ours>` that returns the row it
 /// did not take), so a new key costs two round trips and a replay one. Statements are sent
 /// with their parameter types (no separate prepare round trip). Each statement first tries a
@@ -101,6 +103,7 @@ struct Statements {
     renew: String,
     commit: String,
     release: String,
+    abandon: String,
     complete: String,
     delete_expired: String,
     inspect: String,
@@ -141,18 +144,31 @@ impl Statements {
                      key         text        PRIMARY KEY,
                      fingerprint bytea       NOT NULL,
                      token       text        NOT NULL,
-                     state       \"char\"      NOT NULL CHECK (state IN ('i', 'c')),
+                     state       \"char\"      NOT NULL CHECK (state IN ('i', 'c', 'a')),
                      version     smallint    NOT NULL,
                      expires_at  timestamptz NOT NULL,
                      response    bytea
                  );
                  CREATE INDEX IF NOT EXISTS {index} ON {t} (expires_at);
+                 DO $$
+                 DECLARE old record;
+                 BEGIN
+                     -- Tables of 0.2 allow only the states 'i' and 'c'; allow 'a' too.
+                     FOR old IN SELECT conname FROM pg_constraint
+                                WHERE conrelid = '{t}'::regclass AND contype = 'c'
+                                  AND pg_get_constraintdef(oid) LIKE '%state%'
+                                  AND pg_get_constraintdef(oid) NOT LIKE '%''a''%'
+                     LOOP
+                         EXECUTE format('ALTER TABLE {t} DROP CONSTRAINT %I', old.conname);
+                         ALTER TABLE {t} ADD CHECK (state IN ('i', 'c', 'a'));
+                     END LOOP;
+                 END $$;
                  COMMIT;"
             ),
             // $1 key, $2 fingerprint, $3 token, $4 lease (ms), $5 lock id, $6 version.
             // One row always: whether the advisory lock was free, whether the record was
-            // acquired (created, taken over from an expired row, or already ours), and the
-            // live record otherwise. `claimed` sees the latest committed row (ON CONFLICT
+            // acquired (created, taken over from an expired row or another token's marker,
+            // or already ours), and the live record otherwise. `claimed` sees the latest committed row (ON CONFLICT
             // waits for and re-reads it); the LEFT JOIN reads the statement's snapshot, which
             // can predate a row committed meanwhile: the caller then runs it again.
             begin: format!(
@@ -168,10 +184,12 @@ impl Statements {
                          response = NULL
                      WHERE r.expires_at <= clock_timestamp()
                         OR (r.state = 'i' AND r.token = EXCLUDED.token)
+                        OR (r.state = 'a'
+                            AND NOT EXCLUDED.token = ANY (string_to_array(r.token, ' ')))
                      RETURNING 1
                  )
                  SELECT lock.held, EXISTS (SELECT 1 FROM claimed) AS acquired,
-                        r.state::text, r.fingerprint, r.response
+                        r.state::text, r.fingerprint, r.response, r.token
                  FROM lock LEFT JOIN {t} r
                    ON r.key = $1 AND r.expires_at > clock_timestamp()"
             ),
@@ -202,6 +220,35 @@ impl Statements {
                  WHERE key = $1 AND token = $2 AND state = 'i' AND expires_at > clock_timestamp()
                  RETURNING true"
             ),
+            // $1 key, $2 token, $3 remember_for (ms), $4 lock id, $5 version. True when the
+            // marker of the token is written (in place of its in-flight row, of an expired
+            // row or of nothing; a marker there takes the token too, keeping the 15 latest
+            // before it) or a completed row is there. False when another token's in-flight
+            // row is there, or a transaction holds the key's advisory lock (the caller tries
+            // again).
+            abandon: format!(
+                "WITH lock AS MATERIALIZED (
+                     SELECT pg_try_advisory_xact_lock($4) AS held
+                 ), marked AS (
+                     INSERT INTO {t} AS r (key, fingerprint, token, state, version, expires_at)
+                     SELECT $1, ''::bytea, $2, 'a', $5,
+                            clock_timestamp() + $3 * interval '1 millisecond'
+                     FROM lock WHERE lock.held
+                     ON CONFLICT (key) DO UPDATE
+                     SET fingerprint = EXCLUDED.fingerprint,
+                         token = CASE WHEN r.state = 'a' AND r.expires_at > clock_timestamp()
+                                      THEN right(r.token || ' ' || EXCLUDED.token, 527)
+                                      ELSE EXCLUDED.token END,
+                         state = 'a', version = EXCLUDED.version,
+                         expires_at = EXCLUDED.expires_at, response = NULL
+                     WHERE r.expires_at <= clock_timestamp() OR r.state = 'a'
+                        OR (r.state = 'i' AND r.token = EXCLUDED.token)
+                     RETURNING 1
+                 )
+                 SELECT EXISTS (SELECT 1 FROM marked)
+                     OR EXISTS (SELECT 1 FROM {t} WHERE key = $1 AND state = 'c'
+                                AND expires_at > clock_timestamp())"
+            ),
             // The completion inside a transactional route's transaction: $1 key, $2 token,
             // $3 response, $4 ttl (ms). Divides by zero unless exactly our in-flight row was
             // completed, which aborts the transaction, so the COMMIT sent right behind it
@@ -225,22 +272,24 @@ impl Statements {
                  SELECT lock.held, r.state::text, r.response,
                         (extract(epoch FROM r.expires_at - clock_timestamp()) * 1000)::bigint
                  FROM lock LEFT JOIN {t} r
-                   ON r.key = $1 AND r.expires_at > clock_timestamp()"
+                   ON r.key = $1 AND r.expires_at > clock_timestamp() AND r.state <> 'a'"
             ),
             // Deletion by hand: $1 key, $2 force, $3 lock id. Deletes the live row if it is
             // completed or `force`; answers whether the lock was free, whether a row was
-            // deleted, and the live row's state before the statement.
+            // deleted, and the live row's state before the statement. An abandoned token's
+            // marker is no record: left alone and not reported.
             delete: format!(
                 "WITH lock AS MATERIALIZED (
                      SELECT pg_try_advisory_xact_lock($3) AS held
                  ), deleted AS (
                      DELETE FROM {t}
-                     WHERE key = $1 AND expires_at > clock_timestamp() AND (state = 'c' OR $2)
+                     WHERE key = $1 AND expires_at > clock_timestamp() AND state <> 'a'
+                       AND (state = 'c' OR $2)
                      RETURNING 1
                  )
                  SELECT lock.held, EXISTS (SELECT 1 FROM deleted),
                         (SELECT state::text FROM {t}
-                         WHERE key = $1 AND expires_at > clock_timestamp())
+                         WHERE key = $1 AND expires_at > clock_timestamp() AND state <> 'a')
                  FROM lock"
             ),
             // $1 batch size. Rows locked by a running statement or transaction are skipped.
@@ -435,7 +484,7 @@ impl PostgresStore {
                 .query_typed_one(&self.sql.begin, &params.as_params())
                 .await
                 .map_err(unavailable)?;
-            if let Some(outcome) = begin_outcome(&row, fingerprint)? {
+            if let Some(outcome) = begin_outcome(&row, fingerprint, token)? {
                 return Ok(outcome);
             }
         }
@@ -620,7 +669,11 @@ impl<'a> BeginParams<'a> {
 
 /// Reads the row of the `begin` statement; `None` when it must run again (the lock was ours
 /// but the conflicting row is not in the statement's snapshot yet).
-fn begin_outcome(row: &Row, fingerprint: &Fingerprint) -> Result<Option<BeginOutcome>, StoreError> {
+fn begin_outcome(
+    row: &Row,
+    fingerprint: &Fingerprint,
+    token: &LeaseToken,
+) -> Result<Option<BeginOutcome>, StoreError> {
     let protocol = |error: tokio_postgres::Error| StoreError::Protocol(error.to_string());
     let held: bool = row.try_get(0).map_err(protocol)?;
     let acquired: bool = row.try_get(1).map_err(protocol)?;
@@ -634,6 +687,15 @@ fn begin_outcome(row: &Row, fingerprint: &Fingerprint) -> Result<Option<BeginOut
         // transaction (or a concurrent statement) is working on the key right now.
         return Ok((!held).then_some(BeginOutcome::InFlight));
     };
+    if state == "a" {
+        // Not taken although the marker's token is another's: the snapshot predates the
+        // row that stopped the statement; read again.
+        let marked: String = row.try_get(5).map_err(protocol)?;
+        let remembered = marked
+            .split(' ')
+            .any(|abandoned| abandoned == token.as_str());
+        return Ok(remembered.then_some(BeginOutcome::Abandoned));
+    }
     let stored: Vec<u8> = row.try_get(3).map_err(protocol)?;
     if stored.as_slice() != fingerprint.as_bytes().as_slice() {
         return Ok(Some(BeginOutcome::FingerprintMismatch));
@@ -731,6 +793,27 @@ impl IdempotencyStore for PostgresStore {
         self.query_flag(
             &self.sql.release,
             &[(&key.as_str(), Type::TEXT), (&token.as_str(), Type::TEXT)],
+        )
+        .await
+    }
+
+    async fn abandon(
+        &self,
+        key: &StorageKey,
+        token: &LeaseToken,
+        remember_for: Duration,
+    ) -> Result<bool, StoreError> {
+        let (remember_for, lock) = (millis(remember_for), self.sql.lock_id(key));
+        let version = i16::from(RECORD_VERSION);
+        self.query_flag(
+            &self.sql.abandon,
+            &[
+                (&key.as_str(), Type::TEXT),
+                (&token.as_str(), Type::TEXT),
+                (&remember_for, Type::INT8),
+                (&lock, Type::INT8),
+                (&version, Type::INT2),
+            ],
         )
         .await
     }

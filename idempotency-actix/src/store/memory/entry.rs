@@ -14,7 +14,8 @@ use crate::store::LeaseToken;
 /// tells apart entries expiring at the same instant.
 pub(super) type ExpiryKey = (Instant, u64);
 
-/// One record: in flight (a lease held by a token) or completed (a response to replay).
+/// One record: in flight (a lease held by a token), completed (a response to replay), or
+/// the marker of an abandoned token.
 pub(super) struct Entry {
     pub(super) fingerprint: Fingerprint,
     pub(super) state: EntryState,
@@ -27,6 +28,11 @@ pub(super) struct Entry {
 pub(super) enum EntryState {
     InFlight(LeaseToken),
     Completed(LeaseToken, StoredResponse),
+    /// The marker of abandoned tokens (latest last, at most
+    /// [`REMEMBERED_TOKENS`](super::shard::REMEMBERED_TOKENS)): a `begin` of one of them
+    /// creates nothing, any other token's `begin` replaces the marker. Indexed, evicted and
+    /// reclaimed as completed records are.
+    Abandoned(Vec<LeaseToken>),
 }
 
 impl Entry {
@@ -36,6 +42,11 @@ impl Entry {
 
     pub(super) fn is_live(&self, now: Instant) -> bool {
         self.expires_at > now
+    }
+
+    /// Whether the entry is in flight (indexed and budgeted as such).
+    pub(super) fn is_in_flight(&self) -> bool {
+        matches!(self.state, EntryState::InFlight(_))
     }
 
     /// Whether `token` holds this entry's lease.
@@ -63,6 +74,15 @@ const HEADER_OVERHEAD: usize = size_of::<(HeaderName, HeaderValue)>() + ALLOCATI
 /// The bytes an in-flight record under `key` held by `token` is charged.
 pub(super) fn in_flight_bytes(key: &str, token: &LeaseToken) -> usize {
     ENTRY_OVERHEAD + key.len() + token.as_str().len()
+}
+
+/// The bytes the marker of `tokens` under `key` is charged.
+pub(super) fn marker_bytes(key: &str, tokens: &[LeaseToken]) -> usize {
+    let tokens: usize = tokens
+        .iter()
+        .map(|token| size_of::<LeaseToken>() + ALLOCATION_OVERHEAD + token.as_str().len())
+        .sum();
+    ENTRY_OVERHEAD + key.len() + ALLOCATION_OVERHEAD + tokens
 }
 
 /// The bytes a completed record under `key` is charged: the in-flight cost plus every stored

@@ -225,6 +225,17 @@ impl IdempotencyStore for MemoryStore {
         Ok(self.on_shard(key, |shard, now| shard.release(key.as_str(), token, now)))
     }
 
+    async fn abandon(
+        &self,
+        key: &StorageKey,
+        token: &LeaseToken,
+        remember_for: Duration,
+    ) -> Result<bool, StoreError> {
+        Ok(self.on_shard(key, |shard, now| {
+            shard.abandon(key.as_str(), token, remember_for, now)
+        }))
+    }
+
     async fn inspect(
         &self,
         key: &StorageKey,

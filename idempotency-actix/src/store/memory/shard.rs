@@ -2,7 +2,7 @@
 //! byte budget.
 //!
 //! Every record is in the map and in exactly one of two indices ordered by expiry: one for
-//! in-flight records, one for completed ones. Both are kept exact (an entry whose expiry
+//! in-flight records, one for completed ones (and the markers of abandoned tokens). Both are kept exact (an entry whose expiry
 //! changes is moved, a removed record leaves its index at once), so they never hold more
 //! entries than the map. Expired records are reclaimed from the front of the indices a few
 //! per operation, and eviction takes the front of the completed index: every step is
@@ -16,6 +16,9 @@ use super::entry::{self, Entry, EntryState, ExpiryKey};
 use crate::fingerprint::Fingerprint;
 use crate::record::StoredResponse;
 use crate::store::{BeginOutcome, Deletion, LeaseToken, RecordSnapshot};
+
+/// How many abandoned tokens one marker remembers; an older one is forgotten.
+pub(super) const REMEMBERED_TOKENS: usize = 16;
 
 /// At most this many expired records of each index are reclaimed per operation. Each
 /// operation adds at most one record, so expired records never pile up, and no request
@@ -78,6 +81,14 @@ impl Shard {
             if record.is_live(now) {
                 return Ok(match &record.state {
                     EntryState::InFlight(holder) if holder == token => BeginOutcome::Acquired,
+                    EntryState::Abandoned(abandoned) if abandoned.contains(token) => {
+                        BeginOutcome::Abandoned
+                    }
+                    // Another token's marker blocks no one: the key is taken as if free.
+                    EntryState::Abandoned(_) => {
+                        self.remove(key);
+                        return self.create(key, fingerprint, token, lease, now);
+                    }
                     _ if record.fingerprint != *fingerprint => BeginOutcome::FingerprintMismatch,
                     EntryState::InFlight(_) => BeginOutcome::InFlight,
                     EntryState::Completed(_, response) => BeginOutcome::Completed(response.clone()),
@@ -85,6 +96,18 @@ impl Shard {
             }
             self.remove(key);
         }
+        self.create(key, fingerprint, token, lease, now)
+    }
+
+    /// Creates the in-flight record of `token` under `key`, where there is none.
+    fn create(
+        &mut self,
+        key: &str,
+        fingerprint: &Fingerprint,
+        token: &LeaseToken,
+        lease: Duration,
+        now: Instant,
+    ) -> Result<BeginOutcome, Full> {
         let bytes = entry::in_flight_bytes(key, token);
         // In-flight records may take half the budget: the other half is room for them to
         // complete, so a shard full of them can always commit.
@@ -155,6 +178,7 @@ impl Shard {
             // Committing twice with one token succeeds without writing again.
             EntryState::Completed(committer, _) => return Ok(committer == token),
             EntryState::InFlight(holder) if holder != token => return Ok(false),
+            EntryState::Abandoned(_) => return Ok(false),
             EntryState::InFlight(_) => {}
         }
         let in_flight_bytes = record.bytes;
@@ -193,6 +217,56 @@ impl Shard {
         Ok(true)
     }
 
+    /// Abandons `token` (see [`IdempotencyStore::abandon`](crate::IdempotencyStore::abandon)):
+    /// its in-flight record, an expired record or nothing is replaced by the marker of
+    /// `token`, kept for `remember_for`; a marker there takes `token` too; a completed record
+    /// is left alone; `false` when another token's in-flight record is there. When even the
+    /// marker does not fit, the record is still removed: in this store a `begin` runs whole
+    /// when first polled, so none can land late anyway.
+    pub(super) fn abandon(
+        &mut self,
+        key: &str,
+        token: &LeaseToken,
+        remember_for: Duration,
+        now: Instant,
+    ) -> bool {
+        self.reclaim_expired(now);
+        let mut tokens = Vec::new();
+        if let Some(record) = self.records.get(key).filter(|record| record.is_live(now)) {
+            match &record.state {
+                EntryState::InFlight(holder) if holder == token => {}
+                EntryState::Abandoned(earlier) => {
+                    let kept = earlier.len().min(REMEMBERED_TOKENS - 1);
+                    tokens.extend_from_slice(&earlier[earlier.len() - kept..]);
+                }
+                EntryState::Completed(..) => return true,
+                EntryState::InFlight(_) => return false,
+            }
+        }
+        tokens.push(token.clone());
+        self.remove(key);
+        let bytes = entry::marker_bytes(key, &tokens);
+        if self.make_room(bytes, now).is_err() {
+            return true;
+        }
+        let key: Arc<str> = Arc::from(key);
+        let seq = self.next_seq();
+        let expires_at = expiry(now, remember_for);
+        self.completed.insert((expires_at, seq), Arc::clone(&key));
+        self.records.insert(
+            key,
+            Entry {
+                fingerprint: Fingerprint::from_bytes([0; 32]),
+                state: EntryState::Abandoned(tokens),
+                expires_at,
+                seq,
+                bytes,
+            },
+        );
+        self.used_bytes += bytes;
+        true
+    }
+
     pub(super) fn release(&mut self, key: &str, token: &LeaseToken, now: Instant) -> bool {
         self.reclaim_expired(now);
         let held = self
@@ -215,21 +289,27 @@ impl Shard {
         self.reclaim_expired(now);
         let record = self.records.get(key).filter(|record| record.is_live(now))?;
         let expires_in = Some(record.expires_at - now);
-        Some(match &record.state {
-            EntryState::InFlight(_) => RecordSnapshot::in_flight(expires_in),
-            EntryState::Completed(_, response) => {
-                RecordSnapshot::completed(response.clone(), expires_in, with_body)
-            }
-        })
+        match &record.state {
+            EntryState::InFlight(_) => Some(RecordSnapshot::in_flight(expires_in)),
+            EntryState::Completed(_, response) => Some(RecordSnapshot::completed(
+                response.clone(),
+                expires_in,
+                with_body,
+            )),
+            // The marker of an abandoned token is no record.
+            EntryState::Abandoned(_) => None,
+        }
     }
 
     /// Deletes the live record under `key`; an in-flight one only if `force`.
     pub(super) fn delete(&mut self, key: &str, force: bool, now: Instant) -> Deletion {
         self.reclaim_expired(now);
-        let Some(record) = self.records.get(key).filter(|record| record.is_live(now)) else {
+        let Some(record) = self.records.get(key).filter(|record| {
+            record.is_live(now) && !matches!(record.state, EntryState::Abandoned(_))
+        }) else {
             return Deletion::NotFound;
         };
-        if matches!(record.state, EntryState::InFlight(_)) && !force {
+        if record.is_in_flight() && !force {
             return Deletion::InFlight;
         }
         self.remove(key);
@@ -286,9 +366,10 @@ impl Shard {
     /// Removes the record under `key` from the map and from its index.
     fn remove(&mut self, key: &str) {
         if let Some(record) = self.records.get(key) {
-            let index = match record.state {
-                EntryState::InFlight(_) => &mut self.in_flight,
-                EntryState::Completed(..) => &mut self.completed,
+            let index = if record.is_in_flight() {
+                &mut self.in_flight
+            } else {
+                &mut self.completed
             };
             index.remove(&record.expiry_key());
             self.forget(key);
@@ -299,7 +380,7 @@ impl Shard {
     fn forget(&mut self, key: &str) {
         if let Some(record) = self.records.remove(key) {
             self.used_bytes -= record.bytes;
-            if let EntryState::InFlight(_) = record.state {
+            if record.is_in_flight() {
                 self.in_flight_bytes -= record.bytes;
             }
         }
@@ -311,15 +392,14 @@ impl Shard {
         let indexed = |index: &BTreeMap<ExpiryKey, Arc<str>>, in_flight: bool| {
             index.iter().all(|(expiry_key, key)| {
                 self.records.get(key).is_some_and(|record| {
-                    record.expiry_key() == *expiry_key
-                        && matches!(record.state, EntryState::InFlight(_)) == in_flight
+                    record.expiry_key() == *expiry_key && record.is_in_flight() == in_flight
                 })
             })
         };
         let in_flight_bytes: usize = self
             .records
             .values()
-            .filter(|record| matches!(record.state, EntryState::InFlight(_)))
+            .filter(|record| record.is_in_flight())
             .map(|record| record.bytes)
             .sum();
         self.records.len() == self.in_flight.len() + self.completed.len()

@@ -168,11 +168,17 @@ async fn a_response_larger_than_the_store_is_completed_without_its_body() {
 }
 
 #[actix_web::test]
-async fn renewals_commits_and_releases_keep_the_indices_exact() {
+async fn renewals_commits_releases_and_abandons_keep_the_indices_exact() {
     let store = one_shard(50_000);
-    for round in 0..200 {
+    for round in 0..300 {
         let name = format!("k{}", round % 37);
         let token = LeaseToken::generate();
+        if round % 5 == 4 {
+            // A token abandoned before its `begin` lands: a marker, or one more token in it.
+            store.abandon(&key(&name), &token, LONG).await.unwrap();
+            assert!(consistent(&store), "after round {round}");
+            continue;
+        }
         if store
             .begin(&key(&name), &print(), &token, LONG)
             .await
@@ -182,9 +188,12 @@ async fn renewals_commits_and_releases_keep_the_indices_exact() {
             continue;
         }
         store.renew(&key(&name), &token, LONG * 2).await.unwrap();
-        match round % 3 {
+        match round % 4 {
             0 => {
                 store.release(&key(&name), &token).await.unwrap();
+            }
+            1 => {
+                assert!(store.abandon(&key(&name), &token, LONG).await.unwrap());
             }
             _ => {
                 store
@@ -208,4 +217,37 @@ async fn shared_settings_give_one_store_per_configuration() {
     assert_eq!(b.len(), 1);
     assert_eq!(other.len(), 0);
     assert!(Arc::ptr_eq(&a.inner, &b.inner));
+}
+
+#[actix_web::test]
+async fn a_marker_remembers_the_latest_abandoned_tokens_in_bounded_memory() {
+    let store = one_shard(50_000);
+    let tokens: Vec<LeaseToken> = (0..20).map(|_| LeaseToken::generate()).collect();
+    for token in &tokens {
+        assert!(store.abandon(&key("k"), token, LONG).await.unwrap());
+    }
+    let used = store.used_bytes();
+    assert!(consistent(&store));
+    for token in &tokens[4..] {
+        assert_eq!(
+            store.begin(&key("k"), &print(), token, LONG).await.unwrap(),
+            BeginOutcome::Abandoned
+        );
+    }
+    // One more abandon costs nothing more: the oldest token is forgotten.
+    assert!(
+        store
+            .abandon(&key("k"), &LeaseToken::generate(), LONG)
+            .await
+            .unwrap()
+    );
+    assert_eq!(store.used_bytes(), used);
+    assert_eq!(
+        store
+            .begin(&key("k"), &print(), &tokens[0], LONG)
+            .await
+            .unwrap(),
+        BeginOutcome::Acquired
+    );
+    assert!(consistent(&store));
 }

@@ -18,11 +18,12 @@ use crate::store::{Deletion, RecordSnapshot, StoreError};
 
 const INSPECT: &str = "return {redis.call('GET', KEYS[1]), redis.call('PTTL', KEYS[1])}";
 
-/// The state is byte 2 of the record (Lua is 1-based): `i` in flight, `c` completed.
-/// Answers 1 deleted, 0 not found, 2 in flight and not forced (nothing deleted).
+/// The state is byte 2 of the record (Lua is 1-based): `i` in flight, `c` completed, `a`
+/// an abandoned token's marker (no record: left alone). Answers 1 deleted, 0 not found, 2
+/// in flight and not forced (nothing deleted).
 const DELETE: &str = r"
 local state = redis.call('GETRANGE', KEYS[1], 1, 1)
-if state == '' then return 0 end
+if state == '' or state == 'a' then return 0 end
 if state == 'i' and ARGV[1] ~= '1' then return 2 end
 redis.call('DEL', KEYS[1])
 return 1
@@ -56,6 +57,8 @@ pub(crate) fn snapshot(
     let expires_in = u64::try_from(ttl).ok().map(Duration::from_millis);
     match Found::read(&record)? {
         Found::InFlight { .. } => Ok(Some(RecordSnapshot::in_flight(expires_in))),
+        // The marker of an abandoned token is no record.
+        Found::Abandoned { .. } => Ok(None),
         Found::Completed {
             format, tail_start, ..
         } => {

@@ -8,6 +8,8 @@
 //! | `commit` | `FCALL`: `GETRANGE` of the header, then `SET key <completed record> PX ttl` | one short function |
 //! | `renew` | `FCALL`: `GETRANGE` of the header, then `PEXPIRE` | one short function |
 //! | `release` | `FCALL`: `GETRANGE` of the header, then `DEL` | one short function |
+//! | `abandon` | `FCALL`: `GETRANGE` of the header, then `SET key <marker> PX remember_for` | one short function |
+//! | `begin` finding another token's marker | `FCALL`: `GET`, then `SET key <in-flight record> PX lease` if the marker is still there | one short function, a second round trip |
 //!
 //! `begin` needs no script: `SET … NX … GET` (Redis ≥ 7.0) creates the in-flight record or
 //! returns the record that is there, and the caller decides from it (its own token: a retry
@@ -71,8 +73,16 @@ impl Request {
 /// Functions rather than `EVALSHA` scripts: the same Lua costs about 1 µs less per call
 /// inside Redis (measured with `INFO commandstats`), and a function stays loaded across a
 /// `SCRIPT FLUSH`. The name carries the record format and the library's revision (`r2`:
-/// renew and release flagged `allow-oom`), so versions of this crate with another format or
+/// renew and release flagged `allow-oom`; `r3`: `abandon` and `claim`, and `commit` only
+/// completes an in-flight record), so versions of this crate with another format or
 /// revision load their own library next to this one.
+///
+/// `abandon` replaces the token's in-flight record or nothing by the token's marker (state
+/// `a`, 97), adds the token to a marker that is there (keeping the earlier tokens, bounded
+/// by bytes), leaves a completed record alone (1), and answers 0 when another token's
+/// in-flight record (or a state it does not know) is there. `claim` is how `begin` takes a key where it found another token's marker: it
+/// writes the in-flight record only if that marker (compared whole) is still there, or
+/// nothing is, and otherwise returns the record that is there, as `SET … GET` would.
 ///
 /// Under `maxmemory` Redis refuses a function that may grow memory once it is full; renew
 /// (`PEXPIRE`) and release (`DEL`) never do, so they are flagged `allow-oom` and keep working:
@@ -82,22 +92,24 @@ impl Request {
 /// Lua strings are 1-based: the token field (length byte, then the token) starts at byte
 /// `TOKEN_OFFSET + 1` = 35 and the state is byte 2 (`i` = 105, `c` = 99). Each function
 /// reads only the header with `GETRANGE` (`""` for a missing key), never the stored body.
-pub(crate) const LIBRARY: &str = r"#!lua name=idempotency_actix_2_r2
+pub(crate) const LIBRARY: &str = r"#!lua name=idempotency_actix_2_r3
 
 local function header(key, token_field)
   return redis.call('GETRANGE', key, 0, 33 + #token_field)
 end
 
-redis.register_function('idempotency_actix_2_r2_commit', function(keys, args)
+redis.register_function('idempotency_actix_2_r3_commit', function(keys, args)
   local head = header(keys[1], args[1])
   if string.sub(head, 35) ~= args[1] then return 0 end
-  if string.byte(head, 2) == 99 then return 1 end
+  local state = string.byte(head, 2)
+  if state == 99 then return 1 end
+  if state ~= 105 then return 0 end
   redis.call('SET', keys[1], string.sub(head, 1, 1) .. 'c' .. string.sub(head, 3) .. args[2], 'PX', args[3])
   return 1
 end)
 
 redis.register_function{
-  function_name = 'idempotency_actix_2_r2_renew',
+  function_name = 'idempotency_actix_2_r3_renew',
   flags = {'allow-oom'},
   callback = function(keys, args)
     local head = header(keys[1], args[1])
@@ -108,7 +120,7 @@ redis.register_function{
 }
 
 redis.register_function{
-  function_name = 'idempotency_actix_2_r2_release',
+  function_name = 'idempotency_actix_2_r3_release',
   flags = {'allow-oom'},
   callback = function(keys, args)
     local head = header(keys[1], args[1])
@@ -117,6 +129,31 @@ redis.register_function{
     return 1
   end,
 }
+
+redis.register_function{
+  function_name = 'idempotency_actix_2_r3_abandon',
+  flags = {'allow-oom'},
+  callback = function(keys, args)
+    local head = header(keys[1], args[1])
+    local state = string.byte(head, 2)
+    if state == 99 then return 1 end
+    local marker = args[2]
+    if state == 97 then
+      marker = marker .. string.sub(redis.call('GET', keys[1]), 35, 34 + tonumber(args[4]))
+    elseif head ~= '' and (state ~= 105 or string.sub(head, 35) ~= args[1]) then
+      return 0
+    end
+    redis.call('SET', keys[1], marker, 'PX', args[3])
+    return 1
+  end,
+}
+
+redis.register_function('idempotency_actix_2_r3_claim', function(keys, args)
+  local found = redis.call('GET', keys[1])
+  if found and found ~= args[1] then return found end
+  redis.call('SET', keys[1], args[2], 'PX', args[3])
+  return false
+end)
 ";
 
 pub(crate) fn is_function_not_found(error: &redis::RedisError) -> bool {
@@ -182,39 +219,69 @@ pub(crate) fn is_out_of_memory(error: &StoreError) -> bool {
     }
 }
 
-/// Decodes the reply to [`begin`]: the outcome and, for a completed record, how much longer
-/// it is kept.
+/// What the reply to [`begin`] (or [`claim`]) says.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Begun {
+    /// The outcome and, for a completed record, how much longer it is kept.
+    Decided(BeginOutcome, Option<Duration>),
+    /// Another token's marker, which blocks no one: [`claim`] the key over it.
+    OtherMarker(Vec<u8>),
+}
+
+/// Decodes the reply to [`begin`] or [`claim`].
 pub(crate) fn begin_outcome(
     reply: Value,
     fingerprint: &Fingerprint,
     token: &LeaseToken,
-) -> Result<(BeginOutcome, Option<Duration>), StoreError> {
+) -> Result<Begun, StoreError> {
     let record = match reply {
-        Value::Nil => return Ok((BeginOutcome::Acquired, None)),
+        Value::Nil => return Ok(Begun::Decided(BeginOutcome::Acquired, None)),
         Value::BulkString(record) => record,
         other => return Err(unexpected(&other)),
     };
     let ours = fingerprint.as_bytes().as_slice();
-    match Found::read(&record)? {
+    let (outcome, remaining) = match Found::read(&record)? {
+        Found::Abandoned { tokens } if record::remembers(tokens, token) => {
+            (BeginOutcome::Abandoned, None)
+        }
+        Found::Abandoned { .. } => return Ok(Begun::OtherMarker(record)),
         Found::InFlight {
             token: holder,
             fingerprint: _,
-        } if holder == token.as_str().as_bytes() => Ok((BeginOutcome::Acquired, None)),
+        } if holder == token.as_str().as_bytes() => (BeginOutcome::Acquired, None),
         Found::InFlight { fingerprint, .. } | Found::Completed { fingerprint, .. }
             if fingerprint != ours =>
         {
-            Ok((BeginOutcome::FingerprintMismatch, None))
+            (BeginOutcome::FingerprintMismatch, None)
         }
-        Found::InFlight { .. } => Ok((BeginOutcome::InFlight, None)),
+        Found::InFlight { .. } => (BeginOutcome::InFlight, None),
         Found::Completed {
             format, tail_start, ..
         } => {
             // The reply's buffer becomes the body's: no copy of the stored body.
             let tail = Bytes::from(record).slice(tail_start..);
             let (response, remaining) = record::decode_completion(format, tail)?;
-            Ok((BeginOutcome::Completed(response), Some(remaining)))
+            (BeginOutcome::Completed(response), Some(remaining))
         }
-    }
+    };
+    Ok(Begun::Decided(outcome, remaining))
+}
+
+/// `claim`: what `begin` sends after it found another token's `marker`: the in-flight record
+/// of `token`, written only if that marker is still there (or nothing is). Its reply decodes
+/// with [`begin_outcome`].
+pub(crate) fn claim(
+    key: &StorageKey,
+    marker: Vec<u8>,
+    fingerprint: &Fingerprint,
+    token: &LeaseToken,
+    lease: Duration,
+) -> Request {
+    let mut call = function("idempotency_actix_2_r3_claim", key);
+    call.arg(marker)
+        .arg(record::in_flight(fingerprint, token))
+        .arg(record::millis(lease));
+    Request::Function(call)
 }
 
 /// `commit`: complete the record held by `token` with `response`, kept for `ttl`.
@@ -224,7 +291,7 @@ pub(crate) fn commit(
     response: &StoredResponse,
     ttl: Duration,
 ) -> Request {
-    let mut call = function("idempotency_actix_2_r2_commit", key);
+    let mut call = function("idempotency_actix_2_r3_commit", key);
     call.arg(record::token_field(token))
         .arg(record::completion(response, ttl))
         .arg(record::millis(ttl));
@@ -233,7 +300,7 @@ pub(crate) fn commit(
 
 /// `renew`: extend the lease held by `token` to `lease` from now.
 pub(crate) fn renew(key: &StorageKey, token: &LeaseToken, lease: Duration) -> Request {
-    let mut call = function("idempotency_actix_2_r2_renew", key);
+    let mut call = function("idempotency_actix_2_r3_renew", key);
     call.arg(record::token_field(token))
         .arg(record::millis(lease));
     Request::Function(call)
@@ -241,12 +308,24 @@ pub(crate) fn renew(key: &StorageKey, token: &LeaseToken, lease: Duration) -> Re
 
 /// `release`: delete the in-flight record held by `token`.
 pub(crate) fn release(key: &StorageKey, token: &LeaseToken) -> Request {
-    let mut call = function("idempotency_actix_2_r2_release", key);
+    let mut call = function("idempotency_actix_2_r3_release", key);
     call.arg(record::token_field(token));
     Request::Function(call)
 }
 
-/// Decodes the reply to `commit`, `renew` or `release`: whether the token held the record.
+/// `abandon`: leave the marker of `token` for `remember_for` in place of its in-flight
+/// record or nothing, or add `token` to the marker that is there.
+pub(crate) fn abandon(key: &StorageKey, token: &LeaseToken, remember_for: Duration) -> Request {
+    let mut call = function("idempotency_actix_2_r3_abandon", key);
+    call.arg(record::token_field(token))
+        .arg(record::abandoned(token))
+        .arg(record::millis(remember_for))
+        .arg(record::REMEMBERED_TAIL);
+    Request::Function(call)
+}
+
+/// Decodes the reply to `commit`, `renew`, `release` or `abandon`: whether the step was done
+/// (the token held the record; for `abandon`, the marker is written).
 pub(crate) fn held(reply: Value) -> Result<bool, StoreError> {
     match reply {
         Value::Int(flag) => Ok(flag == 1),
@@ -277,9 +356,10 @@ mod tests {
     use super::*;
 
     fn outcome(reply: Value, print: u8, token: &LeaseToken) -> BeginOutcome {
-        begin_outcome(reply, &Fingerprint::from_bytes([print; 32]), token)
-            .unwrap()
-            .0
+        match begin_outcome(reply, &Fingerprint::from_bytes([print; 32]), token).unwrap() {
+            Begun::Decided(outcome, _) => outcome,
+            Begun::OtherMarker(marker) => panic!("another token's marker: {marker:?}"),
+        }
     }
 
     #[test]
@@ -307,13 +387,28 @@ mod tests {
         let mut completed = in_flight;
         completed[1] = record::COMPLETED;
         completed.extend_from_slice(&record::completion(&response, Duration::from_secs(9)));
-        let (found, remaining) =
-            begin_outcome(bulk(&completed), &Fingerprint::from_bytes([1; 32]), &mine).unwrap();
+        let Ok(Begun::Decided(found, remaining)) =
+            begin_outcome(bulk(&completed), &Fingerprint::from_bytes([1; 32]), &mine)
+        else {
+            panic!("not decided");
+        };
         assert_eq!(found, BeginOutcome::Completed(response));
         assert!(remaining.is_some_and(|left| left <= Duration::from_secs(9)));
         assert_eq!(
             outcome(bulk(&completed), 2, &mine),
             BeginOutcome::FingerprintMismatch
+        );
+    }
+
+    #[test]
+    fn a_marker_is_abandoned_for_its_token_and_claimable_for_any_other() {
+        let (mine, theirs) = (LeaseToken::generate(), LeaseToken::generate());
+        let marker = record::abandoned(&theirs);
+        let bulk = Value::BulkString(marker.clone());
+        assert_eq!(outcome(bulk.clone(), 1, &theirs), BeginOutcome::Abandoned);
+        assert_eq!(
+            begin_outcome(bulk, &Fingerprint::from_bytes([1; 32]), &mine).unwrap(),
+            Begun::OtherMarker(marker)
         );
     }
 

@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! u8   format            2 (format 1 was a hash, see the crate's CHANGELOG)
-//! u8   state             b'i' in flight, b'c' completed
+//! u8   state             b'i' in flight, b'c' completed, b'a' an abandoned token's marker
 //! [32] fingerprint
 //! u8   token length
 //!      token
@@ -13,6 +13,10 @@
 //! u64  expires at        Unix time in milliseconds (for the replay cache)
 //!      the encoded StoredResponse (its own version byte first)
 //! ```
+//!
+//! The marker of abandoned tokens is the header of the latest, its fingerprint all zeros,
+//! followed by the token fields (length, then bytes) of up to
+//! [`REMEMBERED_TOKENS`]` - 1` tokens abandoned on the key before it, latest first.
 //!
 //! The header up to the token is the same in every format, present and future: any version
 //! can tell an in-flight record from a completed one, compare its fingerprint and check a
@@ -33,6 +37,14 @@ pub(super) const FORMAT: u8 = 2;
 pub(super) const IN_FLIGHT: u8 = b'i';
 /// State byte of a completed record.
 pub(super) const COMPLETED: u8 = b'c';
+/// State byte of the marker abandoned tokens leave.
+pub(super) const ABANDONED: u8 = b'a';
+/// How many abandoned tokens one marker remembers; an older one is forgotten (its late
+/// `begin`, if it ever lands, finds the key taken by the marker all the same).
+pub(super) const REMEMBERED_TOKENS: usize = 16;
+/// The bytes of the earlier tokens a marker keeps: `REMEMBERED_TOKENS - 1` fields of a
+/// generated (32-character) token.
+pub(super) const REMEMBERED_TAIL: usize = (REMEMBERED_TOKENS - 1) * 33;
 /// Where the token's length byte is (0-based); the functions compare from here.
 pub(super) const TOKEN_OFFSET: usize = 34;
 
@@ -44,6 +56,14 @@ pub(super) fn in_flight(fingerprint: &Fingerprint, token: &LeaseToken) -> Vec<u8
     record.extend_from_slice(fingerprint.as_bytes());
     record.extend_from_slice(&token_field(token));
     record
+}
+
+/// The marker `abandon` writes for `token` (the function appends the tokens of a marker
+/// already there): the header of state `a`, with no fingerprint.
+pub(super) fn abandoned(token: &LeaseToken) -> Vec<u8> {
+    let mut marker = in_flight(&Fingerprint::from_bytes([0; 32]), token);
+    marker[1] = ABANDONED;
+    marker
 }
 
 /// The token as records hold it: its length, then its bytes (what the functions compare).
@@ -81,6 +101,8 @@ pub(super) enum Found<'a> {
         format: u8,
         tail_start: usize,
     },
+    /// The marker of abandoned tokens: their token fields, latest first.
+    Abandoned { tokens: &'a [u8] },
 }
 
 impl<'a> Found<'a> {
@@ -99,6 +121,9 @@ impl<'a> Found<'a> {
         let token = &rest[..token_len];
         match state {
             IN_FLIGHT => Ok(Self::InFlight { fingerprint, token }),
+            ABANDONED => Ok(Self::Abandoned {
+                tokens: &record[TOKEN_OFFSET..],
+            }),
             COMPLETED => Ok(Self::Completed {
                 fingerprint,
                 format,
@@ -107,6 +132,22 @@ impl<'a> Found<'a> {
             _ => Err(RecordError::Invalid("record state")),
         }
     }
+}
+
+/// Whether the token fields of a marker (see [`Found::Abandoned`]) hold `token`; a field cut
+/// short at the end is ignored.
+pub(super) fn remembers(mut tokens: &[u8], token: &LeaseToken) -> bool {
+    let token = token.as_str().as_bytes();
+    while let Some((&len, rest)) = tokens.split_first() {
+        let Some((field, rest)) = rest.split_at_checked(usize::from(len)) else {
+            return false;
+        };
+        if field == token {
+            return true;
+        }
+        tokens = rest;
+    }
+    false
 }
 
 /// Decodes the tail of a completed record of `format` (the bytes after its token, shared
@@ -190,6 +231,29 @@ mod tests {
         let (decoded, remaining) = decode_completion(format, tail).unwrap();
         assert_eq!(decoded, response());
         assert!(remaining <= Duration::from_secs(60) && remaining > Duration::from_secs(50));
+    }
+
+    #[test]
+    fn a_marker_remembers_every_token_it_lists() {
+        let (latest, earlier, other) = (
+            LeaseToken::generate(),
+            LeaseToken::generate(),
+            LeaseToken::generate(),
+        );
+        // What the abandon function writes over an earlier marker.
+        let mut marker = abandoned(&latest);
+        marker.extend_from_slice(&token_field(&earlier));
+        let Ok(Found::Abandoned { tokens }) = Found::read(&marker) else {
+            panic!("not a marker");
+        };
+        assert!(remembers(tokens, &latest) && remembers(tokens, &earlier));
+        assert!(!remembers(tokens, &other));
+        // A field cut short (the function bounds the marker by bytes) is ignored.
+        assert!(!remembers(&tokens[..tokens.len() - 1], &earlier));
+        assert_eq!(
+            REMEMBERED_TAIL,
+            (REMEMBERED_TOKENS - 1) * token_field(&other).len()
+        );
     }
 
     #[test]

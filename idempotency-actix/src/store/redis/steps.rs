@@ -5,12 +5,17 @@
 use std::time::Duration;
 
 use super::exchange::{Exchange, Reply};
+use super::protocol::Begun;
 use super::replication::ReplicatedWrites;
 use super::{inspection, protocol};
 use crate::fingerprint::Fingerprint;
 use crate::record::StoredResponse;
 use crate::scope::StorageKey;
 use crate::store::{BeginOutcome, Deletion, LeaseToken, RecordSnapshot, StoreError};
+
+/// How many times one `begin` claims a key over another token's marker before it answers
+/// in flight: each claim fails only if yet another token was abandoned on that key meanwhile.
+const MAX_CLAIMS: usize = 3;
 
 /// How a store gets a request to Redis and its reply back.
 pub(crate) trait Transport {
@@ -54,13 +59,27 @@ impl<T: Transport> Steps<'_, T> {
             }
             reply => reply?,
         };
-        let found = protocol::begin_outcome(reply.value, fingerprint, token)?;
-        // Only a lock this request holds must be on the replicas; a record found is
-        // answered as it is.
-        if found.0 == BeginOutcome::Acquired {
-            reply.replication.check("begin")?;
+        let mut reply = reply;
+        for _ in 0..MAX_CLAIMS {
+            let marker = match protocol::begin_outcome(reply.value, fingerprint, token)? {
+                Begun::Decided(outcome, remaining) => {
+                    // Only a lock this request holds must be on the replicas; a record found
+                    // is answered as it is.
+                    if outcome == BeginOutcome::Acquired {
+                        reply.replication.check("begin")?;
+                    }
+                    return Ok((outcome, remaining));
+                }
+                Begun::OtherMarker(marker) => marker,
+            };
+            let claim = protocol::claim(key, marker, fingerprint, token, lease);
+            reply = self
+                .transport
+                .send(&Exchange::new(claim, self.replication))
+                .await?;
         }
-        Ok(found)
+        // Tokens abandoned one after another kept replacing the marker: the key is busy.
+        Ok((BeginOutcome::InFlight, None))
     }
 
     pub(crate) async fn renew(
@@ -103,6 +122,23 @@ impl<T: Transport> Steps<'_, T> {
         let reply = self
             .transport
             .send(&Exchange::plain(protocol::release(key, token)))
+            .await?;
+        protocol::held(reply.value)
+    }
+
+    pub(crate) async fn abandon(
+        &self,
+        key: &StorageKey,
+        token: &LeaseToken,
+        remember_for: Duration,
+    ) -> Result<bool, StoreError> {
+        let reply = self
+            .transport
+            .send(&Exchange::plain(protocol::abandon(
+                key,
+                token,
+                remember_for,
+            )))
             .await?;
         protocol::held(reply.value)
     }
@@ -186,6 +222,15 @@ macro_rules! idempotency_store_on_steps {
                 token: &$crate::store::LeaseToken,
             ) -> Result<bool, $crate::store::StoreError> {
                 self.steps().release(key, token).await
+            }
+
+            async fn abandon(
+                &self,
+                key: &$crate::scope::StorageKey,
+                token: &$crate::store::LeaseToken,
+                remember_for: ::std::time::Duration,
+            ) -> Result<bool, $crate::store::StoreError> {
+                self.steps().abandon(key, token, remember_for).await
             }
 
             async fn inspect(
