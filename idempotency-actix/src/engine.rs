@@ -208,8 +208,9 @@ impl Engine {
                 });
                 #[cfg(feature = "postgres")]
                 if policy.transactional {
-                    return self
-                        .run_in_transaction_without_record(&policy, req, service)
+                    // Boxed, as every transactional step here: their futures are large and
+                    // would otherwise make every request's future as large (and moved).
+                    return Box::pin(self.run_in_transaction_without_record(&policy, req, service))
                         .await;
                 }
                 return service.call(req).await.map(with_handler_body);
@@ -261,7 +262,7 @@ impl Engine {
                 let _in_flight = LockHeld::enter(&req.extensions());
                 let lock = Rc::new(HeldLock {
                     storage_key: storage_key.clone(),
-                    token: token.clone(),
+                    token: *token,
                     body_len,
                     lease: Cell::new(policy.lease),
                     renewed_at: Cell::new(Instant::now()),
@@ -272,8 +273,10 @@ impl Engine {
                 });
                 // On a task of its own: the handler runs to completion and its response is
                 // committed even when the client disconnects and Actix drops this future.
+                // Boxed: the task then moves a pointer, not the whole state of the run (the
+                // runtime moves a task's future and output more than once).
                 let engine = Rc::clone(&self);
-                let run = actix_rt::spawn(async move {
+                let run = actix_rt::spawn(Box::pin(async move {
                     #[cfg(feature = "postgres")]
                     if let Some(transaction) = transaction {
                         return engine
@@ -285,7 +288,7 @@ impl Engine {
                     engine
                         .run_and_commit(policy, lock, req, service, slot)
                         .await
-                });
+                }));
                 run.await.map_err(|error| {
                     tracing::error!(%error, "idempotency: request task failed");
                     actix_web::error::ErrorInternalServerError("request processing failed")
@@ -320,9 +323,10 @@ impl Engine {
                     instrument::decided(&req.extensions(), Outcome::FailOpen);
                     #[cfg(feature = "postgres")]
                     if policy.transactional {
-                        return self
-                            .run_in_transaction_without_record(&policy, req, service)
-                            .await;
+                        return Box::pin(
+                            self.run_in_transaction_without_record(&policy, req, service),
+                        )
+                        .await;
                     }
                     service.call(req).await.map(with_handler_body)
                 }
@@ -352,9 +356,13 @@ impl Engine {
     ) -> (Result<BeginOutcome, StoreError>, Option<Transaction>) {
         if policy.transactional {
             #[cfg(feature = "postgres")]
-            return self
-                .claim_transaction_or_wait(storage_key, fingerprint, token, policy)
-                .await;
+            return Box::pin(self.claim_transaction_or_wait(
+                storage_key,
+                fingerprint,
+                token,
+                policy,
+            ))
+            .await;
             #[cfg(not(feature = "postgres"))]
             return (
                 Err(StoreError::Protocol(
@@ -616,10 +624,10 @@ impl Engine {
     /// the abandon is tried again.
     fn abandon_in_background(&self, pending: &PendingBegin) {
         let store = Rc::clone(&self.store);
-        let (key, token) = (pending.storage_key.clone(), pending.token.clone());
+        let (key, token) = (pending.storage_key.clone(), pending.token);
         let remember_for = pending.remember_for;
         let operation = move || {
-            let (store, key, token) = (Rc::clone(&store), key.clone(), token.clone());
+            let (store, key, token) = (Rc::clone(&store), key.clone(), token);
             async move { store.abandon(&key, &token, remember_for).await }
         };
         let timeout = self.settings.store_timeout;

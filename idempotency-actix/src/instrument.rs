@@ -196,8 +196,8 @@ impl EvictionSource {
 pub fn record_evictions(source: EvictionSource, count: u64) {
     #[cfg(feature = "metrics")]
     {
-        describe_metrics();
-        ::metrics::counter!(names::EVICTIONS, "source" => source.as_str()).increment(count);
+        describe_once();
+        crate::metric_handles::evictions(source.as_str()).increment(count);
     }
 }
 
@@ -219,14 +219,14 @@ pub fn describe_metrics() {
 
 /// Metric names, help texts and units.
 #[cfg(feature = "metrics")]
-mod names {
+pub(crate) mod names {
     use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
 
-    pub(super) const REQUESTS: &str = "idempotency_requests_total";
-    pub(super) const STORE_DURATION: &str = "idempotency_store_operation_duration_seconds";
-    pub(super) const IN_FLIGHT: &str = "idempotency_requests_in_flight";
-    pub(super) const BACKGROUND_RETRIES: &str = "idempotency_background_retries_total";
-    pub(super) const EVICTIONS: &str = "idempotency_evictions_total";
+    pub(crate) const REQUESTS: &str = "idempotency_requests_total";
+    pub(crate) const STORE_DURATION: &str = "idempotency_store_operation_duration_seconds";
+    pub(crate) const IN_FLIGHT: &str = "idempotency_requests_in_flight";
+    pub(crate) const BACKGROUND_RETRIES: &str = "idempotency_background_retries_total";
+    pub(crate) const EVICTIONS: &str = "idempotency_evictions_total";
 
     pub(super) fn describe() {
         describe_counter!(
@@ -326,18 +326,9 @@ impl RequestRecord {
         #[cfg(feature = "metrics")]
         {
             describe_once();
-            let route = self.route_label();
-            ::metrics::counter!(names::REQUESTS, "route" => route, "outcome" => outcome.as_str())
-                .increment(1);
+            let route = self.state.route.as_deref().unwrap_or(UNMATCHED_ROUTE);
+            crate::metric_handles::requests(route, outcome.as_str()).increment(1);
         }
-    }
-
-    #[cfg(feature = "metrics")]
-    fn route_label(&self) -> String {
-        self.state
-            .route
-            .clone()
-            .unwrap_or_else(|| UNMATCHED_ROUTE.to_owned())
     }
 }
 
@@ -368,18 +359,16 @@ fn count_now(request: &HttpRequest, outcome: Outcome) {
     #[cfg(feature = "metrics")]
     {
         describe_once();
-        let route = request
-            .match_pattern()
-            .unwrap_or_else(|| UNMATCHED_ROUTE.to_owned());
-        ::metrics::counter!(names::REQUESTS, "route" => route, "outcome" => outcome.as_str())
-            .increment(1);
+        let route = request.match_pattern();
+        let route = route.as_deref().unwrap_or(UNMATCHED_ROUTE);
+        crate::metric_handles::requests(route, outcome.as_str()).increment(1);
     }
 }
 
 /// Counts the request in `idempotency_requests_in_flight` until the guard is dropped.
 pub(crate) struct LockHeld {
     #[cfg(feature = "metrics")]
-    route: String,
+    gauge: ::metrics::Gauge,
 }
 
 impl LockHeld {
@@ -387,12 +376,11 @@ impl LockHeld {
     pub(crate) fn enter(extensions: &Extensions) -> Self {
         #[cfg(feature = "metrics")]
         {
-            let route = extensions
-                .get::<Rc<RequestState>>()
-                .and_then(|state| state.route.clone())
-                .unwrap_or_else(|| UNMATCHED_ROUTE.to_owned());
-            ::metrics::gauge!(names::IN_FLIGHT, "route" => route.clone()).increment(1.0);
-            Self { route }
+            let state = extensions.get::<Rc<RequestState>>();
+            let route = state.and_then(|state| state.route.as_deref());
+            let gauge = crate::metric_handles::in_flight(route.unwrap_or(UNMATCHED_ROUTE));
+            gauge.increment(1.0);
+            Self { gauge }
         }
         #[cfg(not(feature = "metrics"))]
         Self {}
@@ -402,7 +390,7 @@ impl LockHeld {
 #[cfg(feature = "metrics")]
 impl Drop for LockHeld {
     fn drop(&mut self) {
-        ::metrics::gauge!(names::IN_FLIGHT, "route" => self.route.clone()).decrement(1.0);
+        self.gauge.decrement(1.0);
     }
 }
 
@@ -434,12 +422,8 @@ impl StoreTimer {
                 Err(StoreError::Timeout(_)) => "timeout",
                 Err(_) => "error",
             };
-            ::metrics::histogram!(
-                names::STORE_DURATION,
-                "operation" => self.operation.as_str(),
-                "result" => result,
-            )
-            .record(self.started.elapsed().as_secs_f64());
+            crate::metric_handles::store_duration(self.operation.as_str(), result)
+                .record(self.started.elapsed().as_secs_f64());
         }
     }
 }

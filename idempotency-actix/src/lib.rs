@@ -210,6 +210,8 @@ mod inspect;
 mod instrument;
 mod key;
 mod lost_record;
+#[cfg(feature = "metrics")]
+mod metric_handles;
 mod middleware;
 #[cfg(feature = "utoipa")]
 mod openapi;

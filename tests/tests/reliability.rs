@@ -586,7 +586,7 @@ impl<S: IdempotencyStore + Clone> IdempotencyStore for LateBegins<S> {
         lease: Duration,
     ) -> Result<BeginOutcome, StoreError> {
         let (store, gate, landed) = (self.inner.clone(), self.gate.clone(), self.landed.clone());
-        let (key, fingerprint, token) = (key.clone(), *fingerprint, token.clone());
+        let (key, fingerprint, token) = (key.clone(), *fingerprint, *token);
         // On a task of its own: it lands even if the caller stops waiting.
         actix_rt::spawn(async move {
             gate.wait().await;

@@ -54,25 +54,44 @@ pub use self::redis::{RedisPool, RedisStore, ReplicatedWrites};
 /// use idempotency_actix::LeaseToken;
 ///
 /// assert_ne!(LeaseToken::generate(), LeaseToken::generate());
+/// let token = LeaseToken::generate();
+/// assert_eq!(token.as_str().len(), 32);
+/// assert!(token.as_str().bytes().all(|digit| matches!(digit, b'0'..=b'9' | b'a'..=b'f')));
 /// ```
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct LeaseToken(String);
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LeaseToken([u8; TOKEN_LENGTH]);
+
+/// The length of a token: 128 bits as lowercase hex.
+const TOKEN_LENGTH: usize = 32;
 
 impl LeaseToken {
     /// A fresh random token: 128 bits from the thread's cryptographically secure generator,
     /// as 32 lowercase hex digits.
     ///
     /// The generator (`rand`'s thread-local ChaCha, seeded from the operating system and
-    /// reseeded periodically) makes no system call per token, so tokens are cheap, unique
-    /// and unguessable.
+    /// reseeded periodically) makes no system call per token, and the token is held inline
+    /// (no allocation), so tokens are cheap to make and to copy, unique and unguessable.
     pub fn generate() -> Self {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
         let bits: u128 = rand::random();
-        Self(format!("{bits:032x}"))
+        let mut digits = [0; TOKEN_LENGTH];
+        for (index, digit) in digits.iter_mut().enumerate() {
+            let nibble = (bits >> (4 * (TOKEN_LENGTH - 1 - index))) & 0xf;
+            *digit = HEX[nibble as usize];
+        }
+        Self(digits)
     }
 
     /// The token as stores keep it.
     pub fn as_str(&self) -> &str {
-        &self.0
+        // Only ASCII hex digits are ever written.
+        std::str::from_utf8(&self.0).unwrap_or_default()
+    }
+}
+
+impl std::fmt::Debug for LeaseToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("LeaseToken").field(&self.as_str()).finish()
     }
 }
 

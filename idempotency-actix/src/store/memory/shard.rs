@@ -124,7 +124,7 @@ impl Shard {
             key,
             Entry {
                 fingerprint: *fingerprint,
-                state: EntryState::InFlight(token.clone()),
+                state: EntryState::InFlight(*token),
                 expires_at,
                 seq,
                 bytes,
@@ -208,7 +208,7 @@ impl Shard {
         let Some(shared_key) = self.in_flight.remove(&record.expiry_key()) else {
             return Ok(false);
         };
-        record.state = EntryState::Completed(token.clone(), stored);
+        record.state = EntryState::Completed(*token, stored);
         record.expires_at = expiry(now, ttl);
         record.bytes = bytes;
         self.completed.insert(record.expiry_key(), shared_key);
@@ -243,7 +243,7 @@ impl Shard {
                 EntryState::InFlight(_) => return false,
             }
         }
-        tokens.push(token.clone());
+        tokens.push(*token);
         self.remove(key);
         let bytes = entry::marker_bytes(key, &tokens);
         if self.make_room(bytes, now).is_err() {

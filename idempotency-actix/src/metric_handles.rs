@@ -1,0 +1,150 @@
+//! [`MetricHandles`]: the handles of this crate's metrics, kept per thread, so recording a
+//! metric on the request path is a map lookup and an atomic add.
+//!
+//! A `counter!`/`gauge!`/`histogram!` call registers its key with the recorder each time:
+//! the Prometheus exporter copies the key (an allocation per label set) and looks it up in
+//! its shared registry. The handle it returns stays valid, so it is kept here by its labels
+//! and used again. Handles belong to the recorder that made them: the cache is emptied when
+//! another recorder is in place (one installed later, or a thread-local one in tests).
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+use metrics::{Counter, Gauge, Histogram, Recorder};
+
+thread_local! {
+    static HANDLES: RefCell<MetricHandles> = RefCell::new(MetricHandles::default());
+}
+
+/// The handles made by one recorder, by their labels.
+#[derive(Default)]
+struct MetricHandles {
+    /// The recorder's address: handles of another recorder are never used.
+    recorder: usize,
+    /// `idempotency_requests_total` by route, then outcome.
+    requests: HashMap<String, HashMap<&'static str, Counter>>,
+    /// `idempotency_requests_in_flight` by route.
+    in_flight: HashMap<String, Gauge>,
+    /// `idempotency_store_operation_duration_seconds` by operation and result.
+    store_durations: HashMap<(&'static str, &'static str), Histogram>,
+    /// `idempotency_evictions_total` by source.
+    evictions: HashMap<&'static str, Counter>,
+}
+
+/// The address of the recorder in place for this thread now.
+fn current_recorder() -> usize {
+    metrics::with_recorder(|recorder: &dyn Recorder| {
+        std::ptr::from_ref(recorder).cast::<()>() as usize
+    })
+}
+
+/// Runs `f` on this thread's handles of the current recorder.
+fn with_handles<T>(f: impl FnOnce(&mut MetricHandles) -> T) -> T {
+    let recorder = current_recorder();
+    HANDLES.with_borrow_mut(|handles| {
+        if handles.recorder != recorder {
+            *handles = MetricHandles {
+                recorder,
+                ..MetricHandles::default()
+            };
+        }
+        f(handles)
+    })
+}
+
+/// The `idempotency_requests_total` counter of `route` and `outcome`.
+pub(crate) fn requests(route: &str, outcome: &'static str) -> Counter {
+    with_handles(|handles| {
+        let by_outcome = match handles.requests.get_mut(route) {
+            Some(by_outcome) => by_outcome,
+            None => handles.requests.entry(route.to_owned()).or_default(),
+        };
+        by_outcome
+            .entry(outcome)
+            .or_insert_with(|| {
+                metrics::counter!(
+                    crate::instrument::names::REQUESTS,
+                    "route" => route.to_owned(),
+                    "outcome" => outcome,
+                )
+            })
+            .clone()
+    })
+}
+
+/// The `idempotency_requests_in_flight` gauge of `route`.
+pub(crate) fn in_flight(route: &str) -> Gauge {
+    with_handles(|handles| {
+        if let Some(gauge) = handles.in_flight.get(route) {
+            return gauge.clone();
+        }
+        let gauge =
+            metrics::gauge!(crate::instrument::names::IN_FLIGHT, "route" => route.to_owned());
+        handles.in_flight.insert(route.to_owned(), gauge.clone());
+        gauge
+    })
+}
+
+/// The `idempotency_store_operation_duration_seconds` histogram of `operation` and
+/// `result`.
+pub(crate) fn store_duration(operation: &'static str, result: &'static str) -> Histogram {
+    with_handles(|handles| {
+        handles
+            .store_durations
+            .entry((operation, result))
+            .or_insert_with(|| {
+                metrics::histogram!(
+                    crate::instrument::names::STORE_DURATION,
+                    "operation" => operation,
+                    "result" => result,
+                )
+            })
+            .clone()
+    })
+}
+
+/// The `idempotency_evictions_total` counter of `source`.
+pub(crate) fn evictions(source: &'static str) -> Counter {
+    with_handles(|handles| {
+        handles
+            .evictions
+            .entry(source)
+            .or_insert_with(
+                || metrics::counter!(crate::instrument::names::EVICTIONS, "source" => source),
+            )
+            .clone()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+    use super::*;
+
+    #[test]
+    fn handles_follow_the_recorder_in_place() {
+        let first = DebuggingRecorder::new();
+        let first_snapshots = first.snapshotter();
+        metrics::with_local_recorder(&first, || {
+            requests("/a", "executed").increment(1);
+            requests("/a", "executed").increment(1);
+        });
+        // Another recorder gets handles of its own, not the first one's.
+        let second = DebuggingRecorder::new();
+        let second_snapshots = second.snapshotter();
+        metrics::with_local_recorder(&second, || requests("/a", "executed").increment(5));
+        let total = |snapshot: metrics_util::debugging::Snapshot| {
+            snapshot
+                .into_vec()
+                .into_iter()
+                .map(|(_, _, _, value)| match value {
+                    DebugValue::Counter(value) => value,
+                    _ => 0,
+                })
+                .sum::<u64>()
+        };
+        assert_eq!(total(first_snapshots.snapshot()), 2);
+        assert_eq!(total(second_snapshots.snapshot()), 5);
+    }
+}
