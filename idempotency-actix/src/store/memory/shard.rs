@@ -2,9 +2,9 @@
 //! byte budget.
 //!
 //! Every record is in the map and in exactly one of two indices ordered by expiry: one for
-//! in-flight records, one for completed ones (and the markers of abandoned tokens). Both are kept exact (an entry whose expiry
-//! changes is moved, a removed record leaves its index at once), so they never hold more
-//! entries than the map. Expired records are reclaimed from the front of the indices a few
+//! in-flight records, one for completed ones and the markers of abandoned tokens. Both are
+//! kept exact (an entry whose expiry changes is moved, a removed record leaves its index at
+//! once), so they never hold more entries than the map. Expired records are reclaimed from the front of the indices a few
 //! per operation, and eviction takes the front of the completed index: every step is
 //! O(log n), none walks the records.
 
@@ -116,23 +116,37 @@ impl Shard {
             return Err(Full);
         }
         self.make_room(bytes, now)?;
-        let key: Arc<str> = Arc::from(key);
-        let seq = self.next_seq();
-        let expires_at = expiry(now, lease);
-        self.in_flight.insert((expires_at, seq), Arc::clone(&key));
-        self.records.insert(
-            key,
-            Entry {
-                fingerprint: *fingerprint,
-                state: EntryState::InFlight(*token),
-                expires_at,
-                seq,
-                bytes,
-            },
-        );
-        self.used_bytes += bytes;
-        self.in_flight_bytes += bytes;
+        let state = EntryState::InFlight(*token);
+        self.insert(key, *fingerprint, state, expiry(now, lease), bytes);
         Ok(BeginOutcome::Acquired)
+    }
+
+    /// Inserts a record under `key`, where there is none, in the index of its state, and
+    /// charges its `bytes` (room was made for them).
+    fn insert(
+        &mut self,
+        key: &str,
+        fingerprint: Fingerprint,
+        state: EntryState,
+        expires_at: Instant,
+        bytes: usize,
+    ) {
+        let key: Arc<str> = Arc::from(key);
+        let entry = Entry {
+            fingerprint,
+            state,
+            expires_at,
+            seq: self.next_seq(),
+            bytes,
+        };
+        self.used_bytes += bytes;
+        if entry.is_in_flight() {
+            self.in_flight_bytes += bytes;
+            self.in_flight.insert(entry.expiry_key(), Arc::clone(&key));
+        } else {
+            self.completed.insert(entry.expiry_key(), Arc::clone(&key));
+        }
+        self.records.insert(key, entry);
     }
 
     pub(super) fn renew(
@@ -249,21 +263,9 @@ impl Shard {
         if self.make_room(bytes, now).is_err() {
             return true;
         }
-        let key: Arc<str> = Arc::from(key);
-        let seq = self.next_seq();
-        let expires_at = expiry(now, remember_for);
-        self.completed.insert((expires_at, seq), Arc::clone(&key));
-        self.records.insert(
-            key,
-            Entry {
-                fingerprint: Fingerprint::from_bytes([0; 32]),
-                state: EntryState::Abandoned(tokens),
-                expires_at,
-                seq,
-                bytes,
-            },
-        );
-        self.used_bytes += bytes;
+        let no_fingerprint = Fingerprint::from_bytes([0; 32]);
+        let state = EntryState::Abandoned(tokens);
+        self.insert(key, no_fingerprint, state, expiry(now, remember_for), bytes);
         true
     }
 

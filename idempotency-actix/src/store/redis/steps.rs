@@ -43,7 +43,7 @@ impl<T: Transport> Steps<'_, T> {
             protocol::begin(key, fingerprint, token, lease),
             self.replication,
         );
-        let reply = match self.transport.send(&exchange).await {
+        let mut reply = match self.transport.send(&exchange).await {
             // A full Redis (`noeviction`) refuses `SET` even where `NX` would write nothing:
             // read the record instead, so a key in flight still answers 409 and a completed
             // one replays; only a new key is refused (503 when failing closed).
@@ -59,7 +59,6 @@ impl<T: Transport> Steps<'_, T> {
             }
             reply => reply?,
         };
-        let mut reply = reply;
         for _ in 0..MAX_CLAIMS {
             let marker = match protocol::begin_outcome(reply.value, fingerprint, token)? {
                 Begun::Decided(outcome, remaining) => {
