@@ -38,6 +38,11 @@ use std::process::ExitCode;
 
 use idempotency_actix_examples::reference_app::{self, ServerConfig};
 
+/// mimalloc, as production Rust services commonly run: the benchmark's baseline and every
+/// protected mode use the same allocator (README "Performance").
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     let config = match ServerConfig::from_env() {
         Ok(config) => config,

@@ -183,6 +183,29 @@ impl Engine {
         result
     }
 
+    /// Passes a request without a key to `service` on a route whose policy lets it through
+    /// (key optional, not transactional): what [`process`](Self::process) would do for it,
+    /// with a future a fraction of the size (no store step can follow).
+    pub(crate) async fn pass_without_key<S, B>(
+        req: ServiceRequest,
+        service: Rc<S>,
+    ) -> Result<Response<B>, actix_web::Error>
+    where
+        S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = actix_web::Error>
+            + 'static,
+        B: MessageBody + 'static,
+    {
+        let record = RequestRecord::start(&req);
+        claim_without_key(&req);
+        let result = service
+            .call(req)
+            .instrument(record.span())
+            .await
+            .map(with_handler_body);
+        record.finish(&result);
+        result
+    }
+
     async fn protect<S, B>(
         self: Rc<Self>,
         policy: Policy,
@@ -201,11 +224,7 @@ impl Engine {
                 return Ok(self.refuse(req, IdempotencyError::MissingKey));
             }
             Ok(None) => {
-                instrument::decided(&req.extensions(), Outcome::NoKey);
-                req.extensions_mut().insert(Claimed {
-                    key_present: false,
-                    lock: None,
-                });
+                claim_without_key(&req);
                 #[cfg(feature = "postgres")]
                 if policy.transactional {
                     // Boxed, as every transactional step here: their futures are large and
@@ -279,9 +298,16 @@ impl Engine {
                 let run = actix_rt::spawn(Box::pin(async move {
                     #[cfg(feature = "postgres")]
                     if let Some(transaction) = transaction {
-                        return engine
-                            .run_and_commit_transaction(policy, lock, transaction, req, service)
-                            .await;
+                        // Boxed: its future is several times the size of the rest, and this
+                        // task's future is copied whole into its box on every spawn.
+                        return Box::pin(engine.run_and_commit_transaction(
+                            policy,
+                            lock,
+                            transaction,
+                            req,
+                            service,
+                        ))
+                        .await;
                     }
                     #[cfg(not(feature = "postgres"))]
                     let _ = transaction; // never one without the feature
@@ -846,9 +872,17 @@ async fn within<T>(
     operation: impl Future<Output = Result<T, StoreError>>,
 ) -> Result<T, StoreError> {
     let timer = StoreTimer::start(kind);
-    let result = actix_rt::time::timeout(limit, operation)
-        .await
-        .unwrap_or(Err(StoreError::Timeout(limit)));
+    let mut operation = std::pin::pin!(operation);
+    // A store that answers on the first poll (the memory store, a cached reply) needs no
+    // timer: arming and disarming one costs more than such an operation.
+    let first_poll =
+        std::future::poll_fn(|cx| std::task::Poll::Ready(operation.as_mut().poll(cx))).await;
+    let result = match first_poll {
+        std::task::Poll::Ready(result) => result,
+        std::task::Poll::Pending => actix_rt::time::timeout(limit, operation)
+            .await
+            .unwrap_or(Err(StoreError::Timeout(limit))),
+    };
     timer.finish(&result);
     result
 }
@@ -873,6 +907,16 @@ async fn read_body(req: &mut ServiceRequest, limit: usize) -> Result<Bytes, Idem
         body.extend_from_slice(&chunk);
     }
     Ok(body.freeze())
+}
+
+/// Records that `req` goes on without a key, and claims it so that layers further in leave
+/// it alone.
+fn claim_without_key(req: &ServiceRequest) {
+    instrument::decided(&req.extensions(), Outcome::NoKey);
+    req.extensions_mut().insert(Claimed {
+        key_present: false,
+        lock: None,
+    });
 }
 
 /// Methods that are idempotent by definition and never touched.

@@ -491,6 +491,42 @@ async fn client_pause_is_503_within_the_store_timeout() {
 }
 
 #[actix_web::test]
+async fn a_stall_shorter_than_the_store_timeout_is_waited_out() {
+    // The store timeout is the one bound on a Redis reply: redis-rs's own default (500 ms)
+    // must not cut a longer one short and answer 503 while Redis would still answer in time.
+    let redis = PrivateRedis::start().await;
+    let runs = RunCounter::default();
+    let server = serve(app_factory(
+        RedisStore::pool(&redis.url()).unwrap(),
+        unique_prefix("stall_within_timeout"),
+        runs.clone(),
+        IdempotentRoute::new,
+        |i| i.store_timeout(Duration::from_secs(5)),
+    ));
+    let client = awc::Client::default();
+    let url = server.url("/orders");
+    assert_eq!(
+        post(&client, &url, "warm").await.status,
+        StatusCode::CREATED
+    );
+
+    stall(&redis, &["DEBUG", "SLEEP", "1"]);
+    actix_rt::time::sleep(Duration::from_millis(100)).await;
+    let started = Instant::now();
+    let waited = post(&client, &url, "waited").await;
+    assert_eq!(waited.status, StatusCode::CREATED);
+    assert!(
+        started.elapsed() >= Duration::from_millis(500),
+        "the request met the stall ({:?})",
+        started.elapsed()
+    );
+    assert_eq!(runs.get(), 2);
+    let replayed = post(&client, &url, "waited").await;
+    assert!(replayed.replayed);
+    assert_eq!(runs.get(), 2);
+}
+
+#[actix_web::test]
 async fn the_store_never_waits_for_a_pool_slot() {
     // The store shares one multiplexed connection per worker instead of checking one out per
     // command: an app that holds every slot of the pool does not starve it.

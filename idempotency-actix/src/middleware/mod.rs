@@ -83,7 +83,8 @@ where
 /// refused with 503 when a cap is reached. Only the handler's run under a lock and its
 /// commit go on a task of their own (spawned by the engine), so that they complete even
 /// when the client disconnects and Actix drops this future; a keyless request, a replay or a
-/// refusal costs no task.
+/// refusal costs no task, and a keyless request that its route lets through takes a short
+/// path of its own.
 fn process<S, B>(
     engine: Rc<Engine>,
     policy: Policy,
@@ -94,7 +95,11 @@ where
     S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = actix_web::Error> + 'static,
     B: MessageBody + 'static,
 {
-    let slot = if req.headers().contains_key(&engine.settings.header) {
+    let keyed = req.headers().contains_key(&engine.settings.header);
+    if !keyed && !policy.required && !policy.transactional {
+        return IdempotencyFuture::processing(Box::pin(Engine::pass_without_key(req, service)));
+    }
+    let slot = if keyed {
         let Some(slot) = engine.workload.admit() else {
             tracing::debug!("idempotency: worker at its keyed-work cap; answering 503");
             let retry_after = engine.settings.retry_after;

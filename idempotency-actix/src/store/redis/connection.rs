@@ -126,7 +126,16 @@ impl SharedConnection {
 
     /// A new connection from the pool's connection manager, driven by this thread.
     async fn open(&self) -> Result<MultiplexedConnection, StoreError> {
-        self.pool.dedicated_connection().await.map_err(unavailable)
+        let mut connection = self
+            .pool
+            .dedicated_connection()
+            .await
+            .map_err(unavailable)?;
+        // redis-rs bounds every reply by 500 ms unless told otherwise, which would cut the
+        // engine's store timeout (2 s by default, set with `Idempotency::store_timeout`)
+        // short: the engine's bound is the one that applies.
+        connection.set_response_timeout(crate::MAX_DURATION);
+        Ok(connection)
     }
 }
 
