@@ -1,7 +1,6 @@
 //! [`Entry`]: one record as the memory store holds it, and the bytes it is charged.
 
 use std::mem::size_of;
-use std::sync::Arc;
 use std::time::Instant;
 
 use actix_web::http::header::{HeaderName, HeaderValue};
@@ -17,6 +16,9 @@ pub(super) type ExpiryKey = (Instant, u64);
 /// One record: in flight (a lease held by a token), completed (a response to replay), or
 /// the marker of an abandoned token.
 pub(super) struct Entry {
+    /// The record's key, and its hash under the store's hasher.
+    pub(super) key: Box<str>,
+    pub(super) hash: u64,
     pub(super) fingerprint: Fingerprint,
     pub(super) state: EntryState,
     pub(super) expires_at: Instant,
@@ -40,6 +42,11 @@ impl Entry {
         (self.expires_at, self.seq)
     }
 
+    /// Whether this is the record under `key`.
+    pub(super) fn is(&self, key: super::shard::HashedKey<'_>) -> bool {
+        self.hash == key.hash && *self.key == *key.key
+    }
+
     pub(super) fn is_live(&self, now: Instant) -> bool {
         self.expires_at > now
     }
@@ -59,14 +66,12 @@ impl Entry {
 /// rounding up to a size class).
 const ALLOCATION_OVERHEAD: usize = 32;
 
-/// The fixed cost of every entry: its slot in the shard's map (key and entry), its slot in an
-/// expiry index, and the shared key's reference counts, plus the allocations of the shared key
-/// and of the token. Hash tables and B-tree nodes are never full, so both slots are counted
-/// twice.
-const ENTRY_OVERHEAD: usize = 2 * size_of::<(Arc<str>, Entry)>()
-    + 2 * size_of::<(ExpiryKey, Arc<str>)>()
-    + 2 * size_of::<usize>()
-    + 2 * ALLOCATION_OVERHEAD;
+/// The fixed cost of every entry: its slot in the shard's map (the entry, with the key's
+/// pointer and hash), its slot in an expiry index (expiry key and hash), plus the
+/// allocations of the key and of the token. Hash tables and B-tree nodes are never full, so
+/// both slots are counted twice.
+const ENTRY_OVERHEAD: usize =
+    2 * size_of::<Entry>() + 2 * size_of::<(ExpiryKey, u64)>() + 2 * ALLOCATION_OVERHEAD;
 
 /// The fixed cost of each stored header beside its name and value bytes.
 const HEADER_OVERHEAD: usize = size_of::<(HeaderName, HeaderValue)>() + ALLOCATION_OVERHEAD;

@@ -17,7 +17,7 @@ mod shard;
 
 pub use self::builder::MemoryStoreBuilder;
 use self::eviction_log::EvictionLog;
-use self::shard::{Full, Shard};
+use self::shard::{Full, HashedKey, Shard};
 
 /// An in-process store with the same semantics as the Redis store, expiry included, that
 /// never holds more than a byte budget (64 MiB by default).
@@ -152,12 +152,23 @@ impl MemoryStore {
 
     /// Runs `operation` on the shard of `key`, then reports its evictions once the lock is
     /// released.
-    fn on_shard<T>(&self, key: &StorageKey, operation: impl FnOnce(&mut Shard, Instant) -> T) -> T {
+    fn on_shard<T>(
+        &self,
+        key: &StorageKey,
+        operation: impl FnOnce(&mut Shard, HashedKey<'_>, Instant) -> T,
+    ) -> T {
         let shards = &self.inner.shards;
-        let index = (self.inner.hasher.hash_one(key.as_str()) % shards.len() as u64) as usize;
+        let key = HashedKey {
+            key: key.as_str(),
+            hash: self.inner.hasher.hash_one(key),
+        };
+        // The shard from bits the shard's own table does not use to place the key (it takes
+        // the low bits for the bucket and the top 7 for its control bytes): keys of one shard
+        // still spread over all of its buckets.
+        let index = ((key.hash >> 32) % shards.len() as u64) as usize;
         let (result, evicted) = {
             let mut shard = lock(&shards[index]);
-            let result = operation(&mut shard, Instant::now());
+            let result = operation(&mut shard, key, Instant::now());
             (result, shard.take_evictions())
         };
         self.inner.evictions.record(evicted, self.inner.max_bytes);
@@ -191,8 +202,8 @@ impl IdempotencyStore for MemoryStore {
         token: &LeaseToken,
         lease: Duration,
     ) -> Result<BeginOutcome, StoreError> {
-        self.on_shard(key, |shard, now| {
-            shard.begin(key.as_str(), fingerprint, token, lease, now)
+        self.on_shard(key, |shard, key, now| {
+            shard.begin(key, fingerprint, token, lease, now)
         })
         .map_err(|Full| self.full())
     }
@@ -203,8 +214,8 @@ impl IdempotencyStore for MemoryStore {
         token: &LeaseToken,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        Ok(self.on_shard(key, |shard, now| {
-            shard.renew(key.as_str(), token, lease, now)
+        Ok(self.on_shard(key, |shard, key, now| {
+            shard.renew(key, token, lease, now)
         }))
     }
 
@@ -215,14 +226,14 @@ impl IdempotencyStore for MemoryStore {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        self.on_shard(key, |shard, now| {
-            shard.commit(key.as_str(), token, response, ttl, now)
+        self.on_shard(key, |shard, key, now| {
+            shard.commit(key, token, response, ttl, now)
         })
         .map_err(|Full| self.full())
     }
 
     async fn release(&self, key: &StorageKey, token: &LeaseToken) -> Result<bool, StoreError> {
-        Ok(self.on_shard(key, |shard, now| shard.release(key.as_str(), token, now)))
+        Ok(self.on_shard(key, |shard, key, now| shard.release(key, token, now)))
     }
 
     async fn abandon(
@@ -231,8 +242,8 @@ impl IdempotencyStore for MemoryStore {
         token: &LeaseToken,
         remember_for: Duration,
     ) -> Result<bool, StoreError> {
-        Ok(self.on_shard(key, |shard, now| {
-            shard.abandon(key.as_str(), token, remember_for, now)
+        Ok(self.on_shard(key, |shard, key, now| {
+            shard.abandon(key, token, remember_for, now)
         }))
     }
 
@@ -241,13 +252,13 @@ impl IdempotencyStore for MemoryStore {
         key: &StorageKey,
         with_body: bool,
     ) -> Result<Option<RecordSnapshot>, StoreError> {
-        Ok(self.on_shard(key, |shard, now| {
-            shard.inspect(key.as_str(), with_body, now)
+        Ok(self.on_shard(key, |shard, key, now| {
+            shard.inspect(key, with_body, now)
         }))
     }
 
     async fn delete(&self, key: &StorageKey, force: bool) -> Result<Deletion, StoreError> {
-        Ok(self.on_shard(key, |shard, now| shard.delete(key.as_str(), force, now)))
+        Ok(self.on_shard(key, |shard, key, now| shard.delete(key, force, now)))
     }
 }
 

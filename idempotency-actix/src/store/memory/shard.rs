@@ -4,13 +4,19 @@
 //! Every record is in the map and in exactly one of two indices ordered by expiry: one for
 //! in-flight records, one for completed ones and the markers of abandoned tokens. Both are
 //! kept exact (an entry whose expiry changes is moved, a removed record leaves its index at
-//! once), so they never hold more entries than the map. Expired records are reclaimed from the front of the indices a few
-//! per operation, and eviction takes the front of the completed index: every step is
-//! O(log n), none walks the records.
+//! once), so they never hold more entries than the map. Expired records are reclaimed from
+//! the front of the indices a few per operation, and eviction takes the front of the
+//! completed index: every step is O(log n), none walks the records.
+//!
+//! A key is hashed once per operation, by the store (which also picks the shard with that
+//! hash): the map is a [`HashTable`] that takes the hash as given, each record keeps its
+//! own, and the indices name records by hash and sequence number, so evicting or reclaiming
+//! a record hashes nothing.
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
+
+use hashbrown::HashTable;
 
 use super::entry::{self, Entry, EntryState, ExpiryKey};
 use crate::fingerprint::Fingerprint;
@@ -29,10 +35,20 @@ const RECLAIMED_PER_OPERATION: usize = 4;
 #[derive(Debug)]
 pub(super) struct Full;
 
+/// A key and its hash under the store's hasher.
+#[derive(Clone, Copy)]
+pub(super) struct HashedKey<'a> {
+    pub(super) key: &'a str,
+    pub(super) hash: u64,
+}
+
+/// An index: each record's expiry key, and its hash to find it in the map.
+type ExpiryIndex = BTreeMap<ExpiryKey, u64>;
+
 pub(super) struct Shard {
-    records: HashMap<Arc<str>, Entry>,
-    in_flight: BTreeMap<ExpiryKey, Arc<str>>,
-    completed: BTreeMap<ExpiryKey, Arc<str>>,
+    records: HashTable<Entry>,
+    in_flight: ExpiryIndex,
+    completed: ExpiryIndex,
     used_bytes: usize,
     in_flight_bytes: usize,
     max_bytes: usize,
@@ -44,7 +60,7 @@ pub(super) struct Shard {
 impl Shard {
     pub(super) fn new(max_bytes: usize) -> Self {
         Self {
-            records: HashMap::new(),
+            records: HashTable::new(),
             in_flight: BTreeMap::new(),
             completed: BTreeMap::new(),
             used_bytes: 0,
@@ -70,14 +86,14 @@ impl Shard {
 
     pub(super) fn begin(
         &mut self,
-        key: &str,
+        key: HashedKey<'_>,
         fingerprint: &Fingerprint,
         token: &LeaseToken,
         lease: Duration,
         now: Instant,
     ) -> Result<BeginOutcome, Full> {
         self.reclaim_expired(now);
-        if let Some(record) = self.records.get(key) {
+        if let Some(record) = self.get(key) {
             if record.is_live(now) {
                 return Ok(match &record.state {
                     EntryState::InFlight(holder) if holder == token => BeginOutcome::Acquired,
@@ -102,13 +118,13 @@ impl Shard {
     /// Creates the in-flight record of `token` under `key`, where there is none.
     fn create(
         &mut self,
-        key: &str,
+        key: HashedKey<'_>,
         fingerprint: &Fingerprint,
         token: &LeaseToken,
         lease: Duration,
         now: Instant,
     ) -> Result<BeginOutcome, Full> {
-        let bytes = entry::in_flight_bytes(key, token);
+        let bytes = entry::in_flight_bytes(key.key, token);
         // In-flight records may take half the budget: the other half is room for them to
         // complete, so a shard full of them can always commit.
         self.reclaim_expired_in_flight(now);
@@ -125,14 +141,15 @@ impl Shard {
     /// charges its `bytes` (room was made for them).
     fn insert(
         &mut self,
-        key: &str,
+        key: HashedKey<'_>,
         fingerprint: Fingerprint,
         state: EntryState,
         expires_at: Instant,
         bytes: usize,
     ) {
-        let key: Arc<str> = Arc::from(key);
         let entry = Entry {
+            key: Box::from(key.key),
+            hash: key.hash,
             fingerprint,
             state,
             expires_at,
@@ -142,16 +159,17 @@ impl Shard {
         self.used_bytes += bytes;
         if entry.is_in_flight() {
             self.in_flight_bytes += bytes;
-            self.in_flight.insert(entry.expiry_key(), Arc::clone(&key));
+            self.in_flight.insert(entry.expiry_key(), key.hash);
         } else {
-            self.completed.insert(entry.expiry_key(), Arc::clone(&key));
+            self.completed.insert(entry.expiry_key(), key.hash);
         }
-        self.records.insert(key, entry);
+        self.records
+            .insert_unique(key.hash, entry, |record| record.hash);
     }
 
     pub(super) fn renew(
         &mut self,
-        key: &str,
+        key: HashedKey<'_>,
         token: &LeaseToken,
         lease: Duration,
         now: Instant,
@@ -159,14 +177,14 @@ impl Shard {
         self.reclaim_expired(now);
         let Some(record) = self
             .records
-            .get_mut(key)
+            .find_mut(key.hash, |record| record.is(key))
             .filter(|record| record.is_live(now) && record.is_held_by(token))
         else {
             return false;
         };
-        if let Some(key) = self.in_flight.remove(&record.expiry_key()) {
+        if let Some(hash) = self.in_flight.remove(&record.expiry_key()) {
             record.expires_at = expiry(now, lease);
-            self.in_flight.insert(record.expiry_key(), key);
+            self.in_flight.insert(record.expiry_key(), hash);
         }
         true
     }
@@ -178,14 +196,14 @@ impl Shard {
     /// even that does not fit.
     pub(super) fn commit(
         &mut self,
-        key: &str,
+        key: HashedKey<'_>,
         token: &LeaseToken,
         response: &StoredResponse,
         ttl: Duration,
         now: Instant,
     ) -> Result<bool, Full> {
         self.reclaim_expired(now);
-        let Some(record) = self.records.get(key).filter(|record| record.is_live(now)) else {
+        let Some(record) = self.get(key).filter(|record| record.is_live(now)) else {
             return Ok(false);
         };
         match &record.state {
@@ -206,26 +224,26 @@ impl Shard {
                 .as_deref()
                 .map(actix_web::web::Bytes::copy_from_slice),
         };
-        let mut bytes = entry::completed_bytes(key, token, &stored);
+        let mut bytes = entry::completed_bytes(key.key, token, &stored);
         if self.make_room(bytes - in_flight_bytes, now).is_err() {
             stored.body = None;
-            bytes = entry::completed_bytes(key, token, &stored);
+            bytes = entry::completed_bytes(key.key, token, &stored);
             self.make_room(bytes - in_flight_bytes, now)?;
             tracing::warn!(
                 max_bytes = self.max_bytes,
                 "idempotency: a response did not fit in the memory store; completed without its body"
             );
         }
-        let Some(record) = self.records.get_mut(key) else {
+        let Some(record) = self.records.find_mut(key.hash, |record| record.is(key)) else {
             return Ok(false);
         };
-        let Some(shared_key) = self.in_flight.remove(&record.expiry_key()) else {
+        let Some(hash) = self.in_flight.remove(&record.expiry_key()) else {
             return Ok(false);
         };
         record.state = EntryState::Completed(*token, stored);
         record.expires_at = expiry(now, ttl);
         record.bytes = bytes;
-        self.completed.insert(record.expiry_key(), shared_key);
+        self.completed.insert(record.expiry_key(), hash);
         self.in_flight_bytes -= in_flight_bytes;
         self.used_bytes += bytes - in_flight_bytes;
         Ok(true)
@@ -239,14 +257,14 @@ impl Shard {
     /// when first polled, so none can land late anyway.
     pub(super) fn abandon(
         &mut self,
-        key: &str,
+        key: HashedKey<'_>,
         token: &LeaseToken,
         remember_for: Duration,
         now: Instant,
     ) -> bool {
         self.reclaim_expired(now);
         let mut tokens = Vec::new();
-        if let Some(record) = self.records.get(key).filter(|record| record.is_live(now)) {
+        if let Some(record) = self.get(key).filter(|record| record.is_live(now)) {
             match &record.state {
                 EntryState::InFlight(holder) if holder == token => {}
                 EntryState::Abandoned(earlier) => {
@@ -259,7 +277,7 @@ impl Shard {
         }
         tokens.push(*token);
         self.remove(key);
-        let bytes = entry::marker_bytes(key, &tokens);
+        let bytes = entry::marker_bytes(key.key, &tokens);
         if self.make_room(bytes, now).is_err() {
             return true;
         }
@@ -269,10 +287,9 @@ impl Shard {
         true
     }
 
-    pub(super) fn release(&mut self, key: &str, token: &LeaseToken, now: Instant) -> bool {
+    pub(super) fn release(&mut self, key: HashedKey<'_>, token: &LeaseToken, now: Instant) -> bool {
         self.reclaim_expired(now);
         let held = self
-            .records
             .get(key)
             .is_some_and(|record| record.is_live(now) && record.is_held_by(token));
         if held {
@@ -284,12 +301,12 @@ impl Shard {
     /// The live record under `key`, for inspection.
     pub(super) fn inspect(
         &mut self,
-        key: &str,
+        key: HashedKey<'_>,
         with_body: bool,
         now: Instant,
     ) -> Option<RecordSnapshot> {
         self.reclaim_expired(now);
-        let record = self.records.get(key).filter(|record| record.is_live(now))?;
+        let record = self.get(key).filter(|record| record.is_live(now))?;
         let expires_in = Some(record.expires_at - now);
         match &record.state {
             EntryState::InFlight(_) => Some(RecordSnapshot::in_flight(expires_in)),
@@ -304,9 +321,9 @@ impl Shard {
     }
 
     /// Deletes the live record under `key`; an in-flight one only if `force`.
-    pub(super) fn delete(&mut self, key: &str, force: bool, now: Instant) -> Deletion {
+    pub(super) fn delete(&mut self, key: HashedKey<'_>, force: bool, now: Instant) -> Deletion {
         self.reclaim_expired(now);
-        let Some(record) = self.records.get(key).filter(|record| {
+        let Some(record) = self.get(key).filter(|record| {
             record.is_live(now) && !matches!(record.state, EntryState::Abandoned(_))
         }) else {
             return Deletion::NotFound;
@@ -329,13 +346,13 @@ impl Shard {
             return Err(Full);
         }
         while self.used_bytes + extra > self.max_bytes {
-            let Some(((expires_at, _), key)) = self.completed.pop_first() else {
+            let Some((expiry_key, hash)) = self.completed.pop_first() else {
                 return Err(Full);
             };
-            if expires_at > now {
+            if expiry_key.0 > now {
                 self.evictions += 1;
             }
-            self.forget(&key);
+            self.forget(expiry_key, hash);
         }
         Ok(())
     }
@@ -344,63 +361,82 @@ impl Shard {
     /// not count as such when deciding whether there is room. Each is reclaimed once, so this
     /// stays amortized O(log n).
     fn reclaim_expired_in_flight(&mut self, now: Instant) {
-        while let Some(key) = pop_expired(&mut self.in_flight, now) {
-            self.forget(&key);
+        while let Some((expiry_key, hash)) = pop_expired(&mut self.in_flight, now) {
+            self.forget(expiry_key, hash);
         }
     }
 
     /// Reclaims a few expired records from the front of each index.
     fn reclaim_expired(&mut self, now: Instant) {
         for _ in 0..RECLAIMED_PER_OPERATION {
-            let Some(key) = pop_expired(&mut self.completed, now) else {
+            let Some((expiry_key, hash)) = pop_expired(&mut self.completed, now) else {
                 break;
             };
-            self.forget(&key);
+            self.forget(expiry_key, hash);
         }
         for _ in 0..RECLAIMED_PER_OPERATION {
-            let Some(key) = pop_expired(&mut self.in_flight, now) else {
+            let Some((expiry_key, hash)) = pop_expired(&mut self.in_flight, now) else {
                 break;
             };
-            self.forget(&key);
+            self.forget(expiry_key, hash);
         }
     }
 
     /// Removes the record under `key` from the map and from its index.
-    fn remove(&mut self, key: &str) {
-        if let Some(record) = self.records.get(key) {
-            let index = if record.is_in_flight() {
-                &mut self.in_flight
-            } else {
-                &mut self.completed
-            };
-            index.remove(&record.expiry_key());
-            self.forget(key);
+    fn remove(&mut self, key: HashedKey<'_>) {
+        let Ok(found) = self.records.find_entry(key.hash, |record| record.is(key)) else {
+            return;
+        };
+        let (record, _) = found.remove();
+        let index = if record.is_in_flight() {
+            &mut self.in_flight
+        } else {
+            &mut self.completed
+        };
+        index.remove(&record.expiry_key());
+        self.discharge(&record);
+    }
+
+    /// Removes the record that an index named (`expiry_key`, `hash`) from the map; its index
+    /// entry is already gone.
+    fn forget(&mut self, expiry_key: ExpiryKey, hash: u64) {
+        let found = self
+            .records
+            .find_entry(hash, |record| record.expiry_key() == expiry_key);
+        if let Ok(found) = found {
+            let (record, _) = found.remove();
+            self.discharge(&record);
         }
     }
 
-    /// Removes the record under `key` from the map, whose index entry is already gone.
-    fn forget(&mut self, key: &str) {
-        if let Some(record) = self.records.remove(key) {
-            self.used_bytes -= record.bytes;
-            if record.is_in_flight() {
-                self.in_flight_bytes -= record.bytes;
-            }
+    /// The record under `key`, if any (live or not).
+    fn get(&self, key: HashedKey<'_>) -> Option<&Entry> {
+        self.records.find(key.hash, |record| record.is(key))
+    }
+
+    /// Takes a removed record's bytes off the counts.
+    fn discharge(&mut self, record: &Entry) {
+        self.used_bytes -= record.bytes;
+        if record.is_in_flight() {
+            self.in_flight_bytes -= record.bytes;
         }
     }
 
     /// Whether the map, the indices and the byte counts agree (for tests).
     #[cfg(test)]
     pub(super) fn is_consistent(&self) -> bool {
-        let indexed = |index: &BTreeMap<ExpiryKey, Arc<str>>, in_flight: bool| {
-            index.iter().all(|(expiry_key, key)| {
-                self.records.get(key).is_some_and(|record| {
-                    record.expiry_key() == *expiry_key && record.is_in_flight() == in_flight
-                })
+        let indexed = |index: &ExpiryIndex, in_flight: bool| {
+            index.iter().all(|(expiry_key, hash)| {
+                self.records
+                    .find(*hash, |record| record.expiry_key() == *expiry_key)
+                    .is_some_and(|record| {
+                        record.hash == *hash && record.is_in_flight() == in_flight
+                    })
             })
         };
         let in_flight_bytes: usize = self
             .records
-            .values()
+            .iter()
             .filter(|record| record.is_in_flight())
             .map(|record| record.bytes)
             .sum();
@@ -409,7 +445,7 @@ impl Shard {
             && indexed(&self.completed, false)
             && self
                 .records
-                .values()
+                .iter()
                 .map(|record| record.bytes)
                 .sum::<usize>()
                 == self.used_bytes
@@ -424,9 +460,9 @@ impl Shard {
 }
 
 /// Takes the first entry of `index` if it expired at `now` or before.
-fn pop_expired(index: &mut BTreeMap<ExpiryKey, Arc<str>>, now: Instant) -> Option<Arc<str>> {
+fn pop_expired(index: &mut ExpiryIndex, now: Instant) -> Option<(ExpiryKey, u64)> {
     let entry = index.first_entry()?;
-    (entry.key().0 <= now).then(|| entry.remove())
+    (entry.key().0 <= now).then(|| entry.remove_entry())
 }
 
 /// `now + duration`, saturating far in the future instead of overflowing.
