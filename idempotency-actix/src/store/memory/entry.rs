@@ -3,10 +3,9 @@
 use std::mem::size_of;
 use std::time::Instant;
 
-use actix_web::http::header::{HeaderName, HeaderValue};
+use actix_web::web::Bytes;
 
 use crate::fingerprint::Fingerprint;
-use crate::record::StoredResponse;
 use crate::store::LeaseToken;
 
 /// Where an entry sits in its shard's expiry index: its expiry, then a sequence number that
@@ -29,7 +28,7 @@ pub(super) struct Entry {
 
 pub(super) enum EntryState {
     InFlight(LeaseToken),
-    Completed(LeaseToken, StoredResponse),
+    Completed(LeaseToken, Bytes),
     /// The marker of abandoned tokens (latest last, at most
     /// [`REMEMBERED_TOKENS`](super::shard::REMEMBERED_TOKENS)): a `begin` of one of them
     /// creates nothing, any other token's `begin` replaces the marker. Indexed, evicted and
@@ -73,9 +72,6 @@ const ALLOCATION_OVERHEAD: usize = 32;
 const ENTRY_OVERHEAD: usize =
     2 * size_of::<Entry>() + 2 * size_of::<(ExpiryKey, u64)>() + 2 * ALLOCATION_OVERHEAD;
 
-/// The fixed cost of each stored header beside its name and value bytes.
-const HEADER_OVERHEAD: usize = size_of::<(HeaderName, HeaderValue)>() + ALLOCATION_OVERHEAD;
-
 /// The bytes an in-flight record under `key` held by `token` is charged.
 pub(super) fn in_flight_bytes(key: &str, token: &LeaseToken) -> usize {
     ENTRY_OVERHEAD + key.len() + token.as_str().len()
@@ -90,17 +86,8 @@ pub(super) fn marker_bytes(key: &str, tokens: &[LeaseToken]) -> usize {
     ENTRY_OVERHEAD + key.len() + ALLOCATION_OVERHEAD + tokens
 }
 
-/// The bytes a completed record under `key` is charged: the in-flight cost plus every stored
-/// header and the body, each with its allocation.
-pub(super) fn completed_bytes(key: &str, token: &LeaseToken, response: &StoredResponse) -> usize {
-    let headers: usize = response
-        .headers
-        .iter()
-        .map(|(name, value)| HEADER_OVERHEAD + name.as_str().len() + value.len())
-        .sum();
-    let body = response
-        .body
-        .as_ref()
-        .map_or(0, |body| ALLOCATION_OVERHEAD + body.len());
-    in_flight_bytes(key, token) + ALLOCATION_OVERHEAD + headers + body
+/// The bytes a completed record under `key` is charged: the in-flight cost plus its
+/// encoded response (status, headers and body in one allocation).
+pub(super) fn completed_bytes(key: &str, token: &LeaseToken, encoded_len: usize) -> usize {
+    in_flight_bytes(key, token) + ALLOCATION_OVERHEAD + encoded_len
 }

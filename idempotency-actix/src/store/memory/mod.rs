@@ -17,7 +17,7 @@ mod shard;
 
 pub use self::builder::MemoryStoreBuilder;
 use self::eviction_log::EvictionLog;
-use self::shard::{Full, HashedKey, Shard};
+use self::shard::{Begun, Found, Full, HashedKey, Shard};
 
 /// An in-process store with the same semantics as the Redis store, expiry included, that
 /// never holds more than a byte budget (64 MiB by default).
@@ -202,10 +202,17 @@ impl IdempotencyStore for MemoryStore {
         token: &LeaseToken,
         lease: Duration,
     ) -> Result<BeginOutcome, StoreError> {
-        self.on_shard(key, |shard, key, now| {
-            shard.begin(key, fingerprint, token, lease, now)
-        })
-        .map_err(|Full| self.full())
+        let begun = self
+            .on_shard(key, |shard, key, now| {
+                shard.begin(key, fingerprint, token, lease, now)
+            })
+            .map_err(|Full| self.full())?;
+        match begun {
+            Begun::Decided(outcome) => Ok(outcome),
+            Begun::Completed(stored) => Ok(BeginOutcome::Completed(StoredResponse::decode_shared(
+                stored,
+            )?)),
+        }
     }
 
     async fn renew(
@@ -214,9 +221,7 @@ impl IdempotencyStore for MemoryStore {
         token: &LeaseToken,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        Ok(self.on_shard(key, |shard, key, now| {
-            shard.renew(key, token, lease, now)
-        }))
+        Ok(self.on_shard(key, |shard, key, now| shard.renew(key, token, lease, now)))
     }
 
     async fn commit(
@@ -252,9 +257,18 @@ impl IdempotencyStore for MemoryStore {
         key: &StorageKey,
         with_body: bool,
     ) -> Result<Option<RecordSnapshot>, StoreError> {
-        Ok(self.on_shard(key, |shard, key, now| {
-            shard.inspect(key, with_body, now)
-        }))
+        let found = self.on_shard(key, |shard, key, now| shard.inspect(key, now));
+        Ok(match found {
+            None => None,
+            Some((Found::InFlight, expires_in)) => {
+                Some(RecordSnapshot::in_flight(Some(expires_in)))
+            }
+            Some((Found::Completed(stored), expires_in)) => Some(RecordSnapshot::completed(
+                StoredResponse::decode_shared(stored)?,
+                Some(expires_in),
+                with_body,
+            )),
+        })
     }
 
     async fn delete(&self, key: &StorageKey, force: bool) -> Result<Deletion, StoreError> {

@@ -16,12 +16,13 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use actix_web::web::Bytes;
 use hashbrown::HashTable;
 
 use super::entry::{self, Entry, EntryState, ExpiryKey};
 use crate::fingerprint::Fingerprint;
 use crate::record::StoredResponse;
-use crate::store::{BeginOutcome, Deletion, LeaseToken, RecordSnapshot};
+use crate::store::{BeginOutcome, Deletion, LeaseToken};
 
 /// How many abandoned tokens one marker remembers; an older one is forgotten.
 pub(super) const REMEMBERED_TOKENS: usize = 16;
@@ -30,6 +31,19 @@ pub(super) const REMEMBERED_TOKENS: usize = 16;
 /// operation adds at most one record, so expired records never pile up, and no request
 /// pays for reclaiming a large batch that expired at once.
 const RECLAIMED_PER_OPERATION: usize = 4;
+
+/// What `begin` found: an outcome decided, or a completed record, which the store decodes
+/// once the shard's lock is released.
+pub(super) enum Begun {
+    Decided(BeginOutcome),
+    Completed(Bytes),
+}
+
+/// A live record, as inspection found it (a completed one still encoded).
+pub(super) enum Found {
+    InFlight,
+    Completed(Bytes),
+}
 
 /// The in-flight records alone leave no room for the record asked for.
 #[derive(Debug)]
@@ -91,23 +105,27 @@ impl Shard {
         token: &LeaseToken,
         lease: Duration,
         now: Instant,
-    ) -> Result<BeginOutcome, Full> {
+    ) -> Result<Begun, Full> {
         self.reclaim_expired(now);
         if let Some(record) = self.get(key) {
             if record.is_live(now) {
                 return Ok(match &record.state {
-                    EntryState::InFlight(holder) if holder == token => BeginOutcome::Acquired,
+                    EntryState::InFlight(holder) if holder == token => {
+                        Begun::Decided(BeginOutcome::Acquired)
+                    }
                     EntryState::Abandoned(abandoned) if abandoned.contains(token) => {
-                        BeginOutcome::Abandoned
+                        Begun::Decided(BeginOutcome::Abandoned)
                     }
                     // Another token's marker blocks no one: the key is taken as if free.
                     EntryState::Abandoned(_) => {
                         self.remove(key);
                         return self.create(key, fingerprint, token, lease, now);
                     }
-                    _ if record.fingerprint != *fingerprint => BeginOutcome::FingerprintMismatch,
-                    EntryState::InFlight(_) => BeginOutcome::InFlight,
-                    EntryState::Completed(_, response) => BeginOutcome::Completed(response.clone()),
+                    _ if record.fingerprint != *fingerprint => {
+                        Begun::Decided(BeginOutcome::FingerprintMismatch)
+                    }
+                    EntryState::InFlight(_) => Begun::Decided(BeginOutcome::InFlight),
+                    EntryState::Completed(_, stored) => Begun::Completed(stored.clone()),
                 });
             }
             self.remove(key);
@@ -123,7 +141,7 @@ impl Shard {
         token: &LeaseToken,
         lease: Duration,
         now: Instant,
-    ) -> Result<BeginOutcome, Full> {
+    ) -> Result<Begun, Full> {
         let bytes = entry::in_flight_bytes(key.key, token);
         // In-flight records may take half the budget: the other half is room for them to
         // complete, so a shard full of them can always commit.
@@ -134,7 +152,7 @@ impl Shard {
         self.make_room(bytes, now)?;
         let state = EntryState::InFlight(*token);
         self.insert(key, *fingerprint, state, expiry(now, lease), bytes);
-        Ok(BeginOutcome::Acquired)
+        Ok(Begun::Decided(BeginOutcome::Acquired))
     }
 
     /// Inserts a record under `key`, where there is none, in the index of its state, and
@@ -214,20 +232,18 @@ impl Shard {
             EntryState::InFlight(_) => {}
         }
         let in_flight_bytes = record.bytes;
-        let mut stored = StoredResponse {
-            status: response.status,
-            headers: response.headers.clone(),
-            // An exact-size copy: a captured body may sit in a larger buffer, and the byte
-            // count must be the memory the store holds.
-            body: response
-                .body
-                .as_deref()
-                .map(actix_web::web::Bytes::copy_from_slice),
-        };
-        let mut bytes = entry::completed_bytes(key.key, token, &stored);
+        // One exact-size allocation holds the whole response, encoded: the byte count is the
+        // memory the store holds (a captured body may sit in a larger buffer), and a record
+        // costs one allocation to make and one to free when it is evicted.
+        let mut stored = Bytes::from(response.encode());
+        let mut bytes = entry::completed_bytes(key.key, token, stored.len());
         if self.make_room(bytes - in_flight_bytes, now).is_err() {
-            stored.body = None;
-            bytes = entry::completed_bytes(key.key, token, &stored);
+            let without_body = StoredResponse {
+                body: None,
+                ..response.clone()
+            };
+            stored = Bytes::from(without_body.encode());
+            bytes = entry::completed_bytes(key.key, token, stored.len());
             self.make_room(bytes - in_flight_bytes, now)?;
             tracing::warn!(
                 max_bytes = self.max_bytes,
@@ -302,19 +318,16 @@ impl Shard {
     pub(super) fn inspect(
         &mut self,
         key: HashedKey<'_>,
-        with_body: bool,
         now: Instant,
-    ) -> Option<RecordSnapshot> {
+    ) -> Option<(Found, Duration)> {
         self.reclaim_expired(now);
         let record = self.get(key).filter(|record| record.is_live(now))?;
-        let expires_in = Some(record.expires_at - now);
+        let expires_in = record.expires_at - now;
         match &record.state {
-            EntryState::InFlight(_) => Some(RecordSnapshot::in_flight(expires_in)),
-            EntryState::Completed(_, response) => Some(RecordSnapshot::completed(
-                response.clone(),
-                expires_in,
-                with_body,
-            )),
+            EntryState::InFlight(_) => Some((Found::InFlight, expires_in)),
+            EntryState::Completed(_, stored) => {
+                Some((Found::Completed(stored.clone()), expires_in))
+            }
             // The marker of an abandoned token is no record.
             EntryState::Abandoned(_) => None,
         }
