@@ -474,10 +474,7 @@ impl Engine {
             + 'static,
         B: MessageBody + 'static,
     {
-        req.extensions_mut().insert(Claimed {
-            key_present: true,
-            lock: Some(Rc::clone(&lock)),
-        });
+        claim_with_lock(&req, &lock);
         let work = self.run_and_capture(policy, &lock, req, service);
         let outcome = while_renewing_lease(work, &lock).await;
         let (storage_key, token) = (&lock.storage_key, &lock.token);
@@ -898,15 +895,41 @@ async fn read_body(req: &mut ServiceRequest, limit: usize) -> Result<Bytes, Idem
         return Err(IdempotencyError::RequestBodyTooLarge { limit });
     }
     let mut payload = req.take_payload();
+    // A body that arrives in one chunk (most do) is kept as it came, without a copy.
+    let mut first = None;
     let mut body = BytesMut::new();
     while let Some(chunk) = payload.next().await {
         let chunk = chunk.map_err(IdempotencyError::RequestBodyUnreadable)?;
-        if body.len() + chunk.len() > limit {
+        let read = first.as_ref().map_or(0, Bytes::len) + body.len();
+        if read + chunk.len() > limit {
             return Err(IdempotencyError::RequestBodyTooLarge { limit });
         }
-        body.extend_from_slice(&chunk);
+        match first.take() {
+            None if body.is_empty() => first = Some(chunk),
+            earlier => {
+                if let Some(earlier) = earlier {
+                    body.extend_from_slice(&earlier);
+                }
+                body.extend_from_slice(&chunk);
+            }
+        }
     }
-    Ok(body.freeze())
+    Ok(first.unwrap_or_else(|| body.freeze()))
+}
+
+/// Hands `lock` to the layers further in, through the claim made when the request was
+/// taken (updated in place: no second extension).
+pub(crate) fn claim_with_lock(req: &ServiceRequest, lock: &Rc<HeldLock>) {
+    let mut extensions = req.extensions_mut();
+    match extensions.get_mut::<Claimed>() {
+        Some(claimed) => claimed.lock = Some(Rc::clone(lock)),
+        None => {
+            extensions.insert(Claimed {
+                key_present: true,
+                lock: Some(Rc::clone(lock)),
+            });
+        }
+    }
 }
 
 /// Records that `req` goes on without a key, and claims it so that layers further in leave

@@ -100,16 +100,16 @@ impl StoredResponse {
         });
         // Header counts and sizes are far below these bounds (actix limits header sizes);
         // headers that would not fit are dropped rather than corrupting the record.
-        let headers: Vec<_> = self
-            .headers
-            .iter()
-            .filter(|(name, value)| {
-                u16::try_from(name.as_str().len()).is_ok() && u32::try_from(value.len()).is_ok()
-            })
-            .take(usize::from(u16::MAX))
-            .collect();
-        out.extend_from_slice(&(headers.len() as u16).to_be_bytes());
-        for (name, value) in headers {
+        let headers = || {
+            self.headers
+                .iter()
+                .filter(|(name, value)| {
+                    u16::try_from(name.as_str().len()).is_ok() && u32::try_from(value.len()).is_ok()
+                })
+                .take(usize::from(u16::MAX))
+        };
+        out.extend_from_slice(&(headers().count() as u16).to_be_bytes());
+        for (name, value) in headers() {
             out.extend_from_slice(&(name.as_str().len() as u16).to_be_bytes());
             out.extend_from_slice(name.as_str().as_bytes());
             out.extend_from_slice(&(value.len() as u32).to_be_bytes());

@@ -24,7 +24,9 @@ use actix_web::{FromRequest, HttpMessage, HttpRequest};
 use futures_util::{FutureExt, StreamExt};
 
 use crate::body::IdempotentBody;
-use crate::engine::{Claimed, Engine, Handled, HeldLock, Response, refuse, with_handler_body};
+use crate::engine::{
+    Engine, Handled, HeldLock, Response, claim_with_lock, refuse, with_handler_body,
+};
 use crate::error::IdempotencyError;
 use crate::fingerprint::Fingerprint;
 use crate::instrument::StoreOperation;
@@ -244,10 +246,7 @@ impl Engine {
             + 'static,
         B: MessageBody + 'static,
     {
-        req.extensions_mut().insert(Claimed {
-            key_present: true,
-            lock: Some(Rc::clone(&lock)),
-        });
+        claim_with_lock(&req, &lock);
         let slot = TransactionSlot::offer(&req, transaction);
         let outcome = self.run_and_capture(policy, &lock, req, service).await;
         let transaction = slot.take_back();
