@@ -22,13 +22,35 @@ struct MetricHandles {
     /// The recorder's address: handles of another recorder are never used.
     recorder: usize,
     /// `idempotency_requests_total` by route, then outcome.
-    requests: HashMap<String, HashMap<&'static str, Counter>>,
+    requests: HashMap<String, LabelledHandles<&'static str, Counter>>,
     /// `idempotency_requests_in_flight` by route.
     in_flight: HashMap<String, Gauge>,
     /// `idempotency_store_operation_duration_seconds` by operation and result.
-    store_durations: HashMap<(&'static str, &'static str), Histogram>,
+    store_durations: LabelledHandles<(&'static str, &'static str), Histogram>,
     /// `idempotency_evictions_total` by source.
-    evictions: HashMap<&'static str, Counter>,
+    evictions: LabelledHandles<&'static str, Counter>,
+}
+
+/// Handles by a few static labels: found by comparing labels, with no hashing (there are at
+/// most a dozen, and one is looked up for every store operation).
+struct LabelledHandles<K, H>(Vec<(K, H)>);
+
+impl<K, H> Default for LabelledHandles<K, H> {
+    fn default() -> Self {
+        Self(Vec::new())
+    }
+}
+
+impl<K: PartialEq, H: Clone> LabelledHandles<K, H> {
+    /// The handle of `labels`, registered with `register` the first time.
+    fn get_or_register(&mut self, labels: K, register: impl FnOnce() -> H) -> H {
+        if let Some((_, handle)) = self.0.iter().find(|(known, _)| *known == labels) {
+            return handle.clone();
+        }
+        let handle = register();
+        self.0.push((labels, handle.clone()));
+        handle
+    }
 }
 
 /// The address of the recorder in place for this thread now.
@@ -59,16 +81,13 @@ pub(crate) fn requests(route: &str, outcome: &'static str) -> Counter {
             Some(by_outcome) => by_outcome,
             None => handles.requests.entry(route.to_owned()).or_default(),
         };
-        by_outcome
-            .entry(outcome)
-            .or_insert_with(|| {
-                metrics::counter!(
-                    crate::instrument::names::REQUESTS,
-                    "route" => route.to_owned(),
-                    "outcome" => outcome,
-                )
-            })
-            .clone()
+        by_outcome.get_or_register(outcome, || {
+            metrics::counter!(
+                crate::instrument::names::REQUESTS,
+                "route" => route.to_owned(),
+                "outcome" => outcome,
+            )
+        })
     })
 }
 
@@ -91,28 +110,23 @@ pub(crate) fn store_duration(operation: &'static str, result: &'static str) -> H
     with_handles(|handles| {
         handles
             .store_durations
-            .entry((operation, result))
-            .or_insert_with(|| {
+            .get_or_register((operation, result), || {
                 metrics::histogram!(
                     crate::instrument::names::STORE_DURATION,
                     "operation" => operation,
                     "result" => result,
                 )
             })
-            .clone()
     })
 }
 
 /// The `idempotency_evictions_total` counter of `source`.
 pub(crate) fn evictions(source: &'static str) -> Counter {
     with_handles(|handles| {
-        handles
-            .evictions
-            .entry(source)
-            .or_insert_with(
-                || metrics::counter!(crate::instrument::names::EVICTIONS, "source" => source),
-            )
-            .clone()
+        handles.evictions.get_or_register(
+            source,
+            || metrics::counter!(crate::instrument::names::EVICTIONS, "source" => source),
+        )
     })
 }
 

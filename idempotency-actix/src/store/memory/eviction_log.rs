@@ -33,13 +33,14 @@ impl EvictionLog {
 
     /// Counts `evicted` evictions and warns if no warning was logged in the last interval.
     /// Called after the shard's lock is released: logging never holds up other requests.
-    pub(super) fn record(&self, evicted: u64, max_bytes: usize) {
+    pub(super) fn record(&self, evicted: u64, max_bytes: usize, now: Instant) {
         if evicted == 0 {
             return;
         }
         crate::instrument::record_evictions(crate::EvictionSource::MemoryStore, evicted);
         let total = self.total.fetch_add(evicted, Ordering::Relaxed) + evicted;
-        let now_ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let now_ms = u64::try_from(now.saturating_duration_since(self.started).as_millis())
+            .unwrap_or(u64::MAX);
         let due = self.next_warning_at_ms.load(Ordering::Relaxed);
         let next = now_ms.saturating_add(WARNING_INTERVAL.as_millis() as u64);
         if now_ms < due

@@ -166,12 +166,13 @@ impl MemoryStore {
         // the low bits for the bucket and the top 7 for its control bytes): keys of one shard
         // still spread over all of its buckets.
         let index = ((key.hash >> 32) % shards.len() as u64) as usize;
-        let (result, evicted) = {
+        let (result, evicted, now) = {
             let mut shard = lock(&shards[index]);
-            let result = operation(&mut shard, key, Instant::now());
-            (result, shard.take_evictions())
+            let now = Instant::now();
+            let result = operation(&mut shard, key, now);
+            (result, shard.take_evictions(), now)
         };
-        self.inner.evictions.record(evicted, self.inner.max_bytes);
+        self.inner.evictions.record(evicted, self.inner.max_bytes, now);
         result
     }
 
