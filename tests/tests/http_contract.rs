@@ -505,6 +505,40 @@ async fn an_oversized_request_body_is_413_without_running(backend: Backend) {
     assert_eq!(h.runs.get(), 1);
 }
 
+async fn a_body_sent_in_chunks_is_the_same_request(backend: Backend) {
+    let h = start(backend, "chunks", |i| i);
+    let key = h.key("chunked");
+    let body = r#"{"item":"book","qty":1}"#;
+    let in_chunks = |parts: [&'static str; 3]| {
+        stream::iter(
+            parts.map(|part| Ok::<_, actix_web::Error>(Bytes::from_static(part.as_bytes()))),
+        )
+    };
+    // Sent chunked, in three pieces: the handler reads the whole body.
+    let request = h
+        .server
+        .post("/orders")
+        .insert_header(("idempotency-key", key.clone()));
+    let first = h
+        .finish(request.send_stream(in_chunks([r#"{"item":"#, r#""book","#, r#""qty":1}"#])))
+        .await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(first.json()["echo"], body);
+    // The same bytes in one piece are the same request: a replay.
+    let retry = h.post("/orders", Some(&key), body).await;
+    assert!(retry.is_replay());
+    assert_eq!(retry.body, first.body);
+    // Other bytes in pieces are another request: 422.
+    let request = h
+        .server
+        .post("/orders")
+        .insert_header(("idempotency-key", key.clone()));
+    h.finish(request.send_stream(in_chunks([r#"{"item":"#, r#""book","#, r#""qty":2}"#])))
+        .await
+        .assert_problem(422);
+    assert_eq!(h.runs.get(), 1);
+}
+
 async fn an_oversized_response_is_sent_whole_and_never_rerun(backend: Backend) {
     let h = start(backend, "large_response", |i| i);
     for path in ["/large?bytes=100000", "/large-sized?bytes=100000"] {
@@ -642,6 +676,7 @@ every_backend!(
     a_route_can_store_error_responses,
     a_panicking_handler_is_500_and_releases_the_key,
     an_oversized_request_body_is_413_without_running,
+    a_body_sent_in_chunks_is_the_same_request,
     an_oversized_response_is_sent_whole_and_never_rerun,
     safe_methods_and_untagged_routes_are_untouched,
     protect_methods_covers_untagged_routes,

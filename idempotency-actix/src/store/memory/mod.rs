@@ -172,7 +172,9 @@ impl MemoryStore {
             let result = operation(&mut shard, key, now);
             (result, shard.take_evictions(), now)
         };
-        self.inner.evictions.record(evicted, self.inner.max_bytes, now);
+        self.inner
+            .evictions
+            .record(evicted, self.inner.max_bytes, now);
         result
     }
 
