@@ -31,7 +31,9 @@ use self::shard::{Begun, Found, Full, HashedKey, Shard};
 ///
 /// Every record is charged its key, lease token, stored headers and body, and a fixed
 /// overhead for the maps that hold it; [`used_bytes`](Self::used_bytes) never exceeds
-/// [`max_bytes`](Self::max_bytes) (set with [`MemoryStoreBuilder::max_bytes`]).
+/// [`max_bytes`](Self::max_bytes) (set with [`MemoryStoreBuilder::max_bytes`]). A completed
+/// record keeps its response encoded in one allocation (status, headers and body, as the
+/// Redis store's records do), which a replay decodes without copying the body.
 ///
 /// When a new record does not fit, the store **evicts completed records, soonest to expire
 /// first**. Evicting a completed record shortens the idempotency window of its key: a retry
