@@ -17,7 +17,6 @@ use actix_web::web::{Bytes, BytesMut};
 use actix_web::{HttpMessage, HttpRequest, ResponseError};
 use futures_util::StreamExt;
 use futures_util::future::{Either, FutureExt, select};
-use tracing::Instrument;
 
 use crate::body::IdempotentBody;
 use crate::capture::{CapturingBody, Commit};
@@ -174,13 +173,9 @@ impl Engine {
         B: MessageBody + 'static,
     {
         let record = RequestRecord::start(&req);
-        let span = record.span();
-        let result = self
-            .protect(policy, req, service, slot)
-            .instrument(span)
-            .await;
-        record.finish(&result);
-        result
+        record
+            .around(self.protect(policy, req, service, slot))
+            .await
     }
 
     /// Passes a request without a key to `service` on a route whose policy lets it through
@@ -197,13 +192,9 @@ impl Engine {
     {
         let record = RequestRecord::start(&req);
         claim_without_key(&req);
-        let result = service
-            .call(req)
-            .instrument(record.span())
+        record
+            .around(async move { service.call(req).await.map(with_handler_body) })
             .await
-            .map(with_handler_body);
-        record.finish(&result);
-        result
     }
 
     async fn protect<S, B>(

@@ -21,7 +21,7 @@ use std::rc::Rc;
 
 use actix_web::dev::{Extensions, ServiceRequest, ServiceResponse};
 use actix_web::{HttpMessage, HttpRequest};
-use tracing::Span;
+use tracing::{Instrument, Span};
 
 use crate::error::IdempotencyError;
 use crate::store::StoreError;
@@ -308,6 +308,17 @@ impl RequestRecord {
     /// The span the request runs in.
     pub(crate) fn span(&self) -> Span {
         self.span.clone()
+    }
+
+    /// Runs `work` (the processing of the request this records) in the request's span, and
+    /// records its outcome once it is done.
+    pub(crate) async fn around<B>(
+        self,
+        work: impl Future<Output = Result<ServiceResponse<B>, actix_web::Error>>,
+    ) -> Result<ServiceResponse<B>, actix_web::Error> {
+        let result = work.instrument(self.span()).await;
+        self.finish(&result);
+        result
     }
 
     /// Records the outcome and the status, once, when the request is done.

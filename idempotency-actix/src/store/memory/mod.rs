@@ -162,7 +162,7 @@ impl MemoryStore {
         let shards = &self.inner.shards;
         let key = HashedKey {
             key: key.as_str(),
-            hash: self.inner.hasher.hash_one(key),
+            hash: self.inner.hasher.hash_one(key.as_str()),
         };
         // The shard from bits the shard's own table does not use to place the key (it takes
         // the low bits for the bucket and the top 7 for its control bytes): keys of one shard
