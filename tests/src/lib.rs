@@ -340,6 +340,11 @@ fn spawn_redis_server<S: AsRef<std::ffi::OsStr>>(
     std::process::Command::new("redis-server")
         .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
         .args(["--save", "", "--appendonly", "no"])
+        // A replica loads its primary's data from the socket, and whatever a server might
+        // still write goes to the temporary directory, never into the checkout.
+        .args(["--repl-diskless-load", "on-empty-db"])
+        .arg("--dir")
+        .arg(std::env::temp_dir())
         // DEBUG SLEEP simulates a stalled server in the fault-injection tests.
         .args(["--enable-debug-command", "yes"])
         .args(extra_args)
