@@ -174,7 +174,7 @@ impl<B: MessageBody + 'static> Drop for CapturingBody<B> {
             return;
         }
         // The client went away before the end: read the rest (up to the limit) and commit
-        // on a task of its own, as the handler's own task would have.
+        // on a task of its own, as the handler's run would have.
         let mut rest = Self {
             body: self.body.take(),
             recording: self.recording.take(),

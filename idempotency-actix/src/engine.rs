@@ -29,6 +29,7 @@ use crate::policy::{IdempotencyPolicy, Policy};
 use crate::record::StoredResponse;
 use crate::replay::{ReplayedHeaders, replay_response};
 use crate::replay_cache::ReplayCache;
+use crate::run_to_completion::RunToCompletion;
 use crate::scope::{KeyScope, StorageKey};
 use crate::store::{BeginOutcome, DynStore, LeaseToken, StoreError};
 use crate::workload::{WorkLimits, WorkSlot, Workload};
@@ -281,12 +282,11 @@ impl Engine {
                     store: Rc::clone(&self.store),
                     store_timeout: self.settings.store_timeout,
                 });
-                // On a task of its own: the handler runs to completion and its response is
-                // committed even when the client disconnects and Actix drops this future.
-                // Boxed: the task then moves a pointer, not the whole state of the run (the
-                // runtime moves a task's future and output more than once).
+                // The handler runs to completion and its response is committed even when
+                // the client disconnects and Actix drops this future: the run then goes on
+                // on a task of its own (see `RunToCompletion`).
                 let engine = Rc::clone(&self);
-                let run = actix_rt::spawn(Box::pin(async move {
+                let run = RunToCompletion::new(async move {
                     #[cfg(feature = "postgres")]
                     if let Some(transaction) = transaction {
                         // Boxed: its future is several times the size of the rest, and this
@@ -305,9 +305,10 @@ impl Engine {
                     engine
                         .run_and_commit(policy, lock, req, service, slot)
                         .await
-                }));
-                run.await.map_err(|error| {
-                    tracing::error!(%error, "idempotency: request task failed");
+                });
+                run.await.map_err(|panic| {
+                    let message = panic_message(panic.as_ref());
+                    tracing::error!(panic = message, "idempotency: the handler panicked");
                     actix_web::error::ErrorInternalServerError("request processing failed")
                 })?
             }
@@ -931,6 +932,15 @@ fn claim_without_key(req: &ServiceRequest) {
         key_present: false,
         lock: None,
     });
+}
+
+/// What a panic said, when it said it with a string (as `panic!` with a message does).
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a panic without a message")
 }
 
 /// Methods that are idempotent by definition and never touched.

@@ -170,8 +170,8 @@
 //!   body may take longer than the lease), so a slow handler is not run twice.
 //! * The commit is fenced by the lease token: a request that lost its lease never
 //!   overwrites another request's record.
-//! * The handler runs on its own task: a client that disconnects does not cancel it, and
-//!   its response is committed for the retry.
+//! * The handler runs to its end: a client that disconnects does not cancel it (its run goes
+//!   on on a task of its own), and its response is committed for the retry.
 //! * The commit happens before the response is complete, so a retry issued after a response
 //!   arrived always gets the replay. A body that is known at once is committed before the
 //!   response is sent; a streamed body (server-sent events, NDJSON progress) is forwarded
@@ -220,6 +220,7 @@ mod protected_route;
 mod record;
 mod replay;
 mod replay_cache;
+mod run_to_completion;
 mod scope;
 mod store;
 #[cfg(feature = "postgres")]

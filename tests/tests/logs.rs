@@ -271,6 +271,38 @@ async fn each_protected_request_has_a_span_with_route_outcome_and_status() {
     );
 }
 
+async fn create_and_log() -> HttpResponse {
+    tracing::info!("handler-event-3c9a: order created");
+    HttpResponse::Created().body("created")
+}
+
+#[actix_web::test]
+async fn a_handler_run_under_a_lock_logs_inside_the_request_span() {
+    log();
+    let server = actix_test::start(|| {
+        App::new()
+            .wrap(Idempotency::new(MemoryStore::new()).scope(KeyScope::global()))
+            .service(
+                web::resource("/spanned")
+                    .wrap(IdempotentRoute::new())
+                    .route(web::post().to(create_and_log)),
+            )
+    });
+    assert_eq!(
+        post(&server, "/spanned", "spanned-key").await,
+        StatusCode::CREATED
+    );
+    let logged = logged();
+    let event = logged
+        .lines()
+        .find(|line| line.contains("handler-event-3c9a"))
+        .unwrap_or_else(|| panic!("the handler's event was not logged: {logged}"));
+    assert!(
+        event.contains("idempotency{http.route=\"/spanned\"}"),
+        "the handler's event is outside the request's span: {event}"
+    );
+}
+
 #[actix_web::test]
 async fn a_lost_in_flight_record_is_an_error_without_the_key() {
     log();

@@ -80,11 +80,10 @@ where
 }
 
 /// Processes `req`. A keyed request takes a slot of the worker's workload first, or is
-/// refused with 503 when a cap is reached. Only the handler's run under a lock and its
-/// commit go on a task of their own (spawned by the engine), so that they complete even
-/// when the client disconnects and Actix drops this future; a keyless request, a replay or a
-/// refusal costs no task, and a keyless request that its route lets through takes a short
-/// path of its own.
+/// refused with 503 when a cap is reached. The handler's run under a lock and its commit
+/// complete even when the client disconnects and Actix drops this future: they then go on
+/// on a task of their own (the engine's `RunToCompletion`); no request costs a task
+/// otherwise. A keyless request that its route lets through takes a short path of its own.
 fn process<S, B>(
     engine: Rc<Engine>,
     policy: Policy,
