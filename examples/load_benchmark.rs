@@ -55,7 +55,14 @@
 //! the PostgreSQL modes that ratio counts the server and wrk only, and the Redis columns
 //! show `—`.
 //!
-//! Environment: `BENCH_SECONDS` [8] per mode, `BENCH_CONNECTIONS` [32], `BENCH_MODES` [all],
+//! `BENCH_ROUNDS=N` runs the whole sequence N times (each mode with the baselines around it
+//! every round) and prints, for each mode, the round whose ratio is the median, with the
+//! lowest and highest ratio of all rounds in the last column: on a machine whose speed drifts
+//! from one minute to the next, one run of 8 s can land a few hundredths either side of a
+//! target by chance, and the spread shows how far.
+//!
+//! Environment: `BENCH_SECONDS` [8] per mode, `BENCH_ROUNDS` [1], `BENCH_CONNECTIONS` [32],
+//! `BENCH_MODES` [all],
 //! `BENCH_DATABASE_URL` [`postgres://postgres@127.0.0.1:5432/postgres`]. Needs `wrk`,
 //! `redis-server` and `redis-cli` (`apt-get install -y wrk redis-server`); the PostgreSQL
 //! modes need `psql` (`apt-get install -y postgresql-client`) and a server to connect to.
@@ -360,6 +367,7 @@ fn run() -> Result<(), Error> {
     }
     let seconds: u64 = env_number("BENCH_SECONDS", 8)?;
     let connections: u64 = env_number("BENCH_CONNECTIONS", 32)?;
+    let rounds: u64 = env_number("BENCH_ROUNDS", 1)?.max(1);
     let groups = selected_groups()?;
     let server = build_reference_server()?;
     let work =
@@ -423,55 +431,67 @@ fn run() -> Result<(), Error> {
     // of its own (the unprotected route, which writes its row too).
     let mut baselines: Vec<(Route, Vec<Measured>)> = vec![(Route::Orders, Vec::new())];
     let mut last_baseline = None;
-    let mut results = Vec::new();
-    for mode in MODES.iter().filter(|mode| groups.contains(&mode.group)) {
-        let ready = match mode.backend {
-            Backend::RedisCluster => load.cluster.is_some(),
-            Backend::Postgres => load.database.is_some(),
-            _ => true,
-        };
-        if !ready {
-            continue;
+    // Each mode's runs, one per round, each with the baseline around it.
+    let mut results: Vec<(&Mode, Vec<(Measured, Baseline)>)> = Vec::new();
+    for round in 1..=rounds {
+        if rounds > 1 {
+            eprintln!("load_benchmark: round {round} of {rounds}");
         }
-        let replica = if mode.backend == Backend::RedisReplicated {
-            match Redis::start_replica(&work, &redis) {
-                Ok(replica) => Some(replica),
-                Err(error) => {
-                    let line = format!("skipped: {} (no replica: {error})", mode.name);
-                    println!("{line}");
-                    skipped.push(line);
-                    continue;
+        for mode in MODES.iter().filter(|mode| groups.contains(&mode.group)) {
+            let ready = match mode.backend {
+                Backend::RedisCluster => load.cluster.is_some(),
+                Backend::Postgres => load.database.is_some(),
+                _ => true,
+            };
+            if !ready {
+                continue;
+            }
+            let replica = if mode.backend == Backend::RedisReplicated {
+                match Redis::start_replica(&work, &redis) {
+                    Ok(replica) => Some(replica),
+                    Err(error) => {
+                        let line = format!("skipped: {} (no replica: {error})", mode.name);
+                        println!("{line}");
+                        skipped.push(line);
+                        continue;
+                    }
                 }
+            } else {
+                None
+            };
+            let mode_load = Load {
+                replica: replica.as_ref(),
+                ..load
+            };
+            let route_index = match baselines.iter().position(|(route, _)| *route == mode.route) {
+                Some(index) => index,
+                None => {
+                    baselines.push((mode.route, Vec::new()));
+                    baselines.len() - 1
+                }
+            };
+            if last_baseline != Some(mode.route) {
+                let before = load.measure(mode.route.baseline())?;
+                baselines[route_index].1.push(before);
             }
-        } else {
-            None
-        };
-        let mode_load = Load {
-            replica: replica.as_ref(),
-            ..load
-        };
-        let route_index = match baselines.iter().position(|(route, _)| *route == mode.route) {
-            Some(index) => index,
-            None => {
-                baselines.push((mode.route, Vec::new()));
-                baselines.len() - 1
+            let measured = mode_load.measure(mode)?;
+            drop(replica);
+            let after = load.measure(mode.route.baseline())?;
+            baselines[route_index].1.push(after);
+            last_baseline = Some(mode.route);
+            let around = &baselines[route_index].1[baselines[route_index].1.len() - 2..];
+            let baseline = Baseline {
+                per_second: (around[0].per_second + around[1].per_second) / 2.0,
+                total_cpu: (around[0].total_cpu_per_request + around[1].total_cpu_per_request) / 2,
+            };
+            match results
+                .iter_mut()
+                .find(|(known, _)| std::ptr::eq(*known, mode))
+            {
+                Some((_, runs)) => runs.push((measured, baseline)),
+                None => results.push((mode, vec![(measured, baseline)])),
             }
-        };
-        if last_baseline != Some(mode.route) {
-            let before = load.measure(mode.route.baseline())?;
-            baselines[route_index].1.push(before);
         }
-        let measured = mode_load.measure(mode)?;
-        drop(replica);
-        let after = load.measure(mode.route.baseline())?;
-        baselines[route_index].1.push(after);
-        last_baseline = Some(mode.route);
-        let around = &baselines[route_index].1[baselines[route_index].1.len() - 2..];
-        let baseline = Baseline {
-            per_second: (around[0].per_second + around[1].per_second) / 2.0,
-            total_cpu: (around[0].total_cpu_per_request + around[1].total_cpu_per_request) / 2,
-        };
-        results.push((mode, measured, baseline));
     }
     if baselines[0].1.is_empty() {
         baselines[0].1.push(load.measure(&BASELINE)?);
@@ -480,9 +500,9 @@ fn run() -> Result<(), Error> {
 
     println!();
     println!(
-        "| mode | req/s | × baseline (target) | × baseline by CPU | p99 | server CPU / req | Redis CPU / req | wrk CPU / req | Redis commands / req | non-2xx |"
+        "| mode | req/s | × baseline (target) | × baseline by CPU | p99 | server CPU / req | Redis CPU / req | wrk CPU / req | Redis commands / req | non-2xx | rounds: × baseline, lowest–highest |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for (route, measured) in &baselines {
         let count = measured.len() as f64;
         let mean = Baseline {
@@ -498,11 +518,26 @@ fn run() -> Result<(), Error> {
             Route::Ledger => "baseline POST /ledger",
         };
         for (i, measured) in measured.iter().enumerate() {
-            print_row(&format!("{label} {}", i + 1), measured, &mean, None);
+            print_row(&format!("{label} {}", i + 1), measured, &mean, None, "—");
         }
     }
-    for (mode, measured, baseline) in &results {
-        print_row(mode.name, measured, baseline, mode.target);
+    for (mode, runs) in &mut results {
+        // The run of median ratio stands for the mode; the spread says how steady it was.
+        runs.sort_by(|(a, a_base), (b, b_base)| {
+            (a.per_second / a_base.per_second).total_cmp(&(b.per_second / b_base.per_second))
+        });
+        let ratio = |(run, baseline): &(Measured, Baseline)| run.per_second / baseline.per_second;
+        let spread = match (runs.first(), runs.last()) {
+            (Some(lowest), Some(highest)) if runs.len() > 1 => format!(
+                "{}: {:.2}–{:.2}×",
+                runs.len(),
+                ratio(lowest),
+                ratio(highest)
+            ),
+            _ => "1".to_owned(),
+        };
+        let (measured, baseline) = &runs[(runs.len() - 1) / 2];
+        print_row(mode.name, measured, baseline, mode.target, &spread);
     }
     for line in &skipped {
         println!("{line}");
@@ -519,7 +554,13 @@ struct Baseline {
     total_cpu: Duration,
 }
 
-fn print_row(name: &str, measured: &Measured, baseline: &Baseline, target: Option<f64>) {
+fn print_row(
+    name: &str,
+    measured: &Measured,
+    baseline: &Baseline,
+    target: Option<f64>,
+    rounds: &str,
+) {
     let ratio = measured.per_second / baseline.per_second;
     let ratio = match target {
         Some(target) => format!(
@@ -531,7 +572,7 @@ fn print_row(name: &str, measured: &Measured, baseline: &Baseline, target: Optio
     let by_cpu = baseline.total_cpu.as_secs_f64() / measured.total_cpu_per_request.as_secs_f64();
     let micros = |duration: Duration| format!("{:.1} µs", duration.as_secs_f64() * 1e6);
     println!(
-        "| {name} | {:.0} | {ratio} | {by_cpu:.2}× | {:.2} ms | {} | {} | {} | {} | {} |",
+        "| {name} | {:.0} | {ratio} | {by_cpu:.2}× | {:.2} ms | {} | {} | {} | {} | {} | {rounds} |",
         measured.per_second,
         measured.p99.as_secs_f64() * 1e3,
         micros(measured.server_cpu_per_request),
