@@ -563,6 +563,10 @@ fn print_row(
 ) {
     let ratio = measured.per_second / baseline.per_second;
     let ratio = match target {
+        // A third decimal where two would round a miss up to its target.
+        Some(target) if ratio < target && format!("{ratio:.2}") == format!("{target:.2}") => {
+            format!("{ratio:.3}× (≥ {target:.2}, missed)")
+        }
         Some(target) => format!(
             "{ratio:.2}× (≥ {target:.2}{})",
             if ratio >= target { "" } else { ", missed" }
