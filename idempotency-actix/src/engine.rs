@@ -290,7 +290,7 @@ impl Engine {
                     #[cfg(feature = "postgres")]
                     if let Some(transaction) = transaction {
                         // Boxed: its future is several times the size of the rest, and this
-                        // task's future is copied whole into its box on every spawn.
+                        // run's future is moved whole into its box for every new key.
                         return Box::pin(engine.run_and_commit_transaction(
                             policy,
                             lock,
