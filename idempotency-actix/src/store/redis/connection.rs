@@ -110,7 +110,9 @@ impl SharedConnection {
         if let Some(current) = self.current() {
             return Ok(current);
         }
-        Ok(self.set(self.open().await?))
+        // Boxed, here and wherever a connection is opened: opening is rare, and its future
+        // (about 2 KB) would otherwise be part of every command's, moved with it.
+        Ok(self.set(Box::pin(self.open()).await?))
     }
 
     /// Replaces the connection of generation `dead` (unless another request already did).
@@ -121,7 +123,7 @@ impl SharedConnection {
         {
             return Ok(current.connection);
         }
-        Ok(self.set(self.open().await?).connection)
+        Ok(self.set(Box::pin(self.open()).await?).connection)
     }
 
     /// A new connection from the pool's connection manager, driven by this thread.
@@ -142,7 +144,7 @@ impl SharedConnection {
 impl Transport for SharedConnection {
     async fn send(&self, exchange: &Exchange) -> Result<Reply, StoreError> {
         if exchange.blocks() {
-            return self.spares.send(exchange, || self.open()).await;
+            return Box::pin(self.spares.send(exchange, || self.open())).await;
         }
         SharedConnection::send(self, exchange).await
     }
