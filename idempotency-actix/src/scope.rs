@@ -1,6 +1,7 @@
 //! [`KeyScope`] and [`StorageKey`]: whose key it is, and the name a record is stored under.
 
 use std::rc::Rc;
+use std::sync::LazyLock;
 
 use actix_web::dev::ServiceRequest;
 use actix_web::http::header::HeaderName;
@@ -117,6 +118,11 @@ impl std::fmt::Debug for KeyScope {
     }
 }
 
+/// The hasher every storage key starts from: blake3 in key-derivation mode with this crate's
+/// context, whose derivation (two compressions) is done once, not per request.
+static STORAGE_KEY_HASHER: LazyLock<blake3::Hasher> =
+    LazyLock::new(|| blake3::Hasher::new_derive_key("idempotency-actix storage key v1"));
+
 /// The name a record is stored under: a configurable prefix and the hex blake3 digest of
 /// (scope, key). The raw key never reaches the store.
 ///
@@ -138,7 +144,7 @@ pub struct StorageKey(String);
 impl StorageKey {
     /// The storage key of `key` in `scope`, under `prefix`.
     pub fn new(prefix: &str, scope: &[u8], key: &IdempotencyKey) -> Self {
-        let mut hasher = blake3::Hasher::new_derive_key("idempotency-actix storage key v1");
+        let mut hasher = STORAGE_KEY_HASHER.clone();
         hasher.update(&(scope.len() as u64).to_le_bytes());
         hasher.update(scope);
         hasher.update(key.as_str().as_bytes());
@@ -152,5 +158,22 @@ impl StorageKey {
     /// The full name, prefix included.
     pub fn as_str(&self) -> &str {
         &self.0
+    }
+}
+
+/// Records outlive deploys: a storage key computed by this version must be the one every
+/// later version computes, or a retry after a deploy would miss its record and run again. The
+/// name of a known key is pinned here.
+#[cfg(test)]
+mod stability {
+    use super::*;
+
+    #[test]
+    fn the_name_of_a_known_key_never_changes() {
+        let key = IdempotencyKey::parse(b"order-1").unwrap();
+        assert_eq!(
+            StorageKey::new("idem:", b"tenant-a", &key).as_str(),
+            "idem:3a0ab394903fa4e1fc114668b2dff3b63e4c8d43d4945c68933d75f8607df4c6"
+        );
     }
 }
