@@ -62,10 +62,10 @@
 //! target by chance, and the spread shows how far.
 //!
 //! Environment: `BENCH_SECONDS` [8] per mode, `BENCH_ROUNDS` [1], `BENCH_CONNECTIONS` [32],
-//! `BENCH_MODES` [all],
-//! `BENCH_DATABASE_URL` [`postgres://postgres@127.0.0.1:5432/postgres`]. Needs `wrk`,
-//! `redis-server` and `redis-cli` (`apt-get install -y wrk redis-server`); the PostgreSQL
-//! modes need `psql` (`apt-get install -y postgresql-client`) and a server to connect to.
+//! `BENCH_MODES` [all], `BENCH_DATABASE_URL` [`postgres://postgres@127.0.0.1:5432/postgres`].
+//! Needs `wrk`, `redis-server` and `redis-cli` (`apt-get install -y wrk redis-server`); the
+//! PostgreSQL modes need `psql` (`apt-get install -y postgresql-client`) and a server to
+//! connect to.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -523,10 +523,8 @@ fn run() -> Result<(), Error> {
     }
     for (mode, runs) in &mut results {
         // The run of median ratio stands for the mode; the spread says how steady it was.
-        runs.sort_by(|(a, a_base), (b, b_base)| {
-            (a.per_second / a_base.per_second).total_cmp(&(b.per_second / b_base.per_second))
-        });
         let ratio = |(run, baseline): &(Measured, Baseline)| run.per_second / baseline.per_second;
+        runs.sort_by(|a, b| ratio(a).total_cmp(&ratio(b)));
         let spread = match (runs.first(), runs.last()) {
             (Some(lowest), Some(highest)) if runs.len() > 1 => format!(
                 "{}: {:.2}–{:.2}×",

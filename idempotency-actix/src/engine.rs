@@ -29,7 +29,7 @@ use crate::policy::{IdempotencyPolicy, Policy};
 use crate::record::StoredResponse;
 use crate::replay::{ReplayedHeaders, replay_response};
 use crate::replay_cache::ReplayCache;
-use crate::run_to_completion::RunToCompletion;
+use crate::run_to_completion::{RunToCompletion, panic_message};
 use crate::scope::{KeyScope, StorageKey};
 use crate::store::{BeginOutcome, DynStore, LeaseToken, StoreError};
 use crate::workload::{WorkLimits, WorkSlot, Workload};
@@ -932,15 +932,6 @@ fn claim_without_key(req: &ServiceRequest) {
         key_present: false,
         lock: None,
     });
-}
-
-/// What a panic said, when it said it with a string (as `panic!` with a message does).
-fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
-    panic
-        .downcast_ref::<&str>()
-        .copied()
-        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
-        .unwrap_or("a panic without a message")
 }
 
 /// Methods that are idempotent by definition and never touched.

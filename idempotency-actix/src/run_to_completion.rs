@@ -63,6 +63,16 @@ impl<T: 'static> Drop for RunToCompletion<T> {
     }
 }
 
+/// What the panic that ended a run said, when it said it with a string (as `panic!` with a
+/// message does).
+pub(crate) fn panic_message(panic: &(dyn Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a panic without a message")
+}
+
 #[cfg(test)]
 mod tests {
     use std::cell::Cell;
@@ -116,7 +126,7 @@ mod tests {
             }
         });
         let panic = run.await.expect_err("the panic was not reported");
-        assert_eq!(panic.downcast_ref::<&str>(), Some(&"the handler panics"));
+        assert_eq!(panic_message(panic.as_ref()), "the handler panics");
         assert!(released.get(), "the panicked run was not dropped");
     }
 }
