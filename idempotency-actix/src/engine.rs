@@ -128,6 +128,8 @@ pub(crate) struct Claimed {
 /// different stores renews the lock where it is held.
 pub(crate) struct HeldLock {
     pub(crate) storage_key: StorageKey,
+    /// The request's fingerprint, as `begin` wrote it into the record (the commit sends it).
+    pub(crate) fingerprint: Fingerprint,
     pub(crate) token: LeaseToken,
     pub(crate) body_len: usize,
     pub(crate) lease: Cell<Duration>,
@@ -273,6 +275,7 @@ impl Engine {
                 let _in_flight = LockHeld::enter(&req.extensions());
                 let lock = Rc::new(HeldLock {
                     storage_key: storage_key.clone(),
+                    fingerprint,
                     token: *token,
                     body_len,
                     lease: Cell::new(policy.lease),
@@ -616,7 +619,8 @@ impl Engine {
         match self
             .bounded(
                 StoreOperation::Commit,
-                self.store.commit(storage_key, &lock.token, &stored, ttl),
+                self.store
+                    .commit(storage_key, &lock.fingerprint, &lock.token, &stored, ttl),
             )
             .await
         {
@@ -795,9 +799,13 @@ async fn keep_committing(lock: Rc<HeldLock>, stored: StoredResponse, ttl: Durati
         }
         attempts += 1;
         instrument::background_retry(StoreOperation::Commit);
-        let commit = lock
-            .store
-            .commit(&lock.storage_key, &lock.token, &stored, ttl);
+        let commit = lock.store.commit(
+            &lock.storage_key,
+            &lock.fingerprint,
+            &lock.token,
+            &stored,
+            ttl,
+        );
         match within(StoreOperation::Commit, lock.store_timeout, commit).await {
             Ok(true) => {
                 tracing::info!(attempts, "idempotency: background commit landed");

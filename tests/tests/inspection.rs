@@ -48,7 +48,9 @@ async fn record<S: IdempotencyStore>(
     let begun = store.begin(&storage_key, &print(), &token, LEASE).await;
     assert_eq!(begun.unwrap(), BeginOutcome::Acquired);
     if complete {
-        let committed = store.commit(&storage_key, &token, &response(), TTL).await;
+        let committed = store
+            .commit(&storage_key, &print(), &token, &response(), TTL)
+            .await;
         assert!(committed.unwrap());
     }
     token

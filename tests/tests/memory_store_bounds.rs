@@ -53,7 +53,12 @@ async fn a_million_keys_through_4_mib_are_all_acquired_and_recent_ones_replayed(
             matches!(begun, Ok(BeginOutcome::Acquired)),
             "key {i}: {begun:?}"
         );
-        assert!(store.commit(&key, &token, &stored(i), TTL).await.unwrap());
+        assert!(
+            store
+                .commit(&key, &print, &token, &stored(i), TTL)
+                .await
+                .unwrap()
+        );
         if i % 1_000 == 999 {
             assert!(
                 store.used_bytes() <= store.max_bytes(),

@@ -149,7 +149,13 @@ async fn completed_records_survive_a_new_pool() {
         .unwrap();
     assert!(
         store
-            .commit(&key("k"), &token, &response(), Duration::from_secs(60))
+            .commit(
+                &key("k"),
+                &print(),
+                &token,
+                &response(),
+                Duration::from_secs(60)
+            )
             .await
             .unwrap()
     );

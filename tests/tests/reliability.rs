@@ -646,11 +646,14 @@ impl<S: IdempotencyStore + Clone> IdempotencyStore for LateBegins<S> {
     async fn commit(
         &self,
         key: &StorageKey,
+        fingerprint: &Fingerprint,
         token: &LeaseToken,
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        self.inner.commit(key, token, response, ttl).await
+        self.inner
+            .commit(key, fingerprint, token, response, ttl)
+            .await
     }
 
     async fn release(&self, key: &StorageKey, token: &LeaseToken) -> Result<bool, StoreError> {

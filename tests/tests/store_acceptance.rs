@@ -89,7 +89,7 @@ async fn another_fingerprint_is_a_mismatch_in_flight_and_completed(
     );
     assert!(
         store
-            .commit(&key, &token, &response(b"done"), TTL)
+            .commit(&key, &print(b"a"), &token, &response(b"done"), TTL)
             .await
             .unwrap()
     );
@@ -104,7 +104,7 @@ async fn a_committed_response_is_replayed_exactly(store: impl IdempotencyStore, 
     let token = acquire(&store, &key, b"a", LEASE).await;
     assert!(
         store
-            .commit(&key, &token, &response(b"{\"id\":1}"), TTL)
+            .commit(&key, &print(b"a"), &token, &response(b"{\"id\":1}"), TTL)
             .await
             .unwrap()
     );
@@ -124,7 +124,12 @@ async fn a_record_without_body_is_replayed_without_body(
     let token = acquire(&store, &key, b"a", LEASE).await;
     let mut omitted = response(b"");
     omitted.body = None;
-    assert!(store.commit(&key, &token, &omitted, TTL).await.unwrap());
+    assert!(
+        store
+            .commit(&key, &print(b"a"), &token, &omitted, TTL)
+            .await
+            .unwrap()
+    );
     assert_eq!(
         begin_new(&store, &key, b"a", LEASE).await,
         BeginOutcome::Completed(omitted)
@@ -164,7 +169,7 @@ async fn a_wrong_token_cannot_commit_renew_or_release(
     let stranger = LeaseToken::generate();
     assert!(
         !store
-            .commit(&key, &stranger, &response(b"x"), TTL)
+            .commit(&key, &print(b"a"), &stranger, &response(b"x"), TTL)
             .await
             .unwrap()
     );
@@ -181,7 +186,7 @@ async fn operations_on_a_missing_key_report_false(store: impl IdempotencyStore, 
     let token = LeaseToken::generate();
     assert!(
         !store
-            .commit(&key, &token, &response(b"x"), TTL)
+            .commit(&key, &print(b"a"), &token, &response(b"x"), TTL)
             .await
             .unwrap()
     );
@@ -206,14 +211,29 @@ async fn a_committed_record_cannot_be_released_renewed_or_overwritten(
     let key = key(&prefix, "k");
     let token = acquire(&store, &key, b"a", LEASE).await;
     let first = response(b"first");
-    assert!(store.commit(&key, &token, &first, TTL).await.unwrap());
+    assert!(
+        store
+            .commit(&key, &print(b"a"), &token, &first, TTL)
+            .await
+            .unwrap()
+    );
     assert!(!store.release(&key, &token).await.unwrap());
     assert!(!store.renew(&key, &token, LEASE).await.unwrap());
     // A repeated commit (a retry after a lost reply) succeeds and writes nothing.
     let second = response(b"second");
-    assert!(store.commit(&key, &token, &second, TTL).await.unwrap());
+    assert!(
+        store
+            .commit(&key, &print(b"a"), &token, &second, TTL)
+            .await
+            .unwrap()
+    );
     let stranger = LeaseToken::generate();
-    assert!(!store.commit(&key, &stranger, &second, TTL).await.unwrap());
+    assert!(
+        !store
+            .commit(&key, &print(b"a"), &stranger, &second, TTL)
+            .await
+            .unwrap()
+    );
     assert_eq!(
         begin_new(&store, &key, b"a", LEASE).await,
         BeginOutcome::Completed(response(b"first"))
@@ -255,14 +275,14 @@ async fn a_lost_lease_cannot_overwrite_the_new_holder(
     assert!(!store.renew(&key, &slow, LEASE).await.unwrap());
     assert!(
         !store
-            .commit(&key, &slow, &response(b"slow"), TTL)
+            .commit(&key, &print(b"a"), &slow, &response(b"slow"), TTL)
             .await
             .unwrap()
     );
     assert!(!store.release(&key, &slow).await.unwrap());
     assert!(
         store
-            .commit(&key, &fast, &response(b"fast"), TTL)
+            .commit(&key, &print(b"a"), &fast, &response(b"fast"), TTL)
             .await
             .unwrap()
     );
@@ -277,7 +297,13 @@ async fn a_completed_record_expires_after_its_ttl(store: impl IdempotencyStore, 
     let token = acquire(&store, &key, b"a", LEASE).await;
     assert!(
         store
-            .commit(&key, &token, &response(b"x"), Duration::from_millis(600))
+            .commit(
+                &key,
+                &print(b"a"),
+                &token,
+                &response(b"x"),
+                Duration::from_millis(600)
+            )
             .await
             .unwrap()
     );
@@ -326,7 +352,7 @@ async fn an_abandoned_token_never_takes_the_key_later(
     assert!(!store.renew(&key, &late, LEASE).await.unwrap());
     assert!(
         !store
-            .commit(&key, &late, &response(b"x"), TTL)
+            .commit(&key, &print(b"a"), &late, &response(b"x"), TTL)
             .await
             .unwrap()
     );
@@ -335,7 +361,7 @@ async fn an_abandoned_token_never_takes_the_key_later(
     let retry = acquire(&store, &key, b"b", LEASE).await;
     assert!(
         store
-            .commit(&key, &retry, &response(b"b"), TTL)
+            .commit(&key, &print(b"b"), &retry, &response(b"b"), TTL)
             .await
             .unwrap()
     );
@@ -379,7 +405,7 @@ async fn abandon_leaves_another_record_alone(store: impl IdempotencyStore, prefi
     );
     assert!(
         store
-            .commit(&key, &holder, &response(b"a"), TTL)
+            .commit(&key, &print(b"a"), &holder, &response(b"a"), TTL)
             .await
             .unwrap()
     );

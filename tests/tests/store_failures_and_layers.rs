@@ -290,6 +290,7 @@ impl IdempotencyStore for BrokenStore {
     async fn commit(
         &self,
         _: &StorageKey,
+        _: &Fingerprint,
         _: &LeaseToken,
         _: &StoredResponse,
         _: Duration,
@@ -330,11 +331,14 @@ impl IdempotencyStore for SlowStore {
     async fn commit(
         &self,
         key: &StorageKey,
+        fingerprint: &Fingerprint,
         token: &LeaseToken,
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        self.inner.commit(key, token, response, ttl).await
+        self.inner
+            .commit(key, fingerprint, token, response, ttl)
+            .await
     }
     async fn release(&self, key: &StorageKey, token: &LeaseToken) -> Result<bool, StoreError> {
         self.inner.release(key, token).await

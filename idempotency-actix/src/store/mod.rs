@@ -208,9 +208,15 @@ pub trait IdempotencyStore: 'static {
     /// Stores the completed response for `ttl`; `false` if `token` no longer holds the lease
     /// (nothing was written). Idempotent: committing again with the token that completed
     /// the record answers `true` and changes nothing.
+    ///
+    /// `fingerprint` is the one the `begin` of `token` was given, so a store can write the
+    /// whole completed record without reading it first (the Redis stores send it, and compare
+    /// what they find with the in-flight record that `begin` wrote); a store that kept it
+    /// from `begin` may ignore it.
     fn commit(
         &self,
         key: &StorageKey,
+        fingerprint: &Fingerprint,
         token: &LeaseToken,
         response: &StoredResponse,
         ttl: Duration,
@@ -301,6 +307,7 @@ pub(crate) trait DynStore {
     fn commit<'a>(
         &'a self,
         key: &'a StorageKey,
+        fingerprint: &'a Fingerprint,
         token: &'a LeaseToken,
         response: &'a StoredResponse,
         ttl: Duration,
@@ -353,11 +360,19 @@ impl<T: IdempotencyStore> DynStore for T {
     fn commit<'a>(
         &'a self,
         key: &'a StorageKey,
+        fingerprint: &'a Fingerprint,
         token: &'a LeaseToken,
         response: &'a StoredResponse,
         ttl: Duration,
     ) -> LocalBoxFuture<'a, Result<bool, StoreError>> {
-        Box::pin(IdempotencyStore::commit(self, key, token, response, ttl))
+        Box::pin(IdempotencyStore::commit(
+            self,
+            key,
+            fingerprint,
+            token,
+            response,
+            ttl,
+        ))
     }
 
     fn release<'a>(

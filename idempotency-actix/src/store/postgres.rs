@@ -771,6 +771,7 @@ impl IdempotencyStore for PostgresStore {
     async fn commit(
         &self,
         key: &StorageKey,
+        _fingerprint: &Fingerprint,
         token: &LeaseToken,
         response: &StoredResponse,
         ttl: Duration,

@@ -232,6 +232,7 @@ impl IdempotencyStore for MemoryStore {
     async fn commit(
         &self,
         key: &StorageKey,
+        _fingerprint: &Fingerprint,
         token: &LeaseToken,
         response: &StoredResponse,
         ttl: Duration,

@@ -49,7 +49,7 @@ async fn begin(store: &MemoryStore, name: &str, lease: Duration) -> Result<Lease
 async fn complete(store: &MemoryStore, name: &str, body_len: usize, ttl: Duration) {
     let token = begin(store, name, LONG).await.unwrap();
     let committed = store
-        .commit(&key(name), &token, &response(body_len), ttl)
+        .commit(&key(name), &print(), &token, &response(body_len), ttl)
         .await;
     assert!(committed.unwrap(), "{name} committed");
 }
@@ -139,7 +139,13 @@ async fn a_store_full_of_in_flight_records_can_complete_them_all() {
     }
     for (i, token) in held.iter().enumerate() {
         let committed = store
-            .commit(&key(&format!("held{i}")), token, &response(100), LONG)
+            .commit(
+                &key(&format!("held{i}")),
+                &print(),
+                token,
+                &response(100),
+                LONG,
+            )
             .await;
         assert!(committed.unwrap(), "held{i} committed");
     }
@@ -153,7 +159,7 @@ async fn a_response_larger_than_the_store_is_completed_without_its_body() {
     let token = begin(&store, "big", LONG).await.unwrap();
     assert!(
         store
-            .commit(&key("big"), &token, &response(10_000), LONG)
+            .commit(&key("big"), &print(), &token, &response(10_000), LONG)
             .await
             .unwrap()
     );
@@ -197,7 +203,7 @@ async fn renewals_commits_releases_and_abandons_keep_the_indices_exact() {
             }
             _ => {
                 store
-                    .commit(&key(&name), &token, &response(round * 7), LONG)
+                    .commit(&key(&name), &print(), &token, &response(round * 7), LONG)
                     .await
                     .unwrap();
             }

@@ -45,7 +45,7 @@ pub type RedisPool = bb8::Pool<RedisConnectionManager>;
 /// Round trips: a new key costs two, a replay one, an unprotected request none. `begin` is
 /// one plain `SET key record NX PX lease GET`; `commit`, `renew` and `release` are each one
 /// `FCALL` of a short Lua function fenced by the lease token (the library
-/// `idempotency_actix_2_r4` is loaded by the store with `FUNCTION LOAD` when a server does not
+/// `idempotency_actix_2_r5` is loaded by the store with `FUNCTION LOAD` when a server does not
 /// have it yet).
 ///
 /// Connections: the store opens one multiplexed connection with the pool's connection

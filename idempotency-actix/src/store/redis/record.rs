@@ -77,14 +77,17 @@ pub(super) fn token_field(token: &LeaseToken) -> Vec<u8> {
     field
 }
 
-/// What follows the header in a completed record: its expiry and the response.
-pub(super) fn completion(response: &StoredResponse, ttl: Duration) -> Vec<u8> {
+/// The completed record of the request whose `in_flight` record this is: the same header
+/// in state `c`, then the completion (expiry and response).
+pub(super) fn completed(in_flight: &[u8], response: &StoredResponse, ttl: Duration) -> Vec<u8> {
     let expires_at = unix_millis(SystemTime::now()).saturating_add(millis(ttl));
     let encoded = response.encode();
-    let mut tail = Vec::with_capacity(8 + encoded.len());
-    tail.extend_from_slice(&expires_at.to_be_bytes());
-    tail.extend_from_slice(&encoded);
-    tail
+    let mut record = Vec::with_capacity(in_flight.len() + 8 + encoded.len());
+    record.extend_from_slice(in_flight);
+    record[1] = COMPLETED;
+    record.extend_from_slice(&expires_at.to_be_bytes());
+    record.extend_from_slice(&encoded);
+    record
 }
 
 /// A record as `begin` finds it.
@@ -215,9 +218,10 @@ mod tests {
         let print = Fingerprint::from_bytes([1; 32]);
         let token = LeaseToken::generate();
         // What the commit function writes: the header with state `c`, then the completion.
-        let mut record = in_flight(&print, &token);
-        record[1] = COMPLETED;
-        record.extend_from_slice(&completion(&response(), Duration::from_secs(60)));
+        let header = in_flight(&print, &token);
+        let record = completed(&header, &response(), Duration::from_secs(60));
+        assert_eq!(record[1], COMPLETED);
+        assert_eq!(record[2..header.len()], header[2..]);
         let Ok(Found::Completed {
             fingerprint,
             format,
@@ -278,9 +282,8 @@ mod tests {
 
     #[test]
     fn every_truncation_and_unknown_state_is_an_error_not_a_panic() {
-        let mut record = in_flight(&Fingerprint::from_bytes([3; 32]), &LeaseToken::generate());
-        record[1] = COMPLETED;
-        record.extend_from_slice(&completion(&response(), Duration::from_secs(1)));
+        let header = in_flight(&Fingerprint::from_bytes([3; 32]), &LeaseToken::generate());
+        let mut record = completed(&header, &response(), Duration::from_secs(1));
         for len in 0..record.len() {
             if let Ok(Found::Completed {
                 format, tail_start, ..

@@ -97,12 +97,13 @@ impl<T: Transport> Steps<'_, T> {
     pub(crate) async fn commit(
         &self,
         key: &StorageKey,
+        fingerprint: &Fingerprint,
         token: &LeaseToken,
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
         let exchange = Exchange::new(
-            protocol::commit(key, token, response, ttl),
+            protocol::commit(key, fingerprint, token, response, ttl),
             self.replication,
         );
         let reply = self.transport.send(&exchange).await?;
@@ -208,11 +209,14 @@ macro_rules! idempotency_store_on_steps {
             async fn commit(
                 &self,
                 key: &$crate::scope::StorageKey,
+                fingerprint: &$crate::fingerprint::Fingerprint,
                 token: &$crate::store::LeaseToken,
                 response: &$crate::record::StoredResponse,
                 ttl: ::std::time::Duration,
             ) -> Result<bool, $crate::store::StoreError> {
-                self.steps().commit(key, token, response, ttl).await
+                self.steps()
+                    .commit(key, fingerprint, token, response, ttl)
+                    .await
             }
 
             async fn release(
