@@ -299,12 +299,23 @@ async fn waiting_is_bounded_then_409() {
     assert_eq!(runs.get(), 1);
 }
 
-#[actix_web::test]
-async fn a_client_that_disconnects_gets_the_replay_on_retry() {
+/// How a client leaves while its handler runs.
+#[derive(Clone, Copy, Debug)]
+enum Leaving {
+    /// It closes the connection (FIN): Actix lets the request's future run to its end.
+    Closes,
+    /// It resets the connection (RST): Actix drops the request's future, so the handler's
+    /// run goes on on a task of its own.
+    Resets,
+}
+
+/// A client sends a keyed request to a slow handler and leaves while it runs: the run
+/// finishes and commits, so its retry gets the replay and the handler ran once.
+async fn a_client_that_leaves_gets_the_replay_on_retry(leaving: Leaving) {
     let runs = RunCounter::default();
     let server = serve(app_factory(
         redis_pool().await,
-        unique_prefix("disconnect"),
+        unique_prefix(&format!("leaving-{leaving:?}")),
         runs.clone(),
         IdempotentRoute::new,
         |i| i,
@@ -317,7 +328,13 @@ async fn a_client_that_disconnects_gets_the_replay_on_retry() {
     )
     .unwrap();
     runs.wait_for(1).await;
-    socket.shutdown(std::net::Shutdown::Both).unwrap();
+    match leaving {
+        Leaving::Closes => socket.shutdown(std::net::Shutdown::Both).unwrap(),
+        // A zero linger time makes closing the socket send a reset.
+        Leaving::Resets => socket2::SockRef::from(&socket)
+            .set_linger(Some(Duration::ZERO))
+            .unwrap(),
+    }
     drop(socket);
 
     // The handler keeps running after the disconnect, and commits.
@@ -330,6 +347,16 @@ async fn a_client_that_disconnects_gets_the_replay_on_retry() {
         "the disconnected request's response was committed"
     );
     assert_eq!(runs.get(), 1);
+}
+
+#[actix_web::test]
+async fn a_client_that_disconnects_gets_the_replay_on_retry() {
+    a_client_that_leaves_gets_the_replay_on_retry(Leaving::Closes).await;
+}
+
+#[actix_web::test]
+async fn a_client_that_resets_the_connection_gets_the_replay_on_retry() {
+    a_client_that_leaves_gets_the_replay_on_retry(Leaving::Resets).await;
 }
 
 #[actix_web::test]
