@@ -211,8 +211,8 @@ pub trait IdempotencyStore: 'static {
     ///
     /// `fingerprint` is the one the `begin` of `token` was given, so a store can write the
     /// whole completed record without reading it first (the Redis stores send it, and compare
-    /// what they find with the in-flight record that `begin` wrote); a store that kept it
-    /// from `begin` may ignore it.
+    /// what they find with the in-flight record that `begin` wrote: given another
+    /// fingerprint, they answer `false`); a store that kept it from `begin` may ignore it.
     fn commit(
         &self,
         key: &StorageKey,
