@@ -217,7 +217,7 @@ mod tests {
     fn a_completed_record_is_the_in_flight_header_then_its_completion() {
         let print = Fingerprint::from_bytes([1; 32]);
         let token = LeaseToken::generate();
-        // What the commit function writes: the header with state `c`, then the completion.
+        // What `commit` sends and writes: the header in state `c`, then the completion.
         let header = in_flight(&print, &token);
         let record = completed(&header, &response(), Duration::from_secs(60));
         assert_eq!(record[1], COMPLETED);
