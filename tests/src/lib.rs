@@ -4,6 +4,7 @@
 pub mod cluster;
 pub mod keyed_app;
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -11,8 +12,10 @@ use idempotency_actix::{RedisPool, RedisStore};
 
 mod flood;
 mod test_redis;
+mod valkey;
 
 pub use flood::FloodServer;
+pub use valkey::{valkey_server, valkey_url};
 
 /// What to do when the test Redis does not answer, printed whenever a test cannot reach it
 /// (with `REDIS_URL` unset the tests start their own server, so this names the variable).
@@ -60,6 +63,15 @@ pub async fn redis_connection() -> redis::aio::MultiplexedConnection {
 pub async fn redis_pool() -> RedisPool {
     redis_connection().await;
     RedisStore::pool(&redis_url()).expect("valid Redis URL")
+}
+
+/// A bb8 pool on this test process's private Valkey (≥ 8.1, see [`valkey_url`]).
+///
+/// # Panics
+///
+/// When `valkey-server` is missing or older than 8.1, with the install hint.
+pub fn valkey_pool() -> RedisPool {
+    RedisStore::pool(&valkey_url()).expect("valid Redis URL")
 }
 
 /// A key prefix no other test (or earlier run) uses.
@@ -155,6 +167,8 @@ impl Gate {
 #[derive(Debug)]
 pub struct PrivateRedis {
     child: std::process::Child,
+    /// The server binary (`redis-server`, or a `valkey-server`), kept for restarts.
+    server: PathBuf,
     port: u16,
     /// Configuration arguments given on top of the defaults, kept for restarts.
     extra_args: Vec<String>,
@@ -178,18 +192,34 @@ impl PrivateRedis {
     ///
     /// When `redis-server` is not installed or does not start within 10 s.
     pub async fn start_with_args(extra_args: &[&str]) -> Self {
+        Self::start_server(PathBuf::from("redis-server"), extra_args).await
+    }
+
+    /// Starts a Valkey (≥ 8.1, see [`valkey_server`]) instead, which has `SET … IFEQ`, with
+    /// these arguments on top of the defaults, and waits until it answers `PING`.
+    ///
+    /// # Panics
+    ///
+    /// When `valkey-server` is missing or older than 8.1 (with the install hint), or does
+    /// not start within 10 s.
+    pub async fn start_valkey(extra_args: &[&str]) -> Self {
+        Self::start_server(valkey_server(), extra_args).await
+    }
+
+    async fn start_server(server: PathBuf, extra_args: &[&str]) -> Self {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|listener| listener.local_addr())
             .expect("a free loopback port")
             .port();
         let extra_args: Vec<String> = extra_args.iter().map(|&arg| arg.to_owned()).collect();
-        let server = Self {
-            child: spawn_redis_server(port, &extra_args),
+        let started = Self {
+            child: spawn_redis_server(&server, port, &extra_args),
+            server,
             port,
             extra_args,
         };
-        server.wait_until_it_answers().await;
-        server
+        started.wait_until_it_answers().await;
+        started
     }
 
     /// Starts one as a replica of `primary` and waits until it is in sync with it.
@@ -208,7 +238,8 @@ impl PrivateRedis {
             primary.port.to_string(),
         ];
         let replica = Self {
-            child: spawn_redis_server(port, &extra_args),
+            child: spawn_redis_server(&primary.server, port, &extra_args),
+            server: primary.server.clone(),
             port,
             extra_args,
         };
@@ -236,7 +267,7 @@ impl PrivateRedis {
     /// Starts it again on the same port, empty, and waits until it answers.
     pub async fn restart(&mut self) {
         self.stop();
-        self.child = spawn_redis_server(self.port, &self.extra_args);
+        self.child = spawn_redis_server(&self.server, self.port, &self.extra_args);
         self.wait_until_it_answers().await;
     }
 
@@ -334,10 +365,11 @@ impl PrivateRedis {
 }
 
 fn spawn_redis_server<S: AsRef<std::ffi::OsStr>>(
+    server: &Path,
     port: u16,
     extra_args: &[S],
 ) -> std::process::Child {
-    std::process::Command::new("redis-server")
+    std::process::Command::new(server)
         .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
         .args(["--save", "", "--appendonly", "no"])
         // A replica loads its primary's data from the socket, and whatever a server might
@@ -351,7 +383,10 @@ fn spawn_redis_server<S: AsRef<std::ffi::OsStr>>(
         .stdout(std::process::Stdio::null())
         .spawn()
         .unwrap_or_else(|error| {
-            panic!("cannot run redis-server ({error}); install it with: apt-get install -y redis-server")
+            panic!(
+                "cannot run {} ({error}); install it with: apt-get install -y redis-server",
+                server.display()
+            )
         })
 }
 

@@ -8,6 +8,7 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -28,7 +29,7 @@ pub(crate) fn url() -> String {
         if answers_ping(default) {
             return format!("redis://{DEFAULT_ADDR}");
         }
-        start_private_server()
+        start_private_redis()
     })
     .clone()
 }
@@ -49,21 +50,10 @@ fn answers_ping(addr: SocketAddr) -> bool {
 
 /// Starts a `redis-server` for this test process and answers its URL.
 ///
-/// The watchdog shell is never waited for: it outlives this process by design, to stop the
-/// server after it.
-///
 /// # Panics
 ///
 /// When `redis-server` is not installed or does not answer within 10 s.
-#[expect(
-    clippy::zombie_processes,
-    reason = "the watchdog outlives the test process"
-)]
-fn start_private_server() -> String {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .expect("a free loopback port")
-        .port();
+fn start_private_redis() -> String {
     let probe = Command::new("redis-server").arg("--version").output();
     if probe.is_err() {
         panic!(
@@ -71,29 +61,51 @@ fn start_private_server() -> String {
              installed; install it with: apt-get install -y redis-server"
         );
     }
-    // The watchdog runs the server and stops it once the test process is gone.
+    eprintln!("tests: nothing answers on {DEFAULT_ADDR} and REDIS_URL is unset");
+    start_private_server(Path::new("redis-server"))
+}
+
+/// Starts `server` (a `redis-server` or `valkey-server` binary) for this test process on a
+/// free loopback port, and answers its URL.
+///
+/// The watchdog shell is never waited for: it outlives this process by design, to stop the
+/// server after it.
+///
+/// # Panics
+///
+/// When the server does not answer within 10 s.
+#[expect(
+    clippy::zombie_processes,
+    reason = "the watchdog outlives the test process"
+)]
+pub(crate) fn start_private_server(server: &Path) -> String {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free loopback port")
+        .port();
+    let name = server.display();
+    // The watchdog runs the server and stops it once the test process is gone. The path is
+    // given as the shell's first argument, so it needs no quoting.
     let script = format!(
-        "redis-server --port {port} --bind 127.0.0.1 --save '' --appendonly no & server=$!; \
+        "\"$0\" --port {port} --bind 127.0.0.1 --save '' --appendonly no & server=$!; \
          while kill -0 {parent} 2>/dev/null; do sleep 0.5; done; kill $server",
         parent = std::process::id(),
     );
     Command::new("sh")
         .args(["-c", &script])
+        .arg(server)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .spawn()
-        .unwrap_or_else(|error| panic!("cannot start a private redis-server: {error}"));
+        .unwrap_or_else(|error| panic!("cannot start a private {name}: {error}"));
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
     let deadline = Instant::now() + Duration::from_secs(10);
     while Instant::now() < deadline {
         if answers_ping(addr) {
-            eprintln!(
-                "tests: nothing answered on {DEFAULT_ADDR} and REDIS_URL is unset; \
-                 started a private redis-server on port {port} for this run"
-            );
+            eprintln!("tests: started a private {name} on port {port} for this run");
             return format!("redis://127.0.0.1:{port}");
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    panic!("the private redis-server on port {port} did not answer within 10 s");
+    panic!("the private {name} on port {port} did not answer within 10 s");
 }

@@ -14,29 +14,37 @@ use idempotency_actix_tests::{FloodServer, PrivateRedis, Reply};
 
 const LEASE: Duration = Duration::from_secs(1);
 
-/// Bytes of each filler value.
-const FILLER_BYTES: usize = 16 * 1024;
+/// Bytes of the filler values, largest first: each size fills what the one before left.
+const FILLER_BYTES: [usize; 3] = [16 * 1024, 1024, 64];
 
-/// Sets filler keys until Redis refuses one as out of memory; returns their names.
+/// Sets filler keys until Redis refuses even the smallest as out of memory; returns their
+/// names. Filling down to small values leaves no room for a record: Valkey, whose clients
+/// share one query buffer, frees the last large value's buffer once it is refused.
 async fn fill(connection: &mut redis::aio::MultiplexedConnection) -> Vec<String> {
-    let value = vec![b'f'; FILLER_BYTES];
     let mut names = Vec::new();
-    for i in 0..10_000 {
-        let name = format!("filler:{i}");
-        let set: redis::RedisResult<()> = redis::cmd("SET")
-            .arg(&name)
-            .arg(&value)
-            .query_async(connection)
-            .await;
-        match set {
-            Ok(()) => names.push(name),
-            Err(error) => {
-                assert_eq!(error.code(), Some("OOM"), "filling Redis: {error}");
-                return names;
+    for bytes in FILLER_BYTES {
+        let value = vec![b'f'; bytes];
+        for i in 0.. {
+            assert!(
+                i < 10_000,
+                "10 000 fillers of {bytes} bytes never filled a 4 MB Redis"
+            );
+            let name = format!("filler:{bytes}:{i}");
+            let set: redis::RedisResult<()> = redis::cmd("SET")
+                .arg(&name)
+                .arg(&value)
+                .query_async(connection)
+                .await;
+            match set {
+                Ok(()) => names.push(name),
+                Err(error) => {
+                    assert_eq!(error.code(), Some("OOM"), "filling Redis: {error}");
+                    break;
+                }
             }
         }
     }
-    panic!("10 000 fillers of 16 KiB never filled a 4 MB Redis");
+    names
 }
 
 /// Retries `key` until it is replayed (each answer meanwhile must be 409), for 10 s at most.
@@ -52,11 +60,23 @@ async fn replay_once_committed(server: &FloodServer, key: &str) -> Reply {
     panic!("the commit of {key} never landed once memory was freed");
 }
 
+const FULL_AT_4_MB: [&str; 4] = ["--maxmemory", "4mb", "--maxmemory-policy", "noeviction"];
+
 #[actix_web::test]
 async fn a_full_redis_keeps_keys_locked_until_their_commits_land() {
-    let redis =
-        PrivateRedis::start_with_args(&["--maxmemory", "4mb", "--maxmemory-policy", "noeviction"])
-            .await;
+    keys_stay_locked_until_their_commits_land(PrivateRedis::start_with_args(&FULL_AT_4_MB).await)
+        .await;
+}
+
+/// The same on Valkey ≥ 8.1, where the commit is `SET … IFEQ`: refused when full like the
+/// function, and retried.
+#[actix_web::test]
+async fn a_full_valkey_keeps_keys_locked_until_their_commits_land() {
+    keys_stay_locked_until_their_commits_land(PrivateRedis::start_valkey(&FULL_AT_4_MB).await)
+        .await;
+}
+
+async fn keys_stay_locked_until_their_commits_land(redis: PrivateRedis) {
     let pool = RedisStore::pool(&redis.url()).unwrap();
     let server = FloodServer::start(
         move || Idempotency::redis(pool.clone()).policy(IdempotencyPolicy::default().lease(LEASE)),
@@ -70,6 +90,15 @@ async fn a_full_redis_keeps_keys_locked_until_their_commits_land() {
 
     let mut connection = redis.connection().await;
     let fillers = fill(&mut connection).await;
+    // Valkey frees some buffers of its own a moment after the filling stops, room enough for
+    // a commit: a lower limit keeps either server full until the fillers are deleted.
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg("3mb")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
     server.gate.open();
     let mut firsts = Vec::new();
     for (key, first) in keys.iter().zip(held) {

@@ -56,22 +56,33 @@ fn counts(commands: &[(&str, u64)]) -> BTreeMap<String, u64> {
 
 #[actix_web::test]
 async fn new_key_costs_two_round_trips_replay_one_unprotected_none() {
+    // Redis 7 has no `SET … IFEQ`: `commit` is one FCALL whose function reads the in-flight
+    // record (GET) and completes it (SET).
     let redis = PrivateRedis::start().await;
+    round_trips_on(redis, &[("set", 2), ("fcall", 1), ("get", 1)]).await;
+}
+
+#[actix_web::test]
+async fn on_valkey_a_new_key_costs_two_plain_sets() {
+    // Valkey ≥ 8.1 has `SET … IFEQ`: `commit` is one plain command, no function.
+    let valkey = PrivateRedis::start_valkey(&[]).await;
+    round_trips_on(valkey, &[("set", 2)]).await;
+}
+
+/// Counts the commands of a new key (`new_key`: `begin`'s plain `SET … NX PX … GET`, then
+/// the commit), a replay and unprotected requests on `redis`.
+async fn round_trips_on(redis: PrivateRedis, new_key: &[(&str, u64)]) {
     let server = start(RedisStore::pool(&redis.url()).unwrap());
 
-    // Warm up: the store connects and its functions are loaded once per server.
+    // Warm up: the store connects, learns whether the server takes `SET … IFEQ`, and loads
+    // its functions where it does not.
     assert_eq!(post(&server, Method::POST, Some("warm-up")).await, 201);
     redis.take_command_counts().await;
 
-    // A new key: two round trips. `begin` is one plain `SET … NX PX … GET`; `commit` one
-    // FCALL whose function reads the in-flight record (GET) and completes it (SET).
+    // A new key: two round trips.
     assert_eq!(post(&server, Method::POST, Some("new")).await, 201);
-    let new_key = redis.take_command_counts().await;
-    assert_eq!(
-        new_key,
-        counts(&[("set", 2), ("fcall", 1), ("get", 1)]),
-        "new key"
-    );
+    let counted = redis.take_command_counts().await;
+    assert_eq!(counted, counts(new_key), "new key");
 
     // A replay: one round trip, the same `SET … NX … GET`, which finds the record.
     assert_eq!(post(&server, Method::POST, Some("new")).await, 201);

@@ -1,8 +1,9 @@
 //! The backend-agnostic acceptance suite: every store must pass every test here.
 //!
-//! Each test runs once per backend (`memory::…`, `redis::…`, `redis_cluster::…`,
+//! Each test runs once per backend (`memory::…`, `redis::…`, `valkey::…`, `redis_cluster::…`,
 //! `redis_cluster_replicated::…`, `postgres::…`). The Redis runs use the server at `REDIS_URL`
-//! (default 127.0.0.1:6379), the cluster runs a local 6-node cluster this test binary starts
+//! (default 127.0.0.1:6379), the Valkey runs (the Redis store, committing by `SET … IFEQ`) a
+//! private `valkey-server` ≥ 8.1 this test binary starts, the cluster runs a local 6-node cluster this test binary starts
 //! (the replicated run waits for each write to reach the primary's replica), each test under
 //! its own key prefix; the PostgreSQL runs use the server at `DATABASE_URL` (default
 //! postgres://postgres@127.0.0.1:5432/postgres), each test in a database of its own.
@@ -494,6 +495,11 @@ acceptance_suite!(memory, idempotency_actix::MemoryStore::new());
 acceptance_suite!(
     redis,
     idempotency_actix::RedisStore::new(idempotency_actix_tests::redis_pool().await)
+);
+// Valkey ≥ 8.1: the same store commits by `SET … IFEQ` instead of a function.
+acceptance_suite!(
+    valkey,
+    idempotency_actix::RedisStore::new(idempotency_actix_tests::valkey_pool())
 );
 acceptance_suite!(
     postgres,

@@ -8,6 +8,7 @@ use futures_util::lock::Mutex as AsyncMutex;
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 
+use super::conditional_set::ConditionalSet;
 use super::exchange::{Exchange, Reply};
 use super::protocol;
 use super::replication::ReplicatedWrites;
@@ -81,6 +82,8 @@ pub struct RedisClusterStore {
     /// Connections of their own for exchanges that block theirs (`WAIT`).
     spares: Spares<ClusterConnection>,
     replication: Option<ReplicatedWrites>,
+    /// Whether the cluster's nodes take `SET … IFEQ`, learnt from the first commit.
+    conditional_set: ConditionalSet,
 }
 
 impl RedisClusterStore {
@@ -122,6 +125,7 @@ impl RedisClusterStore {
             connecting: AsyncMutex::new(()),
             spares: Spares::new(),
             replication: None,
+            conditional_set: ConditionalSet::default(),
         }
     }
 
@@ -147,6 +151,7 @@ impl RedisClusterStore {
         Steps {
             transport: self,
             replication: self.replication,
+            conditional_set: &self.conditional_set,
         }
     }
 
@@ -175,12 +180,16 @@ impl RedisClusterStore {
         Ok(connection)
     }
 
-    /// A new cluster connection, bounded by the first-connect timeout.
+    /// A new cluster connection, bounded by the first-connect timeout, with the functions
+    /// loaded on every primary (`FUNCTION LOAD` goes to all of them).
     async fn open(&self) -> Result<ClusterConnection, StoreError> {
-        actix_rt::time::timeout(FIRST_CONNECT_TIMEOUT, self.client.get_async_connection())
-            .await
-            .map_err(|_| StoreError::Timeout(FIRST_CONNECT_TIMEOUT))?
-            .map_err(protocol::store_error)
+        let mut connection =
+            actix_rt::time::timeout(FIRST_CONNECT_TIMEOUT, self.client.get_async_connection())
+                .await
+                .map_err(|_| StoreError::Timeout(FIRST_CONNECT_TIMEOUT))?
+                .map_err(protocol::store_error)?;
+        protocol::load_library_ahead(&mut connection).await;
+        Ok(connection)
     }
 }
 

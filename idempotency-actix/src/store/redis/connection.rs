@@ -137,6 +137,7 @@ impl SharedConnection {
         // engine's store timeout (2 s by default, set with `Idempotency::store_timeout`)
         // short: the engine's bound is the one that applies.
         connection.set_response_timeout(crate::MAX_DURATION);
+        protocol::load_library_ahead(&mut connection).await;
         Ok(connection)
     }
 }

@@ -8,6 +8,7 @@
 
 #[cfg(feature = "redis-cluster")]
 mod cluster;
+mod conditional_set;
 mod connection;
 mod exchange;
 mod inspection;
@@ -23,6 +24,7 @@ use bb8_redis::RedisConnectionManager;
 
 #[cfg(feature = "redis-cluster")]
 pub use self::cluster::{RedisClusterClient, RedisClusterStore};
+use self::conditional_set::ConditionalSet;
 use self::connection::SharedConnection;
 pub use self::replication::ReplicatedWrites;
 use self::steps::Steps;
@@ -75,6 +77,8 @@ pub type RedisPool = bb8::Pool<RedisConnectionManager>;
 pub struct RedisStore {
     connection: SharedConnection,
     replication: Option<ReplicatedWrites>,
+    /// Whether the server takes `SET … IFEQ`, learnt from the first commit.
+    conditional_set: ConditionalSet,
 }
 
 impl RedisStore {
@@ -83,6 +87,7 @@ impl RedisStore {
         Self {
             connection: SharedConnection::new(pool),
             replication: None,
+            conditional_set: ConditionalSet::default(),
         }
     }
 
@@ -103,6 +108,7 @@ impl RedisStore {
         Steps {
             transport: &self.connection,
             replication: self.replication,
+            conditional_set: &self.conditional_set,
         }
     }
 
@@ -135,6 +141,7 @@ impl Clone for RedisStore {
         Self {
             connection: SharedConnection::new(self.connection.pool().clone()),
             replication: self.replication,
+            conditional_set: ConditionalSet::default(),
         }
     }
 }

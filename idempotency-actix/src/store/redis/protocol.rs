@@ -5,7 +5,8 @@
 //! | step | what Redis runs | cost inside Redis |
 //! |---|---|---|
 //! | `begin` | `SET key <in-flight record> NX PX lease GET` | one plain command |
-//! | `commit` | `FCALL`: `GET`, compare with the in-flight record, then `SET key <completed record> PX ttl` | one short function |
+//! | `commit` (Valkey ≥ 8.1, Redis ≥ 8.4) | `SET key <completed record> IFEQ <in-flight record> PX ttl` | one plain command |
+//! | `commit` (other servers) | `FCALL`: `GET`, compare with the in-flight record, then `SET key <completed record> PX ttl` | one short function |
 //! | `renew` | `FCALL`: `GET`, then `PEXPIRE` | one short function |
 //! | `release` | `FCALL`: `GET`, then `DEL` | one short function |
 //! | `abandon` | `FCALL`: `GET`, then `SET key <marker> PX remember_for` | one short function |
@@ -16,7 +17,9 @@
 //! after a lost reply; another fingerprint: mismatch; in flight: conflict; completed:
 //! replay). The other steps are fenced by the token, a compare-and-write that only a script
 //! or function does atomically on Redis 7.0; each reads the record with `GET`, and the
-//! record it expects, an in-flight one, is the fixed-size header alone.
+//! record it expects, an in-flight one, is the fixed-size header alone. `commit` is a plain
+//! command where the server has one for it, `SET … IFEQ`, which compares the whole record
+//! (see `conditional_set`).
 //!
 //! Every request touches one key and is safe to send twice with the same arguments (a
 //! retry after a connection dropped before the reply came): a repeated `begin` finds its
@@ -195,6 +198,16 @@ pub(crate) async fn load_library(
     }
 }
 
+/// Loads [`LIBRARY`] when a connection opens, ahead of any need, while the server likely
+/// has room: `FUNCTION LOAD` is refused once it is full, when `renew` (flagged `allow-oom`)
+/// must still work, and where commits go by `SET … IFEQ` no commit loads the library
+/// before a `renew` needs it. A failure is logged and left to the load on first use.
+pub(crate) async fn load_library_ahead(connection: &mut impl redis::aio::ConnectionLike) {
+    if let Err(error) = load_library(connection).await {
+        tracing::debug!(%error, "idempotency: functions not loaded yet; they are loaded on first use");
+    }
+}
+
 /// An `FCALL` of `function` on `key`.
 fn function(function: &str, key: &StorageKey) -> redis::Cmd {
     let mut call = redis::cmd("FCALL");
@@ -220,8 +233,10 @@ pub(crate) fn begin(
     Request::Command(command)
 }
 
-/// `GET` of the record: what [`begin`] falls back to when Redis is out of memory. Its reply
-/// decodes with [`begin_outcome`] like `begin`'s (nil: no record).
+/// `GET` of the record: what [`begin`] falls back to when Redis is out of memory (its reply
+/// then decodes with [`begin_outcome`] like `begin`'s; nil: no record), and what a
+/// commit by [`CommitBy::ConditionalSet`] that wrote nothing reads (decoded with
+/// [`completed_by`]).
 pub(crate) fn read(key: &StorageKey) -> Request {
     let mut command = redis::cmd("GET");
     command.arg(key.as_str());
@@ -304,9 +319,26 @@ pub(crate) fn claim(
     Request::Function(call)
 }
 
+/// How `commit` is sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CommitBy {
+    /// One plain command, where the server has `SET … IFEQ` (Valkey ≥ 8.1, Redis ≥ 8.4):
+    /// `SET key <completed record> IFEQ <in-flight record> PX ttl` writes what the function
+    /// writes, under the same condition. Its reply decodes with [`written`]. When it wrote
+    /// nothing, a [`read`] of the record, decoded with [`completed_by`], tells whether an
+    /// earlier send of the same commit completed it (the function answers that from the
+    /// same read, inside Redis). A server without `IFEQ` answers a syntax error
+    /// ([`is_syntax_error`]) and writes nothing.
+    ConditionalSet,
+    /// An `FCALL` of the library's `commit`. Its reply decodes with [`held`].
+    Function,
+}
+
 /// `commit`: complete the record held by `token` (for the request of `fingerprint`) with
-/// `response`, kept for `ttl`.
+/// `response`, kept for `ttl`. Both ways are sent the in-flight record the request's `begin`
+/// wrote and the completed record that replaces it, and write only over the former.
 pub(crate) fn commit(
+    by: CommitBy,
     key: &StorageKey,
     fingerprint: &Fingerprint,
     token: &LeaseToken,
@@ -315,9 +347,60 @@ pub(crate) fn commit(
 ) -> Request {
     let in_flight = record::in_flight(fingerprint, token);
     let completed = record::completed(&in_flight, response, ttl);
-    let mut call = function("idempotency_actix_2_r5_commit", key);
-    call.arg(in_flight).arg(completed).arg(record::millis(ttl));
-    Request::Function(call)
+    match by {
+        CommitBy::ConditionalSet => {
+            let mut command = redis::cmd("SET");
+            command
+                .arg(key.as_str())
+                .arg(completed)
+                .arg("IFEQ")
+                .arg(in_flight)
+                .arg("PX")
+                .arg(record::millis(ttl));
+            Request::Command(command)
+        }
+        CommitBy::Function => {
+            let mut call = function("idempotency_actix_2_r5_commit", key);
+            call.arg(in_flight).arg(completed).arg(record::millis(ttl));
+            Request::Function(call)
+        }
+    }
+}
+
+/// Decodes the reply to a commit by [`CommitBy::ConditionalSet`]: whether it wrote.
+pub(crate) fn written(reply: Value) -> Result<bool, StoreError> {
+    match reply {
+        Value::Okay => Ok(true),
+        Value::SimpleString(status) if status == "OK" => Ok(true),
+        Value::Nil => Ok(false),
+        other => Err(unexpected(&other)),
+    }
+}
+
+/// Decodes the reply to [`read`] after a commit by [`CommitBy::ConditionalSet`] that wrote
+/// nothing: whether the
+/// record is completed by `token`, so that the commit is done.
+pub(crate) fn completed_by(reply: Value, token: &LeaseToken) -> Result<bool, StoreError> {
+    match reply {
+        Value::Nil => Ok(false),
+        Value::BulkString(found) => Ok(record::completed_by(&found, token)),
+        other => Err(unexpected(&other)),
+    }
+}
+
+/// Whether Redis refused the command as a syntax error: what a server without
+/// `SET … IFEQ` answers to a commit by [`CommitBy::ConditionalSet`], writing nothing.
+pub(crate) fn is_syntax_error(error: &StoreError) -> bool {
+    match error {
+        StoreError::Unavailable(source) => {
+            source
+                .downcast_ref::<redis::RedisError>()
+                .is_some_and(|error| {
+                    error.code() == Some("ERR") && error.detail() == Some("syntax error")
+                })
+        }
+        _ => false,
+    }
 }
 
 /// `renew`: extend the lease held by `token` to `lease` from now.

@@ -137,6 +137,16 @@ impl<'a> Found<'a> {
     }
 }
 
+/// Whether `record` is completed and holds `token`: what a commit that wrote nothing finds when
+/// an earlier send of the same commit (its reply lost) completed the record. Never panics,
+/// whatever the bytes.
+pub(super) fn completed_by(record: &[u8], token: &LeaseToken) -> bool {
+    record.get(1) == Some(&COMPLETED)
+        && record
+            .get(TOKEN_OFFSET..)
+            .is_some_and(|rest| rest.starts_with(&token_field(token)))
+}
+
 /// Whether the token fields of a marker (see [`Found::Abandoned`]) hold `token`; a field cut
 /// short at the end is ignored.
 pub(super) fn remembers(mut tokens: &[u8], token: &LeaseToken) -> bool {
@@ -211,6 +221,21 @@ mod tests {
                 token: token.as_str().as_bytes()
             })
         );
+    }
+
+    #[test]
+    fn only_a_completed_record_of_the_token_is_completed_by_it() {
+        let print = Fingerprint::from_bytes([7; 32]);
+        let (mine, theirs) = (LeaseToken::generate(), LeaseToken::generate());
+        let in_flight_record = in_flight(&print, &mine);
+        let completed_record = completed(&in_flight_record, &response(), Duration::from_secs(9));
+        assert!(completed_by(&completed_record, &mine));
+        assert!(!completed_by(&completed_record, &theirs));
+        assert!(!completed_by(&in_flight_record, &mine));
+        assert!(!completed_by(&abandoned(&mine), &mine));
+        for cut in 0..TOKEN_OFFSET + 2 {
+            assert!(!completed_by(&completed_record[..cut], &mine));
+        }
     }
 
     #[test]

@@ -4,8 +4,9 @@
 
 use std::time::Duration;
 
+use super::conditional_set::ConditionalSet;
 use super::exchange::{Exchange, Reply};
-use super::protocol::Begun;
+use super::protocol::{Begun, CommitBy};
 use super::replication::ReplicatedWrites;
 use super::{inspection, protocol};
 use crate::fingerprint::Fingerprint;
@@ -25,10 +26,11 @@ pub(crate) trait Transport {
     async fn send(&self, exchange: &Exchange) -> Result<Reply, StoreError>;
 }
 
-/// A transport and the store's replication setting.
+/// A transport, the store's replication setting, and whether its server takes `SET … IFEQ`.
 pub(crate) struct Steps<'a, T> {
     pub(crate) transport: &'a T,
     pub(crate) replication: Option<ReplicatedWrites>,
+    pub(crate) conditional_set: &'a ConditionalSet,
 }
 
 impl<T: Transport> Steps<'_, T> {
@@ -102,8 +104,33 @@ impl<T: Transport> Steps<'_, T> {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
+        if self.conditional_set.worth_trying() {
+            let exchange = Exchange::new(
+                protocol::commit(
+                    CommitBy::ConditionalSet,
+                    key,
+                    fingerprint,
+                    token,
+                    response,
+                    ttl,
+                ),
+                self.replication,
+            );
+            match self.transport.send(&exchange).await {
+                Err(error) if protocol::is_syntax_error(&error) => self.conditional_set.refuse(),
+                reply => {
+                    let reply = reply?;
+                    let held =
+                        protocol::written(reply.value)? || self.completed_by(key, token).await?;
+                    if held {
+                        reply.replication.check("commit")?;
+                    }
+                    return Ok(held);
+                }
+            }
+        }
         let exchange = Exchange::new(
-            protocol::commit(key, fingerprint, token, response, ttl),
+            protocol::commit(CommitBy::Function, key, fingerprint, token, response, ttl),
             self.replication,
         );
         let reply = self.transport.send(&exchange).await?;
@@ -112,6 +139,17 @@ impl<T: Transport> Steps<'_, T> {
             reply.replication.check("commit")?;
         }
         Ok(held)
+    }
+
+    /// Whether the record is completed by `token`: after a `SET … IFEQ` commit that wrote
+    /// nothing, whether an earlier send of it did (a retry after a lost reply). A rare second
+    /// round trip: it happens only when the lease was lost or the commit was sent twice.
+    async fn completed_by(&self, key: &StorageKey, token: &LeaseToken) -> Result<bool, StoreError> {
+        let reply = self
+            .transport
+            .send(&Exchange::plain(protocol::read(key)))
+            .await?;
+        protocol::completed_by(reply.value, token)
     }
 
     pub(crate) async fn release(
