@@ -62,7 +62,10 @@
 //! target by chance, and the spread shows how far.
 //!
 //! Environment: `BENCH_SECONDS` [8] per mode, `BENCH_ROUNDS` [1], `BENCH_CONNECTIONS` [32],
-//! `BENCH_MODES` [all], `BENCH_DATABASE_URL` [`postgres://postgres@127.0.0.1:5432/postgres`].
+//! `BENCH_MODES` [all], `BENCH_DATABASE_URL` [`postgres://postgres@127.0.0.1:5432/postgres`],
+//! `BENCH_REDIS_SERVER` [`redis-server`]: the binary of every Redis server it starts (the
+//! private one, the replica, the cluster's nodes), e.g. `valkey-server`, whose commits are
+//! one `SET … IFEQ` instead of a function.
 //! Needs `wrk`, `redis-server` and `redis-cli` (`apt-get install -y wrk redis-server`); the
 //! PostgreSQL modes need `psql` (`apt-get install -y postgresql-client`) and a server to
 //! connect to.
@@ -350,9 +353,10 @@ fn selected_groups() -> Result<Vec<&'static str>, Error> {
 }
 
 fn run() -> Result<(), Error> {
+    let redis_server = redis_server();
     for (tool, package) in [
         ("wrk", "wrk"),
-        ("redis-server", "redis-server"),
+        (redis_server.as_str(), "redis-server"),
         ("redis-cli", "redis-tools"),
     ] {
         if Command::new(tool)
@@ -387,7 +391,8 @@ fn run() -> Result<(), Error> {
     };
 
     println!(
-        "wrk -t1 -c{connections} -d{seconds}s, POST /orders (POST /ledger where named), WORKERS=1, private redis-server on port {}",
+        "wrk -t1 -c{connections} -d{seconds}s, POST /orders (POST /ledger where named), WORKERS=1, private {} on port {}",
+        server_version(&redis_server),
         redis.port
     );
     if let Ok(cluster) = &cluster {
@@ -589,6 +594,30 @@ fn print_row(
     );
 }
 
+/// The binary of the benchmark's Redis servers: `BENCH_REDIS_SERVER`, e.g. `valkey-server`,
+/// else `redis-server`.
+fn redis_server() -> String {
+    std::env::var("BENCH_REDIS_SERVER")
+        .ok()
+        .filter(|server| !server.is_empty())
+        .unwrap_or_else(|| "redis-server".to_owned())
+}
+
+/// `server --version`, shortened to its name and version (`Redis server v=7.0.15`).
+fn server_version(server: &str) -> String {
+    Command::new(server)
+        .arg("--version")
+        .output()
+        .map(|output| {
+            String::from_utf8_lossy(&output.stdout)
+                .split_whitespace()
+                .take(3)
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_else(|_| server.to_owned())
+}
+
 fn env_number(name: &str, default: u64) -> Result<u64, Error> {
     match std::env::var(name) {
         Ok(value) => Ok(value
@@ -649,7 +678,7 @@ impl Redis {
     }
 
     fn start_on(work: &Path, port: u16, args: &[&str]) -> Result<Self, Error> {
-        let child = Command::new("redis-server")
+        let child = Command::new(redis_server())
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no"])
             .args(args)

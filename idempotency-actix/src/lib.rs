@@ -92,10 +92,12 @@
 //!
 //! # Stores
 //!
-//! * [`RedisStore`] (`Idempotency::redis(pool)`, Redis ≥ 7.0): takes a bb8 pool of
+//! * [`RedisStore`] (`Idempotency::redis(pool)`, Redis ≥ 7.0 or Valkey): takes a bb8 pool of
 //!   bb8-redis connections for its settings and shares one multiplexed connection per
 //!   worker. Two round trips for a new key, one for a replay, none for unprotected requests;
-//!   every record is one key and every command or function touches one key.
+//!   every record is one key and every command or function touches one key. The commit is
+//!   one plain `SET … IFEQ` where the server has it (Valkey ≥ 8.1, Redis ≥ 8.4), else a
+//!   function.
 //! * `RedisClusterStore` (`Idempotency::redis_cluster(client)`, feature `redis-cluster`):
 //!   the same protocol on Redis Cluster, through one shared async cluster connection per
 //!   worker that follows slot moves and failovers.

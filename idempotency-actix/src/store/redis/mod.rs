@@ -32,8 +32,8 @@ use self::steps::Steps;
 /// The pool type [`Idempotency::redis`](crate::Idempotency::redis) takes.
 pub type RedisPool = bb8::Pool<RedisConnectionManager>;
 
-/// Records in Redis (≥ 7.0), one string per key, so every operation touches one key and the
-/// same protocol is ready for Redis Cluster (this store itself talks to one Redis server).
+/// Records in Redis (≥ 7.0) or Valkey, one string per key, so every operation touches one key
+/// and the same protocol is ready for Redis Cluster (this store itself talks to one server).
 ///
 /// A record holds its state (in flight or completed), the request's fingerprint, the lease
 /// token of the request that runs or ran, and, once completed, its expiry and the encoded
@@ -45,10 +45,13 @@ pub type RedisPool = bb8::Pool<RedisConnectionManager>;
 /// format of 0.1 development builds: it answers 503 until it expires.
 ///
 /// Round trips: a new key costs two, a replay one, an unprotected request none. `begin` is
-/// one plain `SET key record NX PX lease GET`; `commit`, `renew` and `release` are each one
-/// `FCALL` of a short Lua function fenced by the lease token (the library
-/// `idempotency_actix_2_r5` is loaded by the store with `FUNCTION LOAD` when a server does not
-/// have it yet).
+/// one plain `SET key record NX PX lease GET`. `commit` is one plain
+/// `SET key <completed record> IFEQ <in-flight record> PX ttl` where the server has `IFEQ`
+/// (Valkey ≥ 8.1, Redis ≥ 8.4; a server without it refuses the first commit as a syntax
+/// error, writing nothing, and the store commits by function from then on). `renew`,
+/// `release`, and `commit` elsewhere, are each one `FCALL` of a short Lua function fenced by
+/// the lease token (the library `idempotency_actix_2_r5`, which the store loads with
+/// `FUNCTION LOAD` when it opens a connection, and again if a server lacks it later).
 ///
 /// Connections: the store opens one multiplexed connection with the pool's connection
 /// manager (the pool gives the URL and settings) and shares it between all its requests, so
