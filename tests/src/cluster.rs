@@ -29,6 +29,8 @@ const SETTLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// pipe that only the test process holds.
 #[derive(Debug)]
 pub struct RedisCluster {
+    /// The node binary (`redis-server`, or a `valkey-server`), kept for restarts.
+    server: PathBuf,
     dir: PathBuf,
     nodes: Mutex<Vec<Node>>,
     /// The watchdogs (one per batch of started nodes); each cleans up when its pipe closes.
@@ -73,6 +75,18 @@ impl RedisCluster {
         SHARED.get_or_init(Self::start)
     }
 
+    /// A cluster of Valkey (≥ 8.1, see [`valkey_server`](crate::valkey_server)) nodes for
+    /// this test binary, started on first use: its primaries take `SET … IFEQ`.
+    ///
+    /// # Panics
+    ///
+    /// When `valkey-server` is missing or older than 8.1 (with the install hint), or the
+    /// cluster cannot be started (see [`start`](Self::start)).
+    pub fn valkey_shared() -> &'static Self {
+        static SHARED: OnceLock<RedisCluster> = OnceLock::new();
+        SHARED.get_or_init(|| Self::start_nodes(crate::valkey_server()))
+    }
+
     /// Starts the 6 nodes, creates the cluster with `redis-cli --cluster create` and waits
     /// until every node reports `cluster_state:ok`, every replica is in sync and all nodes
     /// agree on which primary serves which slots.
@@ -84,6 +98,11 @@ impl RedisCluster {
     /// When `redis-server` or `redis-cli` is missing, or the cluster does not settle
     /// within 60 s, with the nodes' logs.
     pub fn start() -> Self {
+        Self::start_nodes(PathBuf::from("redis-server"))
+    }
+
+    /// [`start`](Self::start) with `server` as every node's binary.
+    fn start_nodes(server: PathBuf) -> Self {
         let dir = std::env::temp_dir().join(format!(
             "idempotency-cluster-{}",
             uuid::Uuid::new_v4().simple()
@@ -96,12 +115,13 @@ impl RedisCluster {
             taken.push(port);
             nodes.push(Node {
                 port,
-                child: spawn_node(&dir, port),
+                child: spawn_node(&server, &dir, port),
                 alive: true,
             });
         }
         let watchdog = spawn_watchdog(&dir, &nodes);
         let cluster = Self {
+            server,
             dir,
             nodes: Mutex::new(nodes),
             watchdogs: Mutex::new(vec![watchdog]),
@@ -228,7 +248,7 @@ impl RedisCluster {
             .find(|node| node.port == port)
             .unwrap_or_else(|| panic!("no node on port {port}"));
         assert!(!node.alive, "node {port} is running");
-        node.child = spawn_node(&self.dir, port);
+        node.child = spawn_node(&self.server, &self.dir, port);
         node.alive = true;
         let watchdog = spawn_watchdog(&self.dir, std::slice::from_ref(node));
         self.watchdogs
@@ -415,12 +435,17 @@ fn node_dir(dir: &Path, port: u16) -> PathBuf {
     dir.join(port.to_string())
 }
 
-fn spawn_node(dir: &Path, port: u16) -> Child {
+fn spawn_node(server: &Path, dir: &Path, port: u16) -> Child {
     let node_dir = node_dir(dir, port);
     std::fs::create_dir_all(&node_dir).expect("a directory for the node");
-    Command::new("redis-server")
+    Command::new(server)
         .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-        .args(["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"])
+        .args([
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+        ])
         .args(["--cluster-node-timeout", &NODE_TIMEOUT_MS.to_string()])
         // A replica may always take over, however long it was cut off.
         .args(["--cluster-replica-validity-factor", "0"])
@@ -431,7 +456,10 @@ fn spawn_node(dir: &Path, port: u16) -> Child {
         .stdout(Stdio::null())
         .spawn()
         .unwrap_or_else(|error| {
-            panic!("cannot run redis-server ({error}); install it with: apt-get install -y redis-server")
+            panic!(
+                "cannot run {} ({error}); install it with: apt-get install -y redis-server",
+                server.display()
+            )
         })
 }
 
