@@ -378,8 +378,7 @@ pub(crate) fn written(reply: Value) -> Result<bool, StoreError> {
 }
 
 /// Decodes the reply to [`read`] after a commit by [`CommitBy::ConditionalSet`] that wrote
-/// nothing: whether the
-/// record is completed by `token`, so that the commit is done.
+/// nothing: whether the record is completed by `token`, so that the commit is done.
 pub(crate) fn completed_by(reply: Value, token: &LeaseToken) -> Result<bool, StoreError> {
     match reply {
         Value::Nil => Ok(false),
@@ -522,5 +521,14 @@ mod tests {
         assert!(begin_outcome(Value::Int(1), &print, &token).is_err());
         assert!(begin_outcome(Value::BulkString(vec![2, b'c']), &print, &token).is_err());
         assert!(held(Value::Nil).is_err());
+        assert!(written(Value::Int(1)).is_err());
+        assert!(completed_by(Value::Int(1), &token).is_err());
+    }
+
+    #[test]
+    fn a_conditional_set_answers_ok_when_it_wrote_and_nil_when_not() {
+        assert!(written(Value::Okay).unwrap());
+        assert!(written(Value::SimpleString("OK".to_owned())).unwrap());
+        assert!(!written(Value::Nil).unwrap());
     }
 }
