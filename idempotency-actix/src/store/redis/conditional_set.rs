@@ -10,6 +10,8 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use super::protocol::CommitBy;
+
 /// Whether commits still try `SET … IFEQ`: until a server refuses it once.
 #[derive(Debug, Default)]
 pub(crate) struct ConditionalSet {
@@ -17,9 +19,13 @@ pub(crate) struct ConditionalSet {
 }
 
 impl ConditionalSet {
-    /// Whether to send the next commit as `SET … IFEQ`.
-    pub(crate) fn worth_trying(&self) -> bool {
-        !self.refused.load(Ordering::Relaxed)
+    /// How to send the next commit: as `SET … IFEQ` until a server refused it.
+    pub(crate) fn commit_by(&self) -> CommitBy {
+        if self.refused.load(Ordering::Relaxed) {
+            CommitBy::Function
+        } else {
+            CommitBy::ConditionalSet
+        }
     }
 
     /// A server refused `SET … IFEQ`: commits go by function from now on.

@@ -104,37 +104,29 @@ impl<T: Transport> Steps<'_, T> {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        if self.conditional_set.worth_trying() {
-            let exchange = Exchange::new(
-                protocol::commit(
-                    CommitBy::ConditionalSet,
-                    key,
-                    fingerprint,
-                    token,
-                    response,
-                    ttl,
-                ),
-                self.replication,
-            );
-            match self.transport.send(&exchange).await {
-                Err(error) if protocol::is_syntax_error(&error) => self.conditional_set.refuse(),
-                reply => {
-                    let reply = reply?;
-                    let held =
-                        protocol::written(reply.value)? || self.completed_by(key, token).await?;
-                    if held {
-                        reply.replication.check("commit")?;
-                    }
-                    return Ok(held);
+        let mut by = self.conditional_set.commit_by();
+        let reply = loop {
+            let commit = protocol::commit(by, key, fingerprint, token, response, ttl);
+            match self
+                .transport
+                .send(&Exchange::new(commit, self.replication))
+                .await
+            {
+                Err(error)
+                    if by == CommitBy::ConditionalSet && protocol::is_syntax_error(&error) =>
+                {
+                    self.conditional_set.refuse();
+                    by = CommitBy::Function;
                 }
+                reply => break reply?,
             }
-        }
-        let exchange = Exchange::new(
-            protocol::commit(CommitBy::Function, key, fingerprint, token, response, ttl),
-            self.replication,
-        );
-        let reply = self.transport.send(&exchange).await?;
-        let held = protocol::held(reply.value)?;
+        };
+        let held = match by {
+            CommitBy::ConditionalSet => {
+                protocol::written(reply.value)? || self.completed_by(key, token).await?
+            }
+            CommitBy::Function => protocol::held(reply.value)?,
+        };
         if held {
             reply.replication.check("commit")?;
         }
