@@ -208,9 +208,25 @@ pub(crate) async fn load_library_ahead(connection: &mut impl redis::aio::Connect
     }
 }
 
-/// An `FCALL` of `function` on `key`.
-fn function(function: &str, key: &StorageKey) -> redis::Cmd {
-    let mut call = redis::cmd("FCALL");
+/// Room for a number argument: `u64::MAX` has 20 digits.
+const NUMBER: usize = 20;
+
+/// An empty `name` command with room for `args` more arguments of `bytes` bytes in all, so
+/// that adding them never reallocates: `redis::cmd` grows its two buffers argument by
+/// argument, about five reallocations for a `begin` or a `commit`.
+fn command(name: &str, args: usize, bytes: usize) -> redis::Cmd {
+    let mut command = redis::Cmd::with_capacity(1 + args, name.len() + bytes);
+    command.arg(name);
+    command
+}
+
+/// An `FCALL` of `function` on `key`, with room for `args` more arguments of `bytes` bytes.
+fn function(function: &str, key: &StorageKey, args: usize, bytes: usize) -> redis::Cmd {
+    let mut call = command(
+        "FCALL",
+        3 + args,
+        function.len() + 1 + key.as_str().len() + bytes,
+    );
     call.arg(function).arg(1).arg(key.as_str());
     call
 }
@@ -222,10 +238,11 @@ pub(crate) fn begin(
     token: &LeaseToken,
     lease: Duration,
 ) -> Request {
-    let mut command = redis::cmd("SET");
+    let in_flight = record::in_flight(fingerprint, token);
+    let mut command = command("SET", 6, key.as_str().len() + in_flight.len() + 7 + NUMBER);
     command
         .arg(key.as_str())
-        .arg(record::in_flight(fingerprint, token))
+        .arg(in_flight)
         .arg("NX")
         .arg("PX")
         .arg(record::millis(lease))
@@ -238,7 +255,7 @@ pub(crate) fn begin(
 /// commit by [`CommitBy::ConditionalSet`] that wrote nothing reads (decoded with
 /// [`completed_by`]).
 pub(crate) fn read(key: &StorageKey) -> Request {
-    let mut command = redis::cmd("GET");
+    let mut command = command("GET", 1, key.as_str().len());
     command.arg(key.as_str());
     Request::Command(command)
 }
@@ -312,10 +329,10 @@ pub(crate) fn claim(
     token: &LeaseToken,
     lease: Duration,
 ) -> Request {
-    let mut call = function("idempotency_actix_2_r5_claim", key);
-    call.arg(marker)
-        .arg(record::in_flight(fingerprint, token))
-        .arg(record::millis(lease));
+    let in_flight = record::in_flight(fingerprint, token);
+    let bytes = marker.len() + in_flight.len() + NUMBER;
+    let mut call = function("idempotency_actix_2_r5_claim", key, 3, bytes);
+    call.arg(marker).arg(in_flight).arg(record::millis(lease));
     Request::Function(call)
 }
 
@@ -349,7 +366,8 @@ pub(crate) fn commit(
     let completed = record::completed(&in_flight, response, ttl);
     match by {
         CommitBy::ConditionalSet => {
-            let mut command = redis::cmd("SET");
+            let bytes = key.as_str().len() + completed.len() + in_flight.len() + 6 + NUMBER;
+            let mut command = command("SET", 6, bytes);
             command
                 .arg(key.as_str())
                 .arg(completed)
@@ -360,7 +378,8 @@ pub(crate) fn commit(
             Request::Command(command)
         }
         CommitBy::Function => {
-            let mut call = function("idempotency_actix_2_r5_commit", key);
+            let bytes = in_flight.len() + completed.len() + NUMBER;
+            let mut call = function("idempotency_actix_2_r5_commit", key, 3, bytes);
             call.arg(in_flight).arg(completed).arg(record::millis(ttl));
             Request::Function(call)
         }
@@ -404,25 +423,28 @@ pub(crate) fn is_syntax_error(error: &StoreError) -> bool {
 
 /// `renew`: extend the lease held by `token` to `lease` from now.
 pub(crate) fn renew(key: &StorageKey, token: &LeaseToken, lease: Duration) -> Request {
-    let mut call = function("idempotency_actix_2_r5_renew", key);
-    call.arg(record::token_field(token))
-        .arg(record::millis(lease));
+    let token = record::token_field(token);
+    let mut call = function("idempotency_actix_2_r5_renew", key, 2, token.len() + NUMBER);
+    call.arg(token).arg(record::millis(lease));
     Request::Function(call)
 }
 
 /// `release`: delete the in-flight record held by `token`.
 pub(crate) fn release(key: &StorageKey, token: &LeaseToken) -> Request {
-    let mut call = function("idempotency_actix_2_r5_release", key);
-    call.arg(record::token_field(token));
+    let token = record::token_field(token);
+    let mut call = function("idempotency_actix_2_r5_release", key, 1, token.len());
+    call.arg(token);
     Request::Function(call)
 }
 
 /// `abandon`: leave the marker of `token` for `remember_for` in place of its in-flight
 /// record or nothing, or add `token` to the marker that is there.
 pub(crate) fn abandon(key: &StorageKey, token: &LeaseToken, remember_for: Duration) -> Request {
-    let mut call = function("idempotency_actix_2_r5_abandon", key);
-    call.arg(record::token_field(token))
-        .arg(record::abandoned(token))
+    let (field, marker) = (record::token_field(token), record::abandoned(token));
+    let bytes = field.len() + marker.len() + 2 * NUMBER;
+    let mut call = function("idempotency_actix_2_r5_abandon", key, 4, bytes);
+    call.arg(field)
+        .arg(marker)
         .arg(record::millis(remember_for))
         .arg(record::REMEMBERED_TAIL);
     Request::Function(call)
