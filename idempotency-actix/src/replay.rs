@@ -14,6 +14,12 @@ pub const REPLAYED_HEADER: &str = "idempotent-replayed";
 /// empty).
 pub const BODY_OMITTED_HEADER: &str = "idempotent-body-omitted";
 
+/// The two header names above, built at compile time: `HeaderName::from_static` called at
+/// run time checks its argument every time.
+const REPLAYED: HeaderName = HeaderName::from_static(REPLAYED_HEADER);
+const BODY_OMITTED: HeaderName = HeaderName::from_static(BODY_OMITTED_HEADER);
+const TRUE: HeaderValue = HeaderValue::from_static("true");
+
 /// Headers that are never stored or replayed: cookies (a session minted for the first
 /// request must not be handed out again), `Date` (the replay gets its own), hop-by-hop
 /// headers, and the framing headers the server recomputes.
@@ -104,17 +110,11 @@ pub(crate) fn replay_response(stored: StoredResponse) -> HttpResponse {
     for (name, value) in stored.headers {
         headers.append(name, value);
     }
-    headers.insert(
-        HeaderName::from_static(REPLAYED_HEADER),
-        HeaderValue::from_static("true"),
-    );
+    headers.insert(REPLAYED, TRUE);
     let body = match stored.body {
         Some(body) => body,
         None => {
-            headers.insert(
-                HeaderName::from_static(BODY_OMITTED_HEADER),
-                HeaderValue::from_static("true"),
-            );
+            headers.insert(BODY_OMITTED, TRUE);
             Default::default()
         }
     };

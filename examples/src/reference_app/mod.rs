@@ -28,6 +28,7 @@ mod routes;
 use std::net::SocketAddr;
 
 use actix_web::dev::{Server, ServiceRequest};
+use actix_web::http::header::HeaderName;
 use actix_web::{App, HttpServer, web};
 use idempotency_actix::{
     Idempotency, KeyScope, PostgresStore, RedisClusterClient, RedisClusterStore, RedisPool,
@@ -55,9 +56,13 @@ pub const REPLAY_CACHE_BYTES: u64 = 64 * 1024 * 1024;
 /// refused (400).
 pub const PRINCIPAL_HEADER: &str = "x-user";
 
+/// [`PRINCIPAL_HEADER`] as a header name, built once: a lookup by `&str` parses the name
+/// on every request.
+const PRINCIPAL: HeaderName = HeaderName::from_static(PRINCIPAL_HEADER);
+
 /// The principal a request's idempotency keys belong to (see [`PRINCIPAL_HEADER`]).
 fn principal(req: &ServiceRequest) -> Option<String> {
-    let mut values = req.headers().get_all(PRINCIPAL_HEADER);
+    let mut values = req.headers().get_all(&PRINCIPAL);
     match (values.next(), values.next()) {
         (None, _) => Some("anonymous".to_owned()),
         (Some(user), None) => Some(format!("user:{}", user.to_str().ok()?)),
