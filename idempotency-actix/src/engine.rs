@@ -104,12 +104,19 @@ pub(crate) struct Engine {
     pub(crate) workload: Rc<Workload>,
 }
 
-/// Request extension: the engine of the nearest `Idempotency` above, for route layers.
-#[derive(Clone)]
-pub(crate) struct EngineHandle(pub(crate) Rc<Engine>);
+/// Request extension: the engine of the nearest `Idempotency` above, for route layers, and
+/// the claim of the layer that took charge of the request, if one did.
+///
+/// One extension for both: a request's extensions have room for three before they grow
+/// (a rehash, about 550 instructions), and Actix's method guard and the request's
+/// instrumentation take two.
+pub(crate) struct EngineHandle {
+    pub(crate) engine: Rc<Engine>,
+    pub(crate) claimed: Option<Claimed>,
+}
 
-/// Request extension: a layer has taken charge of this request, so layers further in leave
-/// it alone (a request is processed once even when the app and the route both protect it).
+/// A layer has taken charge of this request, so layers further in leave it alone (a request
+/// is processed once even when the app and the route both protect it).
 #[derive(Clone)]
 pub(crate) struct Claimed {
     pub(crate) key_present: bool,
@@ -185,6 +192,7 @@ impl Engine {
     /// (key optional, not transactional): what [`process`](Self::process) would do for it,
     /// with a future a fraction of the size (no store step can follow).
     pub(crate) async fn pass_without_key<S, B>(
+        self: Rc<Self>,
         req: ServiceRequest,
         service: Rc<S>,
     ) -> Result<Response<B>, actix_web::Error>
@@ -194,7 +202,7 @@ impl Engine {
         B: MessageBody + 'static,
     {
         let record = RequestRecord::start(&req);
-        claim_without_key(&req);
+        claim_without_key(&req, &self);
         record
             .around(async move { service.call(req).await.map(with_handler_body) })
             .await
@@ -218,7 +226,7 @@ impl Engine {
                 return Ok(self.refuse(req, IdempotencyError::MissingKey));
             }
             Ok(None) => {
-                claim_without_key(&req);
+                claim_without_key(&req, &self);
                 #[cfg(feature = "postgres")]
                 if policy.transactional {
                     // Boxed, as every transactional step here: their futures are large and
@@ -230,10 +238,14 @@ impl Engine {
             }
             Err(error) => return Ok(self.refuse(req, error.into())),
         };
-        req.extensions_mut().insert(Claimed {
-            key_present: true,
-            lock: None,
-        });
+        claim(
+            &req,
+            &self,
+            Claimed {
+                key_present: true,
+                lock: None,
+            },
+        );
 
         // Whose key it is, before a body is read for a request that will be refused anyway.
         let Some(scope) = self.settings.scope.of(&req) else {
@@ -469,7 +481,7 @@ impl Engine {
             + 'static,
         B: MessageBody + 'static,
     {
-        claim_with_lock(&req, &lock);
+        claim_with_lock(&req, self, &lock);
         let work = self.run_and_capture(policy, &lock, req, service);
         let outcome = while_renewing_lease(work, &lock).await;
         let (storage_key, token) = (&lock.storage_key, &lock.token);
@@ -917,29 +929,40 @@ async fn read_body(req: &mut ServiceRequest, limit: usize) -> Result<Bytes, Idem
     Ok(first.unwrap_or_else(|| body.freeze()))
 }
 
-/// Hands `lock` to the layers further in, through the claim made when the request was
-/// taken (updated in place: no second extension).
-pub(crate) fn claim_with_lock(req: &ServiceRequest, lock: &Rc<HeldLock>) {
+/// Claims `req` for `engine`, in the handle the layer that took it left (updated in place:
+/// no second extension); a request without one gets one.
+fn claim(req: &ServiceRequest, engine: &Rc<Engine>, claimed: Claimed) {
     let mut extensions = req.extensions_mut();
-    match extensions.get_mut::<Claimed>() {
-        Some(claimed) => claimed.lock = Some(Rc::clone(lock)),
+    match extensions.get_mut::<EngineHandle>() {
+        Some(handle) => handle.claimed = Some(claimed),
         None => {
-            extensions.insert(Claimed {
-                key_present: true,
-                lock: Some(Rc::clone(lock)),
+            extensions.insert(EngineHandle {
+                engine: Rc::clone(engine),
+                claimed: Some(claimed),
             });
         }
     }
 }
 
+/// Hands `lock` to the layers further in, through the claim made when the request was
+/// taken.
+pub(crate) fn claim_with_lock(req: &ServiceRequest, engine: &Rc<Engine>, lock: &Rc<HeldLock>) {
+    let claimed = Claimed {
+        key_present: true,
+        lock: Some(Rc::clone(lock)),
+    };
+    claim(req, engine, claimed);
+}
+
 /// Records that `req` goes on without a key, and claims it so that layers further in leave
 /// it alone.
-fn claim_without_key(req: &ServiceRequest) {
+fn claim_without_key(req: &ServiceRequest, engine: &Rc<Engine>) {
     instrument::decided(&req.extensions(), Outcome::NoKey);
-    req.extensions_mut().insert(Claimed {
+    let claimed = Claimed {
         key_present: false,
         lock: None,
-    });
+    };
+    claim(req, engine, claimed);
 }
 
 /// Methods that are idempotent by definition and never touched.

@@ -234,7 +234,7 @@ impl Engine {
     /// renewed: the row is invisible until it commits, and the advisory lock lasts as long
     /// as the transaction (a crash ends both).
     pub(crate) async fn run_and_commit_transaction<S, B>(
-        &self,
+        self: &Rc<Self>,
         policy: Policy,
         lock: Rc<HeldLock>,
         transaction: OpenTransaction,
@@ -246,7 +246,7 @@ impl Engine {
             + 'static,
         B: MessageBody + 'static,
     {
-        claim_with_lock(&req, &lock);
+        claim_with_lock(&req, self, &lock);
         let slot = TransactionSlot::offer(&req, transaction);
         let outcome = self.run_and_capture(policy, &lock, req, service).await;
         let transaction = slot.take_back();

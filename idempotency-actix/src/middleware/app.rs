@@ -13,7 +13,7 @@ use actix_web::http::Method;
 use actix_web::http::header::HeaderName;
 
 use super::{IdempotencyFuture, pass_through, process};
-use crate::engine::{Claimed, Engine, EngineHandle, FailMode, Response, Settings, is_safe_method};
+use crate::engine::{Engine, EngineHandle, FailMode, Response, Settings, is_safe_method};
 use crate::fingerprint::FingerprintParts;
 use crate::policy::{IdempotencyPolicy, checked};
 use crate::replay::ReplayedHeaders;
@@ -399,8 +399,20 @@ where
         }
         let claimed = {
             let mut extensions = req.extensions_mut();
-            extensions.insert(EngineHandle(Rc::clone(&self.engine)));
-            extensions.contains::<Claimed>()
+            match extensions.get_mut::<EngineHandle>() {
+                // An outer layer's: this one is now the nearest; its claim stays.
+                Some(handle) => {
+                    handle.engine = Rc::clone(&self.engine);
+                    handle.claimed.is_some()
+                }
+                None => {
+                    extensions.insert(EngineHandle {
+                        engine: Rc::clone(&self.engine),
+                        claimed: None,
+                    });
+                    false
+                }
+            }
         };
         if claimed || !self.methods.contains(req.method()) {
             return pass_through(&*self.service, req);

@@ -96,7 +96,7 @@ where
 {
     let keyed = req.headers().contains_key(&engine.settings.header);
     if !keyed && !policy.required && !policy.transactional {
-        return IdempotencyFuture::processing(Box::pin(Engine::pass_without_key(req, service)));
+        return IdempotencyFuture::processing(Box::pin(engine.pass_without_key(req, service)));
     }
     let slot = if keyed {
         let Some(slot) = engine.workload.admit() else {

@@ -109,14 +109,9 @@ where
         if is_safe_method(req.method()) {
             return pass_through(&*self.service, req);
         }
-        let (engine, claimed) = {
-            let extensions = req.extensions();
-            (
-                extensions
-                    .get::<EngineHandle>()
-                    .map(|handle| Rc::clone(&handle.0)),
-                extensions.get::<Claimed>().cloned(),
-            )
+        let (engine, claimed) = match req.extensions().get::<EngineHandle>() {
+            Some(handle) => (Some(Rc::clone(&handle.engine)), handle.claimed.clone()),
+            None => (None, None),
         };
         let Some(engine) = engine else {
             tracing::error!(
