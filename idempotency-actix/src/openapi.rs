@@ -103,7 +103,8 @@ impl IdempotencyOpenApi {
     }
 
     /// Documents the key as required on every route, for an app that calls
-    /// [`Idempotency::require_key`](crate::Idempotency::require_key).
+    /// [`Idempotency::policy`](crate::Idempotency::policy) with
+    /// [`IdempotencyPolicy::required`](crate::IdempotencyPolicy::required).
     #[must_use]
     pub const fn keys_required(mut self) -> Self {
         self.keys_required = true;

@@ -44,9 +44,9 @@ use crate::store::{BeginOutcome, LeaseToken, StoreError};
 /// returns a response it stores (status < 400 by default), and rolls it back when the
 /// handler answers an error status, fails or panics, so a retry runs the handler again.
 ///
-/// Only transactional routes have one: `#[idempotent(transactional)]`,
-/// [`IdempotentRoute::transactional`](crate::IdempotentRoute::transactional) or
-/// [`RoutePolicy::transactional`](crate::RoutePolicy::transactional), under
+/// Only transactional routes have one: `#[idempotent(transactional)]`
+/// or [`IdempotentRoute::with_policy`](crate::IdempotentRoute::with_policy) of an
+/// [`IdempotencyPolicy::transactional`](crate::IdempotencyPolicy::transactional) policy, under
 /// [`Idempotency::postgres`](crate::Idempotency::postgres). `#[idempotent]` without
 /// `transactional` on a handler that takes it is a compile error; anywhere else the
 /// extractor fails with a 500 and an error in the log that names the fix. A request without
@@ -126,7 +126,7 @@ impl Drop for IdempotentTransaction {
 /// What the fix is, in the log line of a misused extractor.
 const NOT_TRANSACTIONAL: &str = "IdempotentTransaction is only available on transactional \
      routes: put #[idempotent(transactional)] above the route attribute (or wrap the resource \
-     in IdempotentRoute::new().transactional()), with .wrap(Idempotency::postgres(store)) on \
+     in IdempotentRoute::with_policy(IdempotencyPolicy::default().transactional())), with .wrap(Idempotency::postgres(store)) on \
      the App";
 
 impl FromRequest for IdempotentTransaction {

@@ -5,7 +5,7 @@
 //! |---|---|---|
 //! | `POST /orders` | `#[idempotent]` | JSON `{"item", "qty"}` → 201 `{"id", "item", "qty", "seq"}`, `Location`, `Set-Cookie`; `?delay_ms=N` sleeps |
 //! | `POST /payments` | `#[idempotent(ttl = "2s", required)]` | any JSON → 200 `{"payment_id", "seq"}` |
-//! | `POST /flaky` | `#[idempotent]` | `?status=N` [200] → N `{"seq", "status"}`; `?panic=1` panics |
+//! | `POST /flaky` | `#[idempotent]` | `?status=N` \[200\] → N `{"seq", "status"}`; `?panic=1` panics |
 //! | `PUT /profile` | `#[idempotent]` | 200 `{"seq"}` |
 //! | `POST /large` | `#[idempotent]` | `?bytes=N` → 200 with N bytes of `application/octet-stream` |
 //! | `POST /untagged` | none (see `IDEMPOTENCY_METHODS`) | 200 `{"seq"}` |
