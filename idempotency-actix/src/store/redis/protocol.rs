@@ -239,7 +239,9 @@ pub(crate) fn begin(
     lease: Duration,
 ) -> Request {
     let in_flight = record::in_flight(fingerprint, token);
-    let mut command = command("SET", 6, key.as_str().len() + in_flight.len() + 7 + NUMBER);
+    let options = "NX".len() + "PX".len() + "GET".len();
+    let bytes = key.as_str().len() + in_flight.len() + options + NUMBER;
+    let mut command = command("SET", 6, bytes);
     command
         .arg(key.as_str())
         .arg(in_flight)
@@ -366,7 +368,8 @@ pub(crate) fn commit(
     let completed = record::completed(&in_flight, response, ttl);
     match by {
         CommitBy::ConditionalSet => {
-            let bytes = key.as_str().len() + completed.len() + in_flight.len() + 6 + NUMBER;
+            let options = "IFEQ".len() + "PX".len();
+            let bytes = key.as_str().len() + completed.len() + in_flight.len() + options + NUMBER;
             let mut command = command("SET", 6, bytes);
             command
                 .arg(key.as_str())
