@@ -197,7 +197,7 @@ pub fn record_evictions(source: EvictionSource, count: u64) {
     #[cfg(feature = "metrics")]
     {
         describe_once();
-        crate::metric_handles::evictions(source.as_str()).increment(count);
+        crate::metric_handles::count_evictions(source.as_str(), count);
     }
 }
 
@@ -294,7 +294,9 @@ impl RequestRecord {
             req.match_pattern()
                 .unwrap_or_else(|| UNMATCHED_ROUTE.to_owned())
         });
-        if let Some(route) = &route {
+        if let Some(route) = &route
+            && !span.is_disabled()
+        {
             span.record("http.route", route.as_str());
         }
         let state = Rc::new(RequestState {
@@ -305,40 +307,49 @@ impl RequestRecord {
         Self { span, state }
     }
 
-    /// The span the request runs in.
-    pub(crate) fn span(&self) -> Span {
-        self.span.clone()
-    }
-
     /// Runs `work` (the processing of the request this records) in the request's span, and
     /// records its outcome once it is done.
+    ///
+    /// A span no subscriber wants is neither entered nor given fields: with tracing's `log`
+    /// feature on (Actix turns it on) each enter, exit and field of a disabled span still
+    /// asks the `log` crate whether to print it, about 750 instructions per request that
+    /// no one reads.
     pub(crate) async fn around<B>(
         self,
         work: impl Future<Output = Result<ServiceResponse<B>, actix_web::Error>>,
     ) -> Result<ServiceResponse<B>, actix_web::Error> {
-        let result = work.instrument(self.span()).await;
+        let result = if self.span.is_disabled() {
+            work.await
+        } else {
+            work.instrument(self.span.clone()).await
+        };
         self.finish(&result);
         result
     }
 
     /// Records the outcome and the status, once, when the request is done.
     pub(crate) fn finish<B>(self, result: &Result<ServiceResponse<B>, actix_web::Error>) {
-        let status = match result {
-            Ok(response) => response.status(),
-            Err(error) => error.as_response_error().status_code(),
-        };
-        self.span
-            .record("http.response.status_code", status.as_u16());
+        let traced = !self.span.is_disabled();
+        if traced {
+            let status = match result {
+                Ok(response) => response.status(),
+                Err(error) => error.as_response_error().status_code(),
+            };
+            self.span
+                .record("http.response.status_code", status.as_u16());
+        }
         let Some(outcome) = self.state.outcome.get() else {
             return;
         };
-        self.span.record("outcome", outcome.as_str());
+        if traced {
+            self.span.record("outcome", outcome.as_str());
+        }
         tracing::debug!(parent: &self.span, "idempotency: request finished");
         #[cfg(feature = "metrics")]
         {
             describe_once();
             let route = self.state.route.as_deref().unwrap_or(UNMATCHED_ROUTE);
-            crate::metric_handles::requests(route, outcome.as_str()).increment(1);
+            crate::metric_handles::count_request(route, outcome.as_str());
         }
     }
 }
@@ -372,7 +383,7 @@ fn count_now(request: &HttpRequest, outcome: Outcome) {
         describe_once();
         let route = request.match_pattern();
         let route = route.as_deref().unwrap_or(UNMATCHED_ROUTE);
-        crate::metric_handles::requests(route, outcome.as_str()).increment(1);
+        crate::metric_handles::count_request(route, outcome.as_str());
     }
 }
 
@@ -433,8 +444,11 @@ impl StoreTimer {
                 Err(StoreError::Timeout(_)) => "timeout",
                 Err(_) => "error",
             };
-            crate::metric_handles::store_duration(self.operation.as_str(), result)
-                .record(self.started.elapsed().as_secs_f64());
+            crate::metric_handles::record_store_duration(
+                self.operation.as_str(),
+                result,
+                self.started.elapsed().as_secs_f64(),
+            );
         }
     }
 }

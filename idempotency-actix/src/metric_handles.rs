@@ -6,9 +6,15 @@
 //! its shared registry. The handle it returns stays valid, so it is kept here by its labels
 //! and used again. Handles belong to the recorder that made them: the cache is emptied when
 //! another recorder is in place (one installed later, or a thread-local one in tests).
+//!
+//! A handle is used where it is kept (no clone of it per request: a clone and its drop are
+//! two atomic reference counts).
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+
+/// Route patterns are the app's own, few and not chosen by clients, so they are hashed
+/// with foldhash (Actix's own choice for its maps), a fraction of the default SipHash.
+use foldhash::HashMap;
 
 use metrics::{Counter, Gauge, Histogram, Recorder};
 
@@ -41,15 +47,17 @@ impl<K, H> Default for LabelledHandles<K, H> {
     }
 }
 
-impl<K: PartialEq, H: Clone> LabelledHandles<K, H> {
+impl<K: PartialEq, H> LabelledHandles<K, H> {
     /// The handle of `labels`, registered with `register` the first time.
-    fn get_or_register(&mut self, labels: K, register: impl FnOnce() -> H) -> H {
-        if let Some((_, handle)) = self.0.iter().find(|(known, _)| *known == labels) {
-            return handle.clone();
-        }
-        let handle = register();
-        self.0.push((labels, handle.clone()));
-        handle
+    fn get_or_register(&mut self, labels: K, register: impl FnOnce() -> H) -> &H {
+        let at = match self.0.iter().position(|(known, _)| *known == labels) {
+            Some(at) => at,
+            None => {
+                self.0.push((labels, register()));
+                self.0.len() - 1
+            }
+        };
+        &self.0[at].1
     }
 }
 
@@ -74,21 +82,24 @@ fn with_handles<T>(f: impl FnOnce(&mut MetricHandles) -> T) -> T {
     })
 }
 
-/// The `idempotency_requests_total` counter of `route` and `outcome`.
-pub(crate) fn requests(route: &str, outcome: &'static str) -> Counter {
+/// Adds one to the `idempotency_requests_total` counter of `route` and `outcome`, through
+/// the handle in place (no clone of it, so no two atomic reference counts per request).
+pub(crate) fn count_request(route: &str, outcome: &'static str) {
     with_handles(|handles| {
         let by_outcome = match handles.requests.get_mut(route) {
             Some(by_outcome) => by_outcome,
             None => handles.requests.entry(route.to_owned()).or_default(),
         };
-        by_outcome.get_or_register(outcome, || {
-            metrics::counter!(
-                crate::instrument::names::REQUESTS,
-                "route" => route.to_owned(),
-                "outcome" => outcome,
-            )
-        })
-    })
+        by_outcome
+            .get_or_register(outcome, || {
+                metrics::counter!(
+                    crate::instrument::names::REQUESTS,
+                    "route" => route.to_owned(),
+                    "outcome" => outcome,
+                )
+            })
+            .increment(1);
+    });
 }
 
 /// The `idempotency_requests_in_flight` gauge of `route`.
@@ -104,9 +115,9 @@ pub(crate) fn in_flight(route: &str) -> Gauge {
     })
 }
 
-/// The `idempotency_store_operation_duration_seconds` histogram of `operation` and
-/// `result`.
-pub(crate) fn store_duration(operation: &'static str, result: &'static str) -> Histogram {
+/// Records `seconds` in the `idempotency_store_operation_duration_seconds` histogram of
+/// `operation` and `result`.
+pub(crate) fn record_store_duration(operation: &'static str, result: &'static str, seconds: f64) {
     with_handles(|handles| {
         handles
             .store_durations
@@ -117,17 +128,21 @@ pub(crate) fn store_duration(operation: &'static str, result: &'static str) -> H
                     "result" => result,
                 )
             })
-    })
+            .record(seconds);
+    });
 }
 
-/// The `idempotency_evictions_total` counter of `source`.
-pub(crate) fn evictions(source: &'static str) -> Counter {
+/// Adds `count` to the `idempotency_evictions_total` counter of `source`.
+pub(crate) fn count_evictions(source: &'static str, count: u64) {
     with_handles(|handles| {
-        handles.evictions.get_or_register(
-            source,
-            || metrics::counter!(crate::instrument::names::EVICTIONS, "source" => source),
-        )
-    })
+        handles
+            .evictions
+            .get_or_register(
+                source,
+                || metrics::counter!(crate::instrument::names::EVICTIONS, "source" => source),
+            )
+            .increment(count);
+    });
 }
 
 #[cfg(test)]
@@ -141,13 +156,17 @@ mod tests {
         let first = DebuggingRecorder::new();
         let first_snapshots = first.snapshotter();
         metrics::with_local_recorder(&first, || {
-            requests("/a", "executed").increment(1);
-            requests("/a", "executed").increment(1);
+            count_request("/a", "executed");
+            count_request("/a", "executed");
         });
         // Another recorder gets handles of its own, not the first one's.
         let second = DebuggingRecorder::new();
         let second_snapshots = second.snapshotter();
-        metrics::with_local_recorder(&second, || requests("/a", "executed").increment(5));
+        metrics::with_local_recorder(&second, || {
+            for _ in 0..5 {
+                count_request("/a", "executed");
+            }
+        });
         let total = |snapshot: metrics_util::debugging::Snapshot| {
             snapshot
                 .into_vec()
