@@ -563,7 +563,8 @@ async fn the_store_never_waits_for_a_pool_slot() {
         .test_on_check_out(false)
         .build(bb8_redis::RedisConnectionManager::new(redis.url()).unwrap())
         .await
-        .unwrap();
+        .unwrap()
+        .into();
     let runs = RunCounter::default();
     let server = serve(app_factory(
         pool.clone(),

@@ -108,7 +108,7 @@ async fn a_default_bb8_pool_costs_no_ping_per_request() {
     // paid once, not per operation.
     let manager = bb8_redis::RedisConnectionManager::new(redis.url()).unwrap();
     let pool = bb8::Pool::builder().build(manager).await.unwrap();
-    let server = start(pool);
+    let server = start(pool.into());
     assert_eq!(post(&server, Method::POST, Some("warm-up")).await, 201);
     redis.take_command_counts().await;
 

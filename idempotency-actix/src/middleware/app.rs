@@ -85,7 +85,7 @@ impl Idempotency {
     /// [`RedisStore::pool`](crate::RedisStore::pool) for a pool that skips bb8's `PING` on
     /// checkout.
     #[cfg(feature = "redis")]
-    pub fn redis(pool: crate::store::RedisPool) -> Self {
+    pub fn redis(pool: impl Into<crate::store::RedisPool>) -> Self {
         Self::new(crate::store::RedisStore::new(pool))
     }
 

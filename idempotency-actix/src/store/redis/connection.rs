@@ -11,13 +11,19 @@
 //! taken from the pool: a pooled connection may have been opened on another thread (the
 //! one that first asked the pool), and its driver task would then run there, so that every
 //! command of this worker would cost a cross-thread wake-up and two context switches.
+//!
+//! It is the store's own [`DirectConnection`] when the pool knows its server's address (a
+//! pool from [`RedisStore::pool`](crate::RedisStore::pool) with a `redis://` URL), else a
+//! redis-rs multiplexed connection from the pool's connection manager.
 
 use std::sync::Mutex;
 
 use futures_util::lock::Mutex as AsyncMutex;
-use redis::aio::MultiplexedConnection;
+use redis::aio::{ConnectionLike, MultiplexedConnection};
+use redis::{Cmd, Pipeline, RedisFuture, Value};
 
 use super::RedisPool;
+use super::direct::DirectConnection;
 use super::exchange::{Exchange, Reply};
 use super::protocol;
 use super::spares::Spares;
@@ -38,8 +44,45 @@ pub(super) struct SharedConnection {
 /// A connection and a number that tells it apart from the one it replaced.
 #[derive(Clone)]
 struct Generation {
-    connection: MultiplexedConnection,
+    connection: StoreConnection,
     number: u64,
+}
+
+/// The store's own connection, or redis-rs's.
+#[derive(Clone)]
+pub(super) enum StoreConnection {
+    Direct(DirectConnection),
+    Multiplexed(MultiplexedConnection),
+}
+
+impl ConnectionLike for StoreConnection {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Self::Direct(connection) => connection.req_packed_command(cmd),
+            Self::Multiplexed(connection) => connection.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Self::Direct(connection) => connection.req_packed_commands(pipeline, offset, count),
+            Self::Multiplexed(connection) => {
+                connection.req_packed_commands(pipeline, offset, count)
+            }
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Self::Direct(connection) => connection.get_db(),
+            Self::Multiplexed(connection) => connection.get_db(),
+        }
+    }
 }
 
 impl SharedConnection {
@@ -90,7 +133,7 @@ impl SharedConnection {
             .clone()
     }
 
-    fn set(&self, connection: MultiplexedConnection) -> Generation {
+    fn set(&self, connection: StoreConnection) -> Generation {
         let mut current = self
             .current
             .lock()
@@ -116,7 +159,7 @@ impl SharedConnection {
     }
 
     /// Replaces the connection of generation `dead` (unless another request already did).
-    async fn replace(&self, dead: u64) -> Result<MultiplexedConnection, StoreError> {
+    async fn replace(&self, dead: u64) -> Result<StoreConnection, StoreError> {
         let _connecting = self.connecting.lock().await;
         if let Some(current) = self.current()
             && current.number != dead
@@ -126,8 +169,23 @@ impl SharedConnection {
         Ok(self.set(Box::pin(self.open()).await?).connection)
     }
 
-    /// A new connection from the pool's connection manager, driven by this thread.
-    async fn open(&self) -> Result<MultiplexedConnection, StoreError> {
+    /// A new connection, driven by this thread: the store's own when the pool knows its
+    /// server's address, else one from the pool's connection manager.
+    async fn open(&self) -> Result<StoreConnection, StoreError> {
+        let mut connection = match self.pool.server() {
+            Some(server) => StoreConnection::Direct(
+                DirectConnection::open(server)
+                    .await
+                    .map_err(protocol::store_error)?,
+            ),
+            None => StoreConnection::Multiplexed(self.open_multiplexed().await?),
+        };
+        protocol::load_library_ahead(&mut connection).await;
+        Ok(connection)
+    }
+
+    /// A new redis-rs connection from the pool's connection manager, driven by this thread.
+    async fn open_multiplexed(&self) -> Result<MultiplexedConnection, StoreError> {
         let mut connection = self
             .pool
             .dedicated_connection()
@@ -137,7 +195,6 @@ impl SharedConnection {
         // engine's store timeout (2 s by default, set with `Idempotency::store_timeout`)
         // short: the engine's bound is the one that applies.
         connection.set_response_timeout(crate::MAX_DURATION);
-        protocol::load_library_ahead(&mut connection).await;
         Ok(connection)
     }
 }
@@ -145,7 +202,7 @@ impl SharedConnection {
 impl Transport for SharedConnection {
     async fn send(&self, exchange: &Exchange) -> Result<Reply, StoreError> {
         if exchange.blocks() {
-            return Box::pin(self.spares.send(exchange, || self.open())).await;
+            return Box::pin(self.spares.send(exchange, || self.open_multiplexed())).await;
         }
         SharedConnection::send(self, exchange).await
     }

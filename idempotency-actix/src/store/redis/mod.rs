@@ -10,27 +10,24 @@
 mod cluster;
 mod conditional_set;
 mod connection;
+mod direct;
 mod exchange;
 mod inspection;
+mod pool;
 mod protocol;
 mod record;
 mod replication;
+mod reply;
 mod spares;
 mod steps;
-
-use std::time::Duration;
-
-use bb8_redis::RedisConnectionManager;
 
 #[cfg(feature = "redis-cluster")]
 pub use self::cluster::{RedisClusterClient, RedisClusterStore};
 use self::conditional_set::ConditionalSet;
 use self::connection::SharedConnection;
+pub use self::pool::RedisPool;
 pub use self::replication::ReplicatedWrites;
 use self::steps::Steps;
-
-/// The pool type [`Idempotency::redis`](crate::Idempotency::redis) takes.
-pub type RedisPool = bb8::Pool<RedisConnectionManager>;
 
 /// Records in Redis (≥ 7.0) or Valkey, one string per key, so every operation touches one key
 /// and the same protocol is ready for Redis Cluster (this store itself talks to one server).
@@ -85,10 +82,11 @@ pub struct RedisStore {
 }
 
 impl RedisStore {
-    /// A store on `pool`.
-    pub fn new(pool: RedisPool) -> Self {
+    /// A store on `pool`: a [`RedisPool`] from [`RedisStore::pool`], or a bb8 pool of the
+    /// app's own.
+    pub fn new(pool: impl Into<RedisPool>) -> Self {
         Self {
-            connection: SharedConnection::new(pool),
+            connection: SharedConnection::new(pool.into()),
             replication: None,
             conditional_set: ConditionalSet::default(),
         }
@@ -124,11 +122,7 @@ impl RedisStore {
     ///
     /// When `url` is not a Redis URL.
     pub fn pool(url: &str) -> Result<RedisPool, redis::RedisError> {
-        Ok(bb8::Pool::builder()
-            .max_size(16)
-            .test_on_check_out(false)
-            .connection_timeout(Duration::from_secs(2))
-            .build_unchecked(RedisConnectionManager::new(url)?))
+        RedisPool::for_url(url)
     }
 
     /// The pool this store uses.
