@@ -413,3 +413,139 @@ impl Driver {
         Progress::Done
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+
+    use super::*;
+
+    /// A server that reads `expect` bytes of commands, then answers `replies`, a few bytes
+    /// per write, and then closes the connection.
+    async fn scripted_server(
+        expect: usize,
+        replies: &'static [u8],
+    ) -> (ServerAddress, tokio::task::JoinHandle<Vec<u8>>) {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("a loopback port");
+        let port = listener.local_addr().expect("an address").port();
+        let server = tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.expect("the store connects");
+            let mut received = vec![0; expect];
+            socket
+                .read_exact(&mut received)
+                .await
+                .expect("the commands");
+            for chunk in replies.chunks(3) {
+                socket.write_all(chunk).await.expect("a reply");
+                socket.flush().await.expect("a flush");
+                tokio::task::yield_now().await;
+            }
+            received
+        });
+        (loopback(port), server)
+    }
+
+    /// Port `port` of the loopback address, without a password, database 0.
+    fn loopback(port: u16) -> ServerAddress {
+        ServerAddress {
+            host: "127.0.0.1".to_owned(),
+            port,
+            db: 0,
+            username: None,
+            password: None,
+        }
+    }
+
+    fn get(key: &str) -> Cmd {
+        let mut command = redis::cmd("GET");
+        command.arg(key);
+        command
+    }
+
+    #[actix_web::test]
+    async fn concurrent_requests_get_their_own_replies_in_order() {
+        let commands = [get("a"), get("b"), get("c")];
+        let expect = commands.iter().map(|c| c.get_packed_command().len()).sum();
+        let (address, server) =
+            scripted_server(expect, b"$1\r\nA\r\n$-1\r\n-ERR Function not found\r\n").await;
+        let connection = DirectConnection::open(&address).await.expect("connected");
+        let [a, b, c] = commands;
+        let (mut first, mut second, mut third) =
+            (connection.clone(), connection.clone(), connection);
+        let (a, b, c) = futures_util::future::join3(
+            first.req_packed_command(&a),
+            second.req_packed_command(&b),
+            third.req_packed_command(&c),
+        )
+        .await;
+        assert_eq!(a.expect("a reply"), Value::BulkString(b"A".to_vec()));
+        assert_eq!(b.expect("a reply"), Value::Nil);
+        let error = c
+            .expect("a reply")
+            .extract_error()
+            .expect_err("a server error");
+        assert_eq!(error.code(), Some("ERR"));
+        assert_eq!(error.detail(), Some("Function not found"));
+        let received = server.await.expect("the server ran");
+        assert_eq!(received, b"*2\r\n$3\r\nGET\r\n$1\r\na\r\n*2\r\n$3\r\nGET\r\n$1\r\nb\r\n*2\r\n$3\r\nGET\r\n$1\r\nc\r\n");
+    }
+
+    #[actix_web::test]
+    async fn a_pipeline_gets_its_replies_after_the_skipped_ones() {
+        let mut pipeline = redis::pipe();
+        pipeline
+            .add_command(get("a"))
+            .add_command(get("b"))
+            .add_command(get("c"));
+        let expect = pipeline.get_packed_pipeline().len();
+        let (address, _server) = scripted_server(expect, b"+QUEUED\r\n:1\r\n$1\r\nC\r\n").await;
+        let mut connection = DirectConnection::open(&address).await.expect("connected");
+        let values = connection
+            .req_packed_commands(&pipeline, 1, 2)
+            .await
+            .expect("replies");
+        assert_eq!(
+            values,
+            vec![Value::Int(1), Value::BulkString(b"C".to_vec())]
+        );
+    }
+
+    #[actix_web::test]
+    async fn a_lost_connection_fails_the_waiting_request_and_every_later_one_as_io_errors() {
+        let expect = get("a").get_packed_command().len();
+        // The server reads the command and closes without answering.
+        let (address, server) = scripted_server(expect, b"").await;
+        let mut connection = DirectConnection::open(&address).await.expect("connected");
+        let waiting = connection.req_packed_command(&get("a")).await;
+        server.await.expect("the server ran");
+        assert!(waiting.expect_err("no reply").is_io_error());
+        let later = connection.req_packed_command(&get("b")).await;
+        assert!(later.expect_err("the connection is gone").is_io_error());
+    }
+
+    #[actix_web::test]
+    async fn a_reply_no_request_waits_for_fails_the_connection() {
+        let (address, _server) = scripted_server(0, b"+OK\r\n").await;
+        let mut connection = DirectConnection::open(&address).await.expect("connected");
+        // The stray reply arrives while nothing waits; the connection is then out of step.
+        actix_rt::time::sleep(std::time::Duration::from_millis(50)).await;
+        let after = connection.req_packed_command(&get("a")).await;
+        assert!(after.expect_err("the connection failed").is_io_error());
+    }
+
+    #[actix_web::test]
+    async fn a_server_that_cannot_be_reached_is_an_io_error() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|listener| listener.local_addr())
+            .expect("a free port")
+            .port();
+        let error = DirectConnection::open(&loopback(port))
+            .await
+            .err()
+            .expect("refused");
+        assert!(error.is_io_error());
+    }
+}
