@@ -92,9 +92,10 @@
 //!
 //! # Stores
 //!
-//! * [`RedisStore`] (`Idempotency::redis(pool)`, Redis ≥ 7.0 or Valkey): takes a bb8 pool of
-//!   bb8-redis connections for its settings and shares one multiplexed connection per
-//!   worker. Two round trips for a new key, one for a replay, none for unprotected requests;
+//! * [`RedisStore`] (`Idempotency::redis(pool)`, Redis ≥ 7.0 or Valkey): takes a
+//!   [`RedisPool`] (`RedisStore::pool(url)`, or a bb8 pool of bb8-redis connections the app
+//!   built) and shares one multiplexed connection per worker: a light one of its own for a
+//!   `redis://` URL, redis-rs's otherwise. Two round trips for a new key, one for a replay, none for unprotected requests;
 //!   every record is one key and every command or function touches one key. The commit is
 //!   one plain `SET … IFEQ` where the server has it (Valkey ≥ 8.1, Redis ≥ 8.4), else a
 //!   function.
