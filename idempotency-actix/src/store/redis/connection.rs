@@ -25,6 +25,7 @@ use redis::{Cmd, Pipeline, RedisFuture, Value};
 use super::RedisPool;
 use super::direct::DirectConnection;
 use super::exchange::{Exchange, Reply};
+use super::packed::{Carrier, PackedCommand};
 use super::protocol;
 use super::spares::Spares;
 use super::steps::Transport;
@@ -53,6 +54,15 @@ struct Generation {
 pub(super) enum StoreConnection {
     Direct(DirectConnection),
     Multiplexed(MultiplexedConnection),
+}
+
+impl Carrier for StoreConnection {
+    fn send_packed<'a>(&'a mut self, command: &'a PackedCommand) -> RedisFuture<'a, Value> {
+        match self {
+            Self::Direct(connection) => connection.send_packed(command),
+            Self::Multiplexed(connection) => connection.send_packed(command),
+        }
+    }
 }
 
 impl ConnectionLike for StoreConnection {

@@ -27,6 +27,7 @@ use redis::{Cmd, Pipeline, RedisError, RedisFuture, Value};
 use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 
+use super::packed::{Carrier, PackedCommand};
 use super::pool::ServerAddress;
 use super::reply::read_reply;
 
@@ -161,6 +162,13 @@ impl DirectConnection {
             driver.wake();
         }
         Ok(receiver)
+    }
+}
+
+impl Carrier for DirectConnection {
+    fn send_packed<'a>(&'a mut self, command: &'a PackedCommand) -> RedisFuture<'a, Value> {
+        let queued = self.queue(|out| out.extend_from_slice(command.bytes()), 1, 0, false);
+        Box::pin(answer(queued))
     }
 }
 

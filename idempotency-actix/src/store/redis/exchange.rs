@@ -4,6 +4,7 @@
 
 use redis::Value;
 
+use super::packed::Carrier;
 use super::protocol::{self, Request};
 use super::replication::{NotReplicated, ReplicatedWrites};
 use crate::store::StoreError;
@@ -45,10 +46,7 @@ impl Exchange {
 
     /// Sends it on `connection`: one round trip (plus, the first time a server meets the
     /// store's functions, one to load them).
-    pub(crate) async fn send(
-        &self,
-        connection: &mut impl redis::aio::ConnectionLike,
-    ) -> redis::RedisResult<Reply> {
+    pub(crate) async fn send(&self, connection: &mut impl Carrier) -> redis::RedisResult<Reply> {
         let Some(wait) = self.wait else {
             return Ok(Reply {
                 value: self.request.send(connection).await?,
@@ -70,7 +68,7 @@ impl Exchange {
     /// replicas.
     async fn send_with_wait(
         &self,
-        connection: &mut impl redis::aio::ConnectionLike,
+        connection: &mut impl Carrier,
         wait: ReplicatedWrites,
     ) -> redis::RedisResult<Reply> {
         let mut pipeline = redis::pipe();

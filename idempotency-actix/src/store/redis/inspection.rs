@@ -11,6 +11,7 @@ use std::time::Duration;
 use actix_web::web::Bytes;
 use redis::Value;
 
+use super::packed::PackedCommand;
 use super::protocol::Request;
 use super::record::{self, Found};
 use crate::scope::StorageKey;
@@ -37,7 +38,7 @@ fn eval(script: &str, key: &StorageKey) -> redis::Cmd {
 
 /// Reads the record under `key` and its remaining time to live.
 pub(crate) fn inspect(key: &StorageKey) -> Request {
-    Request::Command(eval(INSPECT, key))
+    Request::Command(PackedCommand::of(eval(INSPECT, key)))
 }
 
 /// Decodes the reply to [`inspect`]: the record as it is, its body only if `with_body`.
@@ -75,7 +76,7 @@ pub(crate) fn snapshot(
 pub(crate) fn delete(key: &StorageKey, force: bool) -> Request {
     let mut command = eval(DELETE, key);
     command.arg(if force { "1" } else { "0" });
-    Request::Command(command)
+    Request::Command(PackedCommand::of(command))
 }
 
 /// Decodes the reply to [`delete`].

@@ -13,6 +13,7 @@ mod connection;
 mod direct;
 mod exchange;
 mod inspection;
+mod packed;
 mod pool;
 mod protocol;
 mod record;

@@ -31,6 +31,7 @@ use std::time::Duration;
 use actix_web::web::Bytes;
 use redis::Value;
 
+use super::packed::{Carrier, PackedCommand, Packer};
 use super::record::{self, Found};
 use crate::fingerprint::Fingerprint;
 use crate::record::StoredResponse;
@@ -40,33 +41,32 @@ use crate::store::{BeginOutcome, LeaseToken, StoreError};
 /// One step, ready to be sent on any connection.
 pub(crate) enum Request {
     /// A plain command.
-    Command(redis::Cmd),
+    Command(PackedCommand),
     /// An `FCALL` of a function of [`LIBRARY`], loaded first if the server does not have it.
-    Function(redis::Cmd),
+    Function(PackedCommand),
 }
 
 impl Request {
     /// The command (or `FCALL`) itself, to pipeline it with another.
     pub(crate) fn command(&self) -> &redis::Cmd {
+        self.packed().command()
+    }
+
+    fn packed(&self) -> &PackedCommand {
         match self {
             Self::Command(command) | Self::Function(command) => command,
         }
     }
 
     /// Sends the request on `connection` and returns the raw reply.
-    pub(crate) async fn send(
-        &self,
-        connection: &mut impl redis::aio::ConnectionLike,
-    ) -> redis::RedisResult<Value> {
-        match self {
-            Self::Command(command) => command.query_async(connection).await,
-            Self::Function(call) => match call.query_async(connection).await {
-                Err(error) if is_function_not_found(&error) => {
-                    load_library(connection).await?;
-                    call.query_async(connection).await
-                }
-                reply => reply,
-            },
+    pub(crate) async fn send(&self, connection: &mut impl Carrier) -> redis::RedisResult<Value> {
+        let reply = connection.send_packed(self.packed()).await?.extract_error();
+        match (self, reply) {
+            (Self::Function(call), Err(error)) if is_function_not_found(&error) => {
+                load_library(connection).await?;
+                connection.send_packed(call).await?.extract_error()
+            }
+            (_, reply) => reply,
         }
     }
 }
@@ -208,27 +208,16 @@ pub(crate) async fn load_library_ahead(connection: &mut impl redis::aio::Connect
     }
 }
 
-/// Room for a number argument: `u64::MAX` has 20 digits.
-const NUMBER: usize = 20;
-
-/// An empty `name` command with room for `args` more arguments of `bytes` bytes in all, so
-/// that adding them never reallocates: `redis::cmd` grows its two buffers argument by
-/// argument, about five reallocations for a `begin` or a `commit`.
-fn command(name: &str, args: usize, bytes: usize) -> redis::Cmd {
-    let mut command = redis::Cmd::with_capacity(1 + args, name.len() + bytes);
-    command.arg(name);
-    command
-}
-
 /// An `FCALL` of `function` on `key`, with room for `args` more arguments of `bytes` bytes.
-fn function(function: &str, key: &StorageKey, args: usize, bytes: usize) -> redis::Cmd {
-    let mut call = command(
+fn function(function: &str, key: &StorageKey, args: usize, bytes: usize) -> Packer {
+    PackedCommand::build(
         "FCALL",
         3 + args,
         function.len() + 1 + key.as_str().len() + bytes,
-    );
-    call.arg(function).arg(1).arg(key.as_str());
-    call
+    )
+    .arg(function)
+    .arg("1")
+    .arg(key.as_str())
 }
 
 /// `begin`: create the in-flight record for `token`, or get the record that is there.
@@ -239,16 +228,15 @@ pub(crate) fn begin(
     lease: Duration,
 ) -> Request {
     let in_flight = record::in_flight(fingerprint, token);
-    let options = "NX".len() + "PX".len() + "GET".len();
-    let bytes = key.as_str().len() + in_flight.len() + options + NUMBER;
-    let mut command = command("SET", 6, bytes);
-    command
+    let bytes = key.as_str().len() + in_flight.len() + "NXPXGET".len();
+    let command = PackedCommand::build("SET", 6, bytes)
         .arg(key.as_str())
         .arg(in_flight)
         .arg("NX")
         .arg("PX")
-        .arg(record::millis(lease))
-        .arg("GET");
+        .number(record::millis(lease))
+        .arg("GET")
+        .done();
     Request::Command(command)
 }
 
@@ -257,8 +245,9 @@ pub(crate) fn begin(
 /// commit by [`CommitBy::ConditionalSet`] that wrote nothing reads (decoded with
 /// [`completed_by`]).
 pub(crate) fn read(key: &StorageKey) -> Request {
-    let mut command = command("GET", 1, key.as_str().len());
-    command.arg(key.as_str());
+    let command = PackedCommand::build("GET", 1, key.as_str().len())
+        .arg(key.as_str())
+        .done();
     Request::Command(command)
 }
 
@@ -332,9 +321,12 @@ pub(crate) fn claim(
     lease: Duration,
 ) -> Request {
     let in_flight = record::in_flight(fingerprint, token);
-    let bytes = marker.len() + in_flight.len() + NUMBER;
-    let mut call = function("idempotency_actix_2_r5_claim", key, 3, bytes);
-    call.arg(marker).arg(in_flight).arg(record::millis(lease));
+    let bytes = marker.len() + in_flight.len();
+    let call = function("idempotency_actix_2_r5_claim", key, 3, bytes)
+        .arg(marker)
+        .arg(in_flight)
+        .number(record::millis(lease))
+        .done();
     Request::Function(call)
 }
 
@@ -368,22 +360,24 @@ pub(crate) fn commit(
     let completed = record::completed(&in_flight, response, ttl);
     match by {
         CommitBy::ConditionalSet => {
-            let options = "IFEQ".len() + "PX".len();
-            let bytes = key.as_str().len() + completed.len() + in_flight.len() + options + NUMBER;
-            let mut command = command("SET", 6, bytes);
-            command
+            let bytes = key.as_str().len() + completed.len() + in_flight.len() + "IFEQPX".len();
+            let command = PackedCommand::build("SET", 6, bytes)
                 .arg(key.as_str())
                 .arg(completed)
                 .arg("IFEQ")
                 .arg(in_flight)
                 .arg("PX")
-                .arg(record::millis(ttl));
+                .number(record::millis(ttl))
+                .done();
             Request::Command(command)
         }
         CommitBy::Function => {
-            let bytes = in_flight.len() + completed.len() + NUMBER;
-            let mut call = function("idempotency_actix_2_r5_commit", key, 3, bytes);
-            call.arg(in_flight).arg(completed).arg(record::millis(ttl));
+            let bytes = in_flight.len() + completed.len();
+            let call = function("idempotency_actix_2_r5_commit", key, 3, bytes)
+                .arg(in_flight)
+                .arg(completed)
+                .number(record::millis(ttl))
+                .done();
             Request::Function(call)
         }
     }
@@ -427,16 +421,19 @@ pub(crate) fn is_syntax_error(error: &StoreError) -> bool {
 /// `renew`: extend the lease held by `token` to `lease` from now.
 pub(crate) fn renew(key: &StorageKey, token: &LeaseToken, lease: Duration) -> Request {
     let token = record::token_field(token);
-    let mut call = function("idempotency_actix_2_r5_renew", key, 2, token.len() + NUMBER);
-    call.arg(token).arg(record::millis(lease));
+    let call = function("idempotency_actix_2_r5_renew", key, 2, token.len())
+        .arg(token)
+        .number(record::millis(lease))
+        .done();
     Request::Function(call)
 }
 
 /// `release`: delete the in-flight record held by `token`.
 pub(crate) fn release(key: &StorageKey, token: &LeaseToken) -> Request {
     let token = record::token_field(token);
-    let mut call = function("idempotency_actix_2_r5_release", key, 1, token.len());
-    call.arg(token);
+    let call = function("idempotency_actix_2_r5_release", key, 1, token.len())
+        .arg(token)
+        .done();
     Request::Function(call)
 }
 
@@ -444,12 +441,13 @@ pub(crate) fn release(key: &StorageKey, token: &LeaseToken) -> Request {
 /// record or nothing, or add `token` to the marker that is there.
 pub(crate) fn abandon(key: &StorageKey, token: &LeaseToken, remember_for: Duration) -> Request {
     let (field, marker) = (record::token_field(token), record::abandoned(token));
-    let bytes = field.len() + marker.len() + 2 * NUMBER;
-    let mut call = function("idempotency_actix_2_r5_abandon", key, 4, bytes);
-    call.arg(field)
+    let bytes = field.len() + marker.len();
+    let call = function("idempotency_actix_2_r5_abandon", key, 4, bytes)
+        .arg(field)
         .arg(marker)
-        .arg(record::millis(remember_for))
-        .arg(record::REMEMBERED_TAIL);
+        .number(record::millis(remember_for))
+        .number(record::REMEMBERED_TAIL as u64)
+        .done();
     Request::Function(call)
 }
 

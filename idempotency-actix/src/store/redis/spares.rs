@@ -12,6 +12,7 @@ use std::future::Future;
 use std::sync::Mutex;
 
 use super::exchange::{Exchange, Reply};
+use super::packed::Carrier;
 use super::protocol;
 use crate::store::StoreError;
 
@@ -25,7 +26,7 @@ pub(crate) struct Spares<C> {
     idle: Mutex<Vec<C>>,
 }
 
-impl<C: redis::aio::ConnectionLike> Spares<C> {
+impl<C: Carrier> Spares<C> {
     pub(crate) fn new() -> Self {
         Self {
             idle: Mutex::new(Vec::new()),
