@@ -274,6 +274,20 @@ fn closed(kind: std::io::ErrorKind) -> RedisError {
     ))
 }
 
+/// Most a buffer keeps between batches: one that grew past it for a large record (a stored
+/// body of megabytes) is given back rather than kept for the life of the connection.
+const KEPT_CAPACITY: usize = 1024 * 1024;
+
+/// Empties `buffer` for the next batch, keeping its room unless it grew past
+/// [`KEPT_CAPACITY`].
+fn reuse(buffer: &mut Vec<u8>) {
+    if buffer.capacity() > KEPT_CAPACITY {
+        *buffer = Vec::with_capacity(READ_CHUNK);
+    } else {
+        buffer.clear();
+    }
+}
+
 /// The task that owns the socket: writes what requests queued and reads their replies.
 struct Driver {
     stream: TcpStream,
@@ -317,7 +331,7 @@ impl Driver {
     /// Writes what is queued, taking more from the requests once the last batch is out.
     fn write(&mut self, cx: &mut Context<'_>) -> Progress {
         if self.written == self.writing.len() {
-            self.writing.clear();
+            reuse(&mut self.writing);
             self.written = 0;
             let mut state = self.shared.lock();
             if state.abandoned {
@@ -406,7 +420,7 @@ impl Driver {
         }
         drop(state);
         if self.read_from == self.read.len() {
-            self.read.clear();
+            reuse(&mut self.read);
             self.read_from = 0;
         } else if self.read_from > READ_CHUNK {
             self.read.drain(..self.read_from);
@@ -435,6 +449,15 @@ mod tests {
         expect: usize,
         replies: &'static [u8],
     ) -> (ServerAddress, tokio::task::JoinHandle<Vec<u8>>) {
+        scripted_server_writing(expect, replies, 3).await
+    }
+
+    /// [`scripted_server`], writing `chunk` bytes at a time.
+    async fn scripted_server_writing(
+        expect: usize,
+        replies: &'static [u8],
+        chunk: usize,
+    ) -> (ServerAddress, tokio::task::JoinHandle<Vec<u8>>) {
         let listener = TcpListener::bind("127.0.0.1:0")
             .await
             .expect("a loopback port");
@@ -446,7 +469,7 @@ mod tests {
                 .read_exact(&mut received)
                 .await
                 .expect("the commands");
-            for chunk in replies.chunks(3) {
+            for chunk in replies.chunks(chunk) {
                 socket.write_all(chunk).await.expect("a reply");
                 socket.flush().await.expect("a flush");
                 tokio::task::yield_now().await;
@@ -499,6 +522,27 @@ mod tests {
         assert_eq!(error.detail(), Some("Function not found"));
         let received = server.await.expect("the server ran");
         assert_eq!(received, b"*2\r\n$3\r\nGET\r\n$1\r\na\r\n*2\r\n$3\r\nGET\r\n$1\r\nb\r\n*2\r\n$3\r\nGET\r\n$1\r\nc\r\n");
+    }
+
+    #[actix_web::test]
+    async fn a_reply_larger_than_the_buffers_arrives_whole() {
+        let body = vec![b'x'; 3 * KEPT_CAPACITY];
+        let mut reply = format!("${}\r\n", body.len()).into_bytes();
+        reply.extend_from_slice(&body);
+        reply.extend_from_slice(b"\r\n+OK\r\n");
+        let commands = [get("big"), get("small")];
+        let expect = commands.iter().map(|c| c.get_packed_command().len()).sum();
+        let (address, _server) = scripted_server_writing(expect, reply.leak(), 64 * 1024).await;
+        let mut connection = DirectConnection::open(&address).await.expect("connected");
+        let mut other = connection.clone();
+        let [big, small] = commands;
+        let (big, small) = futures_util::future::join(
+            connection.req_packed_command(&big),
+            other.req_packed_command(&small),
+        )
+        .await;
+        assert_eq!(big.expect("a reply"), Value::BulkString(body));
+        assert_eq!(small.expect("a reply"), Value::Okay);
     }
 
     #[actix_web::test]
