@@ -23,13 +23,17 @@ use redis::{ConnectionAddr, IntoConnectionInfo};
 /// ```
 /// use idempotency_actix::{RedisPool, RedisStore};
 ///
-/// // The usual way: from a URL, with the store's settings.
-/// let pool: RedisPool = RedisStore::pool("redis://127.0.0.1:6379").expect("a valid Redis URL");
+/// // bb8 builds its pools inside a Tokio runtime, as an Actix app's `main` has.
+/// actix_rt::System::new().block_on(async {
+///     // The usual way: from a URL, with the store's settings (no connection is made yet).
+///     let pool: RedisPool = RedisStore::pool("redis://127.0.0.1:6379").expect("a valid URL");
 ///
-/// // A bb8 pool built by the app converts too (the store then goes through redis-rs).
-/// let manager = bb8_redis::RedisConnectionManager::new("redis://127.0.0.1:6379").expect("a URL");
-/// let own: RedisPool = bb8::Pool::builder().build_unchecked(manager).into();
-/// # let _ = (pool, own);
+///     // A bb8 pool built by the app converts too (the store then goes through redis-rs).
+///     let manager = bb8_redis::RedisConnectionManager::new("redis://127.0.0.1:6379")
+///         .expect("a valid URL");
+///     let own: RedisPool = bb8::Pool::builder().build_unchecked(manager).into();
+///     # let _ = (pool, own);
+/// });
 /// ```
 #[derive(Clone)]
 pub struct RedisPool {
