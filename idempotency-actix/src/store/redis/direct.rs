@@ -8,7 +8,7 @@
 //! and the driver (a mutex no one else contends for), no copy of each command before it is
 //! written (commands are packed straight into the shared buffer), no timer per command (the
 //! engine bounds each store operation), and a reply reader for the few reply types of the
-//! protocol (`reply`). That is about 7 000 instructions less per round trip (README,
+//! protocol (`reply`). That is about 4 500 instructions less per round trip (README,
 //! "Performance").
 //!
 //! It speaks RESP2 and understands `redis://` URLs: host and port, user and password

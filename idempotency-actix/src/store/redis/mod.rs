@@ -55,7 +55,7 @@ use self::steps::Steps;
 /// requests, so their commands go out together; it never holds a pool slot, so it neither
 /// waits for one nor pays bb8's `PING` per checkout. For a pool from [`RedisStore::pool`]
 /// with a `redis://` URL it is a connection of the store's own (RESP2, `AUTH` and `SELECT`
-/// from the URL; about 4 700 instructions less per round trip than redis-rs's); otherwise
+/// from the URL; about 4 500 instructions less per round trip than redis-rs's); otherwise
 /// (a bb8 pool the app built, `rediss://`, a Unix socket) a redis-rs multiplexed connection
 /// from the pool's connection manager. A connection whose socket died is replaced and the
 /// command sent once more. Each clone of the store (one per worker, as `HttpServer::new`

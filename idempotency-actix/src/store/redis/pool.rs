@@ -13,7 +13,7 @@ use redis::{ConnectionAddr, IntoConnectionInfo};
 /// points.
 ///
 /// With the address, the store opens a connection of its own to that server (a lighter
-/// multiplexed connection than redis-rs's: about 7 000 instructions less per round trip,
+/// multiplexed connection than redis-rs's: about 4 500 instructions less per round trip,
 /// README "Performance"). Without it (a pool built with `bb8::Pool::builder()`, or a
 /// `rediss://` or Unix-socket URL), the store shares a redis-rs multiplexed connection from
 /// the pool's connection manager. Both behave the same; only the cost differs.
