@@ -39,7 +39,7 @@ pub(super) struct SharedConnection {
     /// instead of each making their own.
     connecting: AsyncMutex<()>,
     /// Connections of their own for exchanges that block theirs (`WAIT`).
-    spares: Spares<MultiplexedConnection>,
+    spares: Spares<StoreConnection>,
 }
 
 /// A connection and a number that tells it apart from the one it replaced.
@@ -212,7 +212,7 @@ impl SharedConnection {
 impl Transport for SharedConnection {
     async fn send(&self, exchange: &Exchange) -> Result<Reply, StoreError> {
         if exchange.blocks() {
-            return Box::pin(self.spares.send(exchange, || self.open_multiplexed())).await;
+            return Box::pin(self.spares.send(exchange, || self.open())).await;
         }
         SharedConnection::send(self, exchange).await
     }
