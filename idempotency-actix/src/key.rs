@@ -195,24 +195,57 @@ fn parse_sf_string(rest: &[u8]) -> Result<(String, &[u8]), KeyError> {
 
 /// Parses the bare form up to the first delimiter (`;`, `,`, a space or a tab): visible ASCII
 /// (0x21..=0x7e) without quotes. Returns the key and what follows it.
+///
+/// One pass, one table lookup per byte: finding the delimiter and then checking the bytes
+/// before it took two passes and a four-way comparison per byte.
 fn parse_bare(value: &[u8]) -> Result<(String, &[u8]), KeyError> {
-    let end = value
-        .iter()
-        .position(|byte| matches!(byte, b';' | b',' | b' ' | b'\t'))
-        .unwrap_or(value.len());
-    let (key, rest) = value.split_at(end);
-    for &byte in key {
-        match byte {
-            b'"' => return Err(KeyError::UnbalancedQuote),
-            0x21..=0x7e => {}
-            _ => return Err(KeyError::InvalidByte { byte }),
+    let mut end = value.len();
+    for (at, &byte) in value.iter().enumerate() {
+        match BARE[usize::from(byte)] {
+            Bare::Key => {}
+            Bare::Delimiter => {
+                end = at;
+                break;
+            }
+            Bare::Quote => return Err(KeyError::UnbalancedQuote),
+            Bare::Invalid => return Err(KeyError::InvalidByte { byte }),
         }
     }
+    let (key, rest) = value.split_at(end);
     // Every byte was checked to be ASCII above, so this never fails; a copy checked in one
     // pass costs a fraction of pushing the bytes one `char` at a time.
     let key = std::str::from_utf8(key).map_err(|_| KeyError::InvalidByte { byte: key[0] })?;
     Ok((key.to_owned(), rest))
 }
+
+/// What a byte is in the bare form of a key.
+#[derive(Clone, Copy)]
+enum Bare {
+    /// Part of the key: visible ASCII but `"` and the delimiters.
+    Key,
+    /// Ends the key: `;` (parameters), `,` (a list), a space or a tab.
+    Delimiter,
+    /// `"`, which only the quoted form may hold.
+    Quote,
+    /// Anything else: controls, DEL, bytes above 0x7f.
+    Invalid,
+}
+
+/// [`Bare`] of every byte.
+const BARE: [Bare; 256] = {
+    let mut table = [Bare::Invalid; 256];
+    let mut byte = 0x21;
+    while byte <= 0x7e {
+        table[byte] = Bare::Key;
+        byte += 1;
+    }
+    table[b';' as usize] = Bare::Delimiter;
+    table[b',' as usize] = Bare::Delimiter;
+    table[b' ' as usize] = Bare::Delimiter;
+    table[b'\t' as usize] = Bare::Delimiter;
+    table[b'"' as usize] = Bare::Quote;
+    table
+};
 
 /// Skips RFC 8941 §3.1.2 parameters (`*( ";" *SP key [ "=" bare-item ] )`), checking their
 /// syntax; returns what follows them.

@@ -123,6 +123,18 @@ impl std::fmt::Debug for KeyScope {
 static STORAGE_KEY_HASHER: LazyLock<blake3::Hasher> =
     LazyLock::new(|| blake3::Hasher::new_derive_key("idempotency-actix storage key v1"));
 
+/// The two lowercase hex digits of every byte.
+const HEX_PAIRS: [[u8; 2]; 256] = {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut pairs = [[0; 2]; 256];
+    let mut byte = 0;
+    while byte < 256 {
+        pairs[byte] = [DIGITS[byte >> 4], DIGITS[byte & 15]];
+        byte += 1;
+    }
+    pairs
+};
+
 /// The name a record is stored under: a configurable prefix and the hex blake3 digest of
 /// (scope, key). The raw key never reaches the store.
 ///
@@ -151,7 +163,17 @@ impl StorageKey {
         let digest = hasher.finalize();
         let mut name = String::with_capacity(prefix.len() + 64);
         name.push_str(prefix);
-        name.push_str(digest.to_hex().as_str());
+        // Two digits per byte from a table, then one copy into the name: `Hash::to_hex`
+        // builds an `ArrayString` digit by digit, twice the instructions.
+        let mut hex = [0; 64];
+        for (pair, &byte) in hex.chunks_exact_mut(2).zip(digest.as_bytes()) {
+            pair.copy_from_slice(&HEX_PAIRS[usize::from(byte)]);
+        }
+        match std::str::from_utf8(&hex) {
+            Ok(hex) => name.push_str(hex),
+            // Never taken (the table holds ASCII digits); blake3's own encoding if it were.
+            Err(_) => name.push_str(digest.to_hex().as_str()),
+        }
         Self(name)
     }
 
