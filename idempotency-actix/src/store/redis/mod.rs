@@ -4,7 +4,7 @@
 //! layout in `record`; `exchange` sends a request alone or pipelined with `WAIT`
 //! (`replication`), and `steps` runs the four steps over any transport. Only the
 //! connection differs between the stores: `connection` for this one, `cluster` for
-//! [`RedisClusterStore`](crate::RedisClusterStore) (feature `redis-cluster`).
+//! `RedisClusterStore` (feature `redis-cluster`).
 
 #[cfg(feature = "redis-cluster")]
 mod cluster;

@@ -1,6 +1,6 @@
 //! The four steps of the Redis stores over any [`Transport`]: build the request, send it,
 //! decode the reply, check replication. [`RedisStore`](super::RedisStore) and
-//! [`RedisClusterStore`](super::RedisClusterStore) differ only in their transport.
+//! `RedisClusterStore` (feature `redis-cluster`) differ only in their transport.
 
 use std::time::Duration;
 
