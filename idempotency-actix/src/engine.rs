@@ -7,6 +7,7 @@
 use std::cell::{Cell, RefCell};
 use std::panic::AssertUnwindSafe;
 use std::rc::Rc;
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use actix_web::body::{BodySize, BoxBody, MessageBody};
@@ -881,16 +882,41 @@ async fn within<T>(
     operation: impl Future<Output = Result<T, StoreError>>,
 ) -> Result<T, StoreError> {
     let timer = StoreTimer::start(kind);
+    let deadline = Instant::now() + limit;
     let mut operation = std::pin::pin!(operation);
-    // A store that answers on the first poll (the memory store, a cached reply) needs no
-    // timer: arming and disarming one costs more than such an operation.
-    let first_poll =
-        std::future::poll_fn(|cx| std::task::Poll::Ready(operation.as_mut().poll(cx))).await;
-    let result = match first_poll {
-        std::task::Poll::Ready(result) => result,
-        std::task::Poll::Pending => actix_rt::time::timeout(limit, operation)
-            .await
-            .unwrap_or(Err(StoreError::Timeout(limit))),
+    // No timer while the operation waits on something that keeps the deadline itself (the
+    // store's own Redis connection: see `store::deadline`), nor when it answers on the first
+    // poll (the memory store, a cached reply): arming and disarming one costs more than
+    // such an operation. A timer of its own from the first poll that leaves it waiting on
+    // anything else.
+    let mut fallback = std::pin::pin!(None::<actix_rt::time::Sleep>);
+    let result = std::future::poll_fn(|cx| {
+        let (polled, kept) =
+            crate::store::deadline::polling(deadline, || operation.as_mut().poll(cx));
+        if let Poll::Ready(result) = polled {
+            return Poll::Ready(result);
+        }
+        if fallback.is_none() {
+            if kept {
+                return Poll::Pending;
+            }
+            fallback
+                .as_mut()
+                .set(Some(actix_rt::time::sleep_until(deadline.into())));
+        }
+        match fallback.as_mut().as_pin_mut() {
+            Some(sleep) => sleep.poll(cx).map(|()| Err(StoreError::Timeout(limit))),
+            None => Poll::Pending,
+        }
+    })
+    .await;
+    // A connection that kept the deadline answers a late command with an error of its own.
+    let result = match result {
+        Err(error) if !matches!(error, StoreError::Timeout(_)) && Instant::now() >= deadline => {
+            tracing::debug!(%error, "idempotency: store operation past its deadline");
+            Err(StoreError::Timeout(limit))
+        }
+        result => result,
     };
     timer.finish(&result);
     result

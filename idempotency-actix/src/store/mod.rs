@@ -28,6 +28,7 @@ use crate::fingerprint::Fingerprint;
 use crate::record::{RecordError, StoredResponse};
 use crate::scope::StorageKey;
 
+pub(crate) mod deadline;
 mod inspection;
 mod memory;
 #[cfg(feature = "postgres")]

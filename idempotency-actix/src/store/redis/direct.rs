@@ -6,10 +6,14 @@
 //! the request that waits for it. It is what redis-rs's `MultiplexedConnection` does, with
 //! the parts a store on one worker does not need left out: no channel between the requests
 //! and the driver (a mutex no one else contends for), no copy of each command before it is
-//! written (commands are packed straight into the shared buffer), no timer per command (the
-//! engine bounds each store operation), and a reply reader for the few reply types of the
-//! protocol (`reply`). That is about 4 500 instructions less per round trip (README,
-//! "Performance").
+//! written (commands are packed straight into the shared buffer), no timer per command,
+//! and a reply reader for the few reply types of the protocol (`reply`). That is about
+//! 4 500 instructions less per round trip (README, "Performance").
+//!
+//! It keeps the deadlines of the store operations that send commands on it
+//! (`store::deadline`): one timer, set for the earliest, answers every request still
+//! waiting at its deadline with a timeout error, so that the engine needs no timer of its
+//! own per operation (about a thousand instructions each).
 //!
 //! It speaks RESP2 and understands `redis://` URLs: host and port, user and password
 //! (`AUTH`), and database (`SELECT`). Other URLs (TLS, Unix sockets) go through redis-rs (see
@@ -21,15 +25,18 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
+use std::time::Instant;
 
 use redis::aio::ConnectionLike;
 use redis::{Cmd, Pipeline, RedisError, RedisFuture, Value};
 use tokio::net::TcpStream;
 use tokio::sync::oneshot;
+use tokio::time::Sleep;
 
 use super::packed::{Carrier, PackedCommand};
 use super::pool::ServerAddress;
 use super::reply::read_reply;
+use crate::store::deadline;
 
 /// A handle on the connection; clones share it. The driver task ends, closing the socket,
 /// once the last handle is dropped.
@@ -60,6 +67,9 @@ struct State {
     failed: Option<std::io::ErrorKind>,
     /// The last handle is gone: the driver ends.
     abandoned: bool,
+    /// No waiting request that is still to be answered has a deadline before this one
+    /// (it may be earlier than the earliest: the driver finds out when it comes).
+    next_deadline: Option<Instant>,
 }
 
 /// A request waiting for `replies` replies, of which it keeps the ones after the first
@@ -69,7 +79,12 @@ struct Waiter {
     skip: usize,
     pipelined: bool,
     values: Vec<Value>,
-    answer: oneshot::Sender<Result<Value, RedisError>>,
+    /// When the request gives up: the deadline of the store operation that sent it
+    /// (`store::deadline`), if one did.
+    deadline: Option<Instant>,
+    /// `None` once the request was answered with a timeout; its replies are then read
+    /// and dropped.
+    answer: Option<oneshot::Sender<Result<Value, RedisError>>>,
 }
 
 /// How much the read buffer grows by when it is full: a reply of the protocol is a record,
@@ -95,6 +110,7 @@ impl DirectConnection {
                 driver: None,
                 failed: None,
                 abandoned: false,
+                next_deadline: None,
             }),
         });
         let runtime = tokio::runtime::Handle::try_current().map_err(|error| {
@@ -111,6 +127,8 @@ impl DirectConnection {
             written: 0,
             read: Vec::with_capacity(READ_CHUNK),
             read_from: 0,
+            timer: None,
+            armed: None,
         });
         let mut connection = Self {
             owner: Arc::new(Owner { shared }),
@@ -141,8 +159,9 @@ impl DirectConnection {
         replies: usize,
         skip: usize,
         pipelined: bool,
-    ) -> Result<oneshot::Receiver<Result<Value, RedisError>>, RedisError> {
+    ) -> Result<Queued, RedisError> {
         let (answer, receiver) = oneshot::channel();
+        let deadline = deadline::current();
         let driver = {
             let mut state = self.owner.shared.lock();
             if let Some(kind) = state.failed {
@@ -154,14 +173,22 @@ impl DirectConnection {
                 skip,
                 pipelined,
                 values: Vec::new(),
-                answer,
+                deadline,
+                answer: Some(answer),
             });
+            // The driver sets its timer for it on its next pass (which this wakes, or
+            // which comes when it is done with the one under way).
+            if let Some(deadline) = deadline
+                && state.next_deadline.is_none_or(|next| deadline < next)
+            {
+                state.next_deadline = Some(deadline);
+            }
             state.driver.take()
         };
         if let Some(driver) = driver {
             driver.wake();
         }
-        Ok(receiver)
+        Ok(Queued { receiver, deadline })
     }
 }
 
@@ -203,12 +230,29 @@ impl ConnectionLike for DirectConnection {
     }
 }
 
-async fn answer(
-    queued: Result<oneshot::Receiver<Result<Value, RedisError>>, RedisError>,
-) -> Result<Value, RedisError> {
-    queued?
-        .await
-        .unwrap_or_else(|_| Err(closed(std::io::ErrorKind::ConnectionAborted)))
+/// A request queued on the connection: its answer comes on `receiver`.
+struct Queued {
+    receiver: oneshot::Receiver<Result<Value, RedisError>>,
+    deadline: Option<Instant>,
+}
+
+/// The answer to a queued request. While it waits, it tells the engine that the
+/// connection keeps the operation's deadline (`store::deadline::kept`) when the request
+/// has one: the driver answers it by then.
+async fn answer(queued: Result<Queued, RedisError>) -> Result<Value, RedisError> {
+    let Queued {
+        mut receiver,
+        deadline,
+    } = queued?;
+    std::future::poll_fn(|cx| {
+        let polled = Pin::new(&mut receiver).poll(cx);
+        if polled.is_pending() && deadline.is_some() {
+            deadline::kept();
+        }
+        polled
+    })
+    .await
+    .unwrap_or_else(|_| Err(closed(std::io::ErrorKind::ConnectionAborted)))
 }
 
 impl Drop for Owner {
@@ -238,8 +282,8 @@ impl State {
             return false;
         };
         if !waiter.pipelined {
-            if let Some(done) = self.waiting.pop_front() {
-                let _ = done.answer.send(Ok(reply));
+            if let Some(answer) = self.waiting.pop_front().and_then(|done| done.answer) {
+                let _ = answer.send(Ok(reply));
             }
             return true;
         }
@@ -251,20 +295,47 @@ impl State {
         }
         if waiter.replies == 0
             && let Some(done) = self.waiting.pop_front()
+            && let Some(answer) = done.answer
         {
-            let _ = done.answer.send(Ok(Value::Array(done.values)));
+            let _ = answer.send(Ok(Value::Array(done.values)));
         }
         true
+    }
+
+    /// Answers every request whose deadline is `now` or past with a timeout (its replies
+    /// will be dropped when they come), and notes the earliest deadline left.
+    fn expire(&mut self, now: Instant) {
+        let mut next: Option<Instant> = None;
+        for waiter in &mut self.waiting {
+            let (Some(deadline), Some(_)) = (waiter.deadline, &waiter.answer) else {
+                continue;
+            };
+            if deadline <= now {
+                if let Some(answer) = waiter.answer.take() {
+                    let _ = answer.send(Err(timed_out()));
+                }
+            } else {
+                next = Some(next.map_or(deadline, |next| next.min(deadline)));
+            }
+        }
+        self.next_deadline = next;
     }
 
     /// Fails every waiting request and every later one with `kind`.
     fn fail(&mut self, kind: std::io::ErrorKind) {
         self.failed = Some(kind);
         self.outgoing = Vec::new();
-        for waiter in self.waiting.drain(..) {
-            let _ = waiter.answer.send(Err(closed(kind)));
+        for answer in self.waiting.drain(..).filter_map(|waiter| waiter.answer) {
+            let _ = answer.send(Err(closed(kind)));
         }
     }
+}
+
+fn timed_out() -> RedisError {
+    RedisError::from(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        "the Redis server did not answer by the store operation's deadline",
+    ))
 }
 
 fn closed(kind: std::io::ErrorKind) -> RedisError {
@@ -298,6 +369,10 @@ struct Driver {
     /// Bytes read, replies read up to `read_from`.
     read: Vec<u8>,
     read_from: usize,
+    /// One timer for the deadlines of all waiting requests, made with the first.
+    timer: Option<Pin<Box<Sleep>>>,
+    /// The instant `timer` is set for.
+    armed: Option<Instant>,
 }
 
 /// What one pass of the driver found.
@@ -320,7 +395,10 @@ impl Future for Driver {
             let read = driver.read(cx);
             match (wrote, read) {
                 (Progress::Done, _) | (_, Progress::Done) => return Poll::Ready(()),
-                (Progress::None, Progress::None) => return Poll::Pending,
+                (Progress::None, Progress::None) => {
+                    driver.watch(cx);
+                    return Poll::Pending;
+                }
                 _ => {}
             }
         }
@@ -429,6 +507,31 @@ impl Driver {
         Progress::Some
     }
 
+    /// Keeps the deadlines of the waiting requests: the timer is set for the earliest the
+    /// state knows of, and when it fires every request past its deadline is answered with
+    /// a timeout. Under a steady load it fires about once per store timeout, not once per
+    /// request.
+    fn watch(&mut self, cx: &mut Context<'_>) {
+        loop {
+            let Some(at) = self.shared.lock().next_deadline else {
+                return;
+            };
+            let timer = self
+                .timer
+                .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at.into())));
+            if self.armed != Some(at) {
+                timer.as_mut().reset(at.into());
+                self.armed = Some(at);
+            }
+            if timer.as_mut().poll(cx).is_pending() {
+                return;
+            }
+            self.shared.lock().expire(Instant::now());
+            // Set for a deadline now past: `reset` to the next one, even if it is equal.
+            self.armed = None;
+        }
+    }
+
     fn fail(&mut self, kind: std::io::ErrorKind) -> Progress {
         tracing::debug!(?kind, "idempotency: Redis connection lost");
         self.shared.lock().fail(kind);
@@ -438,6 +541,8 @@ impl Driver {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpListener;
 
@@ -449,14 +554,16 @@ mod tests {
         expect: usize,
         replies: &'static [u8],
     ) -> (ServerAddress, tokio::task::JoinHandle<Vec<u8>>) {
-        scripted_server_writing(expect, replies, 3).await
+        scripted_server_writing(expect, replies, 3, Duration::ZERO).await
     }
 
-    /// [`scripted_server`], writing `chunk` bytes at a time.
+    /// [`scripted_server`], waiting `delay` before it answers and writing `chunk` bytes at a
+    /// time.
     async fn scripted_server_writing(
         expect: usize,
         replies: &'static [u8],
         chunk: usize,
+        delay: Duration,
     ) -> (ServerAddress, tokio::task::JoinHandle<Vec<u8>>) {
         let listener = TcpListener::bind("127.0.0.1:0")
             .await
@@ -469,6 +576,7 @@ mod tests {
                 .read_exact(&mut received)
                 .await
                 .expect("the commands");
+            tokio::time::sleep(delay).await;
             for chunk in replies.chunks(chunk) {
                 socket.write_all(chunk).await.expect("a reply");
                 socket.flush().await.expect("a flush");
@@ -524,6 +632,78 @@ mod tests {
         assert_eq!(received, b"*2\r\n$3\r\nGET\r\n$1\r\na\r\n*2\r\n$3\r\nGET\r\n$1\r\nb\r\n*2\r\n$3\r\nGET\r\n$1\r\nc\r\n");
     }
 
+    /// Polls `future` as the engine polls a store operation with `deadline`; says whether
+    /// every poll that left it waiting reported the deadline kept.
+    async fn under_deadline<F: Future>(deadline: Instant, future: F) -> (F::Output, bool) {
+        let mut future = std::pin::pin!(future);
+        let mut always_kept = true;
+        let output = std::future::poll_fn(|cx| {
+            let (polled, kept) = deadline::polling(deadline, || future.as_mut().poll(cx));
+            always_kept &= polled.is_ready() || kept;
+            polled
+        })
+        .await;
+        (output, always_kept)
+    }
+
+    #[actix_web::test]
+    async fn a_request_unanswered_at_its_deadline_times_out_and_its_late_reply_is_dropped() {
+        let commands = [get("slow"), get("next")];
+        let expect = commands.iter().map(|c| c.get_packed_command().len()).sum();
+        let (address, _server) = scripted_server_writing(
+            expect,
+            b"$4\r\nSLOW\r\n$4\r\nNEXT\r\n",
+            64,
+            Duration::from_millis(400),
+        )
+        .await;
+        let mut connection = DirectConnection::open(&address).await.expect("connected");
+        let mut other = connection.clone();
+        let [slow, next] = commands;
+        let started = Instant::now();
+        let deadline = started + Duration::from_millis(60);
+        let ((slow, kept), next) = futures_util::future::join(
+            // Sent during a poll under the deadline, as the engine's store steps are.
+            under_deadline(deadline, async {
+                connection.req_packed_command(&slow).await
+            }),
+            async {
+                // Queued after the slow one, without a deadline.
+                tokio::task::yield_now().await;
+                other.req_packed_command(&next).await
+            },
+        )
+        .await;
+        let error = slow.expect_err("no reply by the deadline");
+        assert!(error.is_timeout(), "{error}");
+        assert!(
+            kept,
+            "the connection kept the deadline while the request waited"
+        );
+        let waited = started.elapsed();
+        assert!(
+            waited >= Duration::from_millis(60),
+            "answered before its deadline: {waited:?}"
+        );
+        // The request without a deadline got its own reply, the slow one's dropped.
+        assert_eq!(next.expect("a reply"), Value::BulkString(b"NEXT".to_vec()));
+    }
+
+    #[actix_web::test]
+    async fn a_request_answered_before_its_deadline_gets_its_reply() {
+        let command = get("a");
+        let (address, _server) =
+            scripted_server(command.get_packed_command().len(), b"$1\r\nA\r\n").await;
+        let mut connection = DirectConnection::open(&address).await.expect("connected");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let (reply, kept) = under_deadline(deadline, async {
+            connection.req_packed_command(&command).await
+        })
+        .await;
+        assert_eq!(reply.expect("a reply"), Value::BulkString(b"A".to_vec()));
+        assert!(kept);
+    }
+
     #[actix_web::test]
     async fn a_reply_larger_than_the_buffers_arrives_whole() {
         let body = vec![b'x'; 3 * KEPT_CAPACITY];
@@ -532,7 +712,8 @@ mod tests {
         reply.extend_from_slice(b"\r\n+OK\r\n");
         let commands = [get("big"), get("small")];
         let expect = commands.iter().map(|c| c.get_packed_command().len()).sum();
-        let (address, _server) = scripted_server_writing(expect, reply.leak(), 64 * 1024).await;
+        let (address, _server) =
+            scripted_server_writing(expect, reply.leak(), 64 * 1024, Duration::ZERO).await;
         let mut connection = DirectConnection::open(&address).await.expect("connected");
         let mut other = connection.clone();
         let [big, small] = commands;
