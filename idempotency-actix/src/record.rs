@@ -84,13 +84,25 @@ impl StoredResponse {
 
     /// Encodes the response in the current record version.
     pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.encoded_len());
+        self.encode_into(&mut out);
+        out
+    }
+
+    /// At least the length of [`encode`](Self::encode)'s bytes, to reserve room for them.
+    pub(crate) fn encoded_len(&self) -> usize {
         let headers_len: usize = self
             .headers
             .iter()
             .map(|(name, value)| 6 + name.as_str().len() + value.len())
             .sum();
+        6 + headers_len + self.body.as_deref().map_or(0, <[u8]>::len)
+    }
+
+    /// Appends what [`encode`](Self::encode) returns to `out` (a record that holds the
+    /// encoded response after a header of its own is written in one buffer).
+    pub(crate) fn encode_into(&self, out: &mut Vec<u8>) {
         let body = self.body.as_deref().unwrap_or_default();
-        let mut out = Vec::with_capacity(6 + headers_len + body.len());
         out.push(RECORD_VERSION);
         out.extend_from_slice(&self.status.as_u16().to_be_bytes());
         out.push(if self.body.is_some() {
@@ -116,7 +128,6 @@ impl StoredResponse {
             out.extend_from_slice(value.as_bytes());
         }
         out.extend_from_slice(body);
-        out
     }
 
     /// Decodes a record; never panics, whatever the input.

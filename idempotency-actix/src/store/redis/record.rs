@@ -54,7 +54,7 @@ pub(super) fn in_flight(fingerprint: &Fingerprint, token: &LeaseToken) -> Vec<u8
     record.push(FORMAT);
     record.push(IN_FLIGHT);
     record.extend_from_slice(fingerprint.as_bytes());
-    record.extend_from_slice(&token_field(token));
+    push_token_field(&mut record, token);
     record
 }
 
@@ -68,25 +68,29 @@ pub(super) fn abandoned(token: &LeaseToken) -> Vec<u8> {
 
 /// The token as records hold it: its length, then its bytes (what the functions compare).
 pub(super) fn token_field(token: &LeaseToken) -> Vec<u8> {
+    let mut field = Vec::with_capacity(1 + token.as_str().len());
+    push_token_field(&mut field, token);
+    field
+}
+
+/// Appends the token field of `token` to `out`.
+fn push_token_field(out: &mut Vec<u8>, token: &LeaseToken) {
     let token = token.as_str().as_bytes();
     // Tokens are 32 characters; a longer one (never generated) is cut to stay readable.
     let token = &token[..token.len().min(usize::from(u8::MAX))];
-    let mut field = Vec::with_capacity(1 + token.len());
-    field.push(token.len() as u8);
-    field.extend_from_slice(token);
-    field
+    out.push(token.len() as u8);
+    out.extend_from_slice(token);
 }
 
 /// The completed record of the request whose `in_flight` record this is: the same header
 /// in state `c`, then the completion (expiry and response).
 pub(super) fn completed(in_flight: &[u8], response: &StoredResponse, ttl: Duration) -> Vec<u8> {
     let expires_at = unix_millis(SystemTime::now()).saturating_add(millis(ttl));
-    let encoded = response.encode();
-    let mut record = Vec::with_capacity(in_flight.len() + 8 + encoded.len());
+    let mut record = Vec::with_capacity(in_flight.len() + 8 + response.encoded_len());
     record.extend_from_slice(in_flight);
     record[1] = COMPLETED;
     record.extend_from_slice(&expires_at.to_be_bytes());
-    record.extend_from_slice(&encoded);
+    response.encode_into(&mut record);
     record
 }
 
