@@ -881,8 +881,9 @@ async fn within<T>(
     limit: Duration,
     operation: impl Future<Output = Result<T, StoreError>>,
 ) -> Result<T, StoreError> {
-    let timer = StoreTimer::start(kind);
-    let deadline = Instant::now() + limit;
+    let started = Instant::now();
+    let timer = StoreTimer::start(kind, started);
+    let deadline = started + limit;
     let mut operation = std::pin::pin!(operation);
     // No timer while the operation waits on something that keeps the deadline itself (the
     // store's own Redis connection: see `store::deadline`), nor when it answers on the first

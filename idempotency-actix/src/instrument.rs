@@ -426,12 +426,12 @@ pub(crate) struct StoreTimer {
 
 impl StoreTimer {
     #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
-    pub(crate) fn start(operation: StoreOperation) -> Self {
+    pub(crate) fn start(operation: StoreOperation, started: std::time::Instant) -> Self {
         Self {
             #[cfg(feature = "metrics")]
             operation,
             #[cfg(feature = "metrics")]
-            started: std::time::Instant::now(),
+            started,
         }
     }
 

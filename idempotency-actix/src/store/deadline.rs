@@ -17,46 +17,53 @@ use std::cell::Cell;
 use std::time::Instant;
 
 thread_local! {
-    static CURRENT: Cell<Option<Instant>> = const { Cell::new(None) };
-    static KEPT: Cell<bool> = const { Cell::new(false) };
+    static POLLED: Cell<Polled> = const { Cell::new(Polled { deadline: None, kept: false }) };
+}
+
+/// What the thread knows of the store operation it polls.
+#[derive(Clone, Copy)]
+struct Polled {
+    /// The operation's deadline, while one is polled.
+    deadline: Option<Instant>,
+    /// Whether what the poll left waiting keeps that deadline.
+    kept: bool,
 }
 
 /// Runs `poll` with `deadline` as the current deadline. Returns what it returned, and
 /// whether what it left waiting keeps the deadline ([`kept`] was called during it).
 pub(crate) fn polling<T>(deadline: Instant, poll: impl FnOnce() -> T) -> (T, bool) {
-    let scope = Scope {
-        outer: CURRENT.replace(Some(deadline)),
-        outer_kept: KEPT.replace(false),
-    };
+    let outer = Restore(POLLED.replace(Polled {
+        deadline: Some(deadline),
+        kept: false,
+    }));
     let output = poll();
-    let kept = KEPT.get();
-    drop(scope);
+    let kept = POLLED.get().kept;
+    drop(outer);
     (output, kept)
 }
 
 /// The deadline of the store operation being polled on this thread, if one is.
 #[cfg_attr(not(feature = "redis"), allow(dead_code))]
 pub(crate) fn current() -> Option<Instant> {
-    CURRENT.get()
+    POLLED.get().deadline
 }
 
 /// Says that the operation being polled waits on something that wakes it by the
 /// [`current`] deadline, answered or not.
 #[cfg_attr(not(feature = "redis"), allow(dead_code))]
 pub(crate) fn kept() {
-    KEPT.set(true);
+    POLLED.set(Polled {
+        kept: true,
+        ..POLLED.get()
+    });
 }
 
-/// Puts back the deadline of an enclosing poll, even if the inner one panics.
-struct Scope {
-    outer: Option<Instant>,
-    outer_kept: bool,
-}
+/// Puts back what an enclosing poll knew, even if the inner one panics.
+struct Restore(Polled);
 
-impl Drop for Scope {
+impl Drop for Restore {
     fn drop(&mut self) {
-        CURRENT.set(self.outer);
-        KEPT.set(self.outer_kept);
+        POLLED.set(self.0);
     }
 }
 
@@ -95,6 +102,6 @@ mod tests {
         });
         assert!(panicked.is_err());
         assert_eq!(current(), None);
-        assert!(!KEPT.get());
+        assert!(!POLLED.get().kept);
     }
 }

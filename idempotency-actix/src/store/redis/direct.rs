@@ -188,7 +188,10 @@ impl DirectConnection {
         if let Some(driver) = driver {
             driver.wake();
         }
-        Ok(Queued { receiver, deadline })
+        Ok(Queued {
+            receiver,
+            keeps_deadline: deadline.is_some(),
+        })
     }
 }
 
@@ -230,10 +233,11 @@ impl ConnectionLike for DirectConnection {
     }
 }
 
-/// A request queued on the connection: its answer comes on `receiver`.
+/// A request queued on the connection: its answer comes on `receiver`, by the deadline of
+/// the operation that sent it if it has one.
 struct Queued {
     receiver: oneshot::Receiver<Result<Value, RedisError>>,
-    deadline: Option<Instant>,
+    keeps_deadline: bool,
 }
 
 /// The answer to a queued request. While it waits, it tells the engine that the
@@ -242,11 +246,11 @@ struct Queued {
 async fn answer(queued: Result<Queued, RedisError>) -> Result<Value, RedisError> {
     let Queued {
         mut receiver,
-        deadline,
+        keeps_deadline,
     } = queued?;
     std::future::poll_fn(|cx| {
         let polled = Pin::new(&mut receiver).poll(cx);
-        if polled.is_pending() && deadline.is_some() {
+        if polled.is_pending() && keeps_deadline {
             deadline::kept();
         }
         polled
@@ -307,15 +311,15 @@ impl State {
     fn expire(&mut self, now: Instant) {
         let mut next: Option<Instant> = None;
         for waiter in &mut self.waiting {
-            let (Some(deadline), Some(_)) = (waiter.deadline, &waiter.answer) else {
+            let Some(deadline) = waiter.deadline else {
                 continue;
             };
-            if deadline <= now {
-                if let Some(answer) = waiter.answer.take() {
-                    let _ = answer.send(Err(timed_out()));
+            if deadline > now {
+                if waiter.answer.is_some() {
+                    next = Some(next.map_or(deadline, |next| next.min(deadline)));
                 }
-            } else {
-                next = Some(next.map_or(deadline, |next| next.min(deadline)));
+            } else if let Some(answer) = waiter.answer.take() {
+                let _ = answer.send(Err(timed_out()));
             }
         }
         self.next_deadline = next;
