@@ -572,8 +572,8 @@ impl Drop for ReferenceServer {
     }
 }
 
-/// Runs `cargo build --example reference_server` in the workspace and returns the path of
-/// the executable cargo reports.
+/// Builds the example `reference_server` (see [`example_executable`]) and returns the path
+/// of the executable cargo reports.
 fn build_reference_server() -> std::path::PathBuf {
     build_example("reference_server")
 }
@@ -598,14 +598,20 @@ pub fn example_executable(name: &'static str) -> std::path::PathBuf {
     path
 }
 
+/// Runs `cargo build --workspace --examples` and returns the path cargo reports for the
+/// executable of the example `name`.
 fn build_example(name: &str) -> std::path::PathBuf {
     let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("the tests package lives in the workspace");
     let output = std::process::Command::new(env!("CARGO"))
         .current_dir(workspace)
-        .args(["build", "-p", "idempotency-actix-examples"])
-        .args(["--example", name])
+        // Every example of the workspace, not `-p … --example name`: this selection resolves
+        // the features (and the debug info of shared units) that `cargo test --workspace`
+        // does, so after the README's test command the build is already fresh. A
+        // package-only build would compile actix-web and this crate once more (about a
+        // minute of CI time).
+        .args(["build", "--workspace", "--examples"])
         .arg("--message-format=json-render-diagnostics")
         .stdin(std::process::Stdio::null())
         .output()
