@@ -302,7 +302,7 @@ impl Engine {
                 // the client disconnects and Actix drops this future: the run then goes on
                 // on a task of its own (see `RunToCompletion`).
                 let engine = Rc::clone(&self);
-                let run = RunToCompletion::new(async move {
+                let run = RunToCompletion::new(move || async move {
                     #[cfg(feature = "postgres")]
                     if let Some(transaction) = transaction {
                         // Boxed: its future is several times the size of the rest, and this

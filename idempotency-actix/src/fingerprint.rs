@@ -4,6 +4,9 @@ use std::sync::LazyLock;
 
 use actix_web::http::header::HeaderName;
 use actix_web::{dev::ServiceRequest, http::Method};
+use blake3::hazmat::ContextKey;
+
+use crate::hashing::Gathered;
 
 /// A blake3 digest of the parts of a request that a retry must repeat exactly.
 ///
@@ -73,62 +76,28 @@ impl std::fmt::Debug for Fingerprint {
     }
 }
 
-/// The hasher every fingerprint starts from: blake3 in key-derivation mode with this crate's
-/// context. Deriving the context key costs a compression; it is done once and the prepared
-/// hasher cloned (the same digest, pinned by a test below).
-static FINGERPRINT_HASHER: LazyLock<blake3::Hasher> =
-    LazyLock::new(|| blake3::Hasher::new_derive_key("idempotency-actix fingerprint v1"));
-
-/// How many bytes of fields [`Fields`] gathers before it hands them to the hasher: room for
-/// the method, a path, a query and the body's digest of most requests.
-const GATHERED: usize = 256;
+/// The key of the context every fingerprint is derived in (blake3 key-derivation mode with
+/// this crate's context; the same digest as `blake3::derive_key`, pinned by a test below),
+/// hashed once per process.
+static FINGERPRINT_CONTEXT: LazyLock<ContextKey> =
+    LazyLock::new(|| blake3::hazmat::hash_derive_key_context("idempotency-actix fingerprint v1"));
 
 /// The fields of a fingerprint, each after its length (8 bytes, little-endian), so that
 /// the encoding is unambiguous: ("/a", "b") never equals ("/ab", "").
-///
-/// Short fields are gathered and hashed in one `update`: blake3 pays a fixed cost per call,
-/// more than the hashing of a short field, and a fingerprint has at least eight. The digest
-/// depends only on the bytes, not on how they were split between calls.
-struct Fields {
-    hasher: blake3::Hasher,
-    gathered: [u8; GATHERED],
-    len: usize,
-}
+struct Fields(Gathered);
 
 impl Fields {
     fn new() -> Self {
-        Self {
-            hasher: FINGERPRINT_HASHER.clone(),
-            gathered: [0; GATHERED],
-            len: 0,
-        }
+        Self(Gathered::new(&FINGERPRINT_CONTEXT))
     }
 
     fn push(&mut self, field: &[u8]) {
-        let prefix = (field.len() as u64).to_le_bytes();
-        let size = prefix.len() + field.len();
-        if size > GATHERED - self.len {
-            self.hand_over();
-            if size > GATHERED {
-                self.hasher.update(&prefix);
-                self.hasher.update(field);
-                return;
-            }
-        }
-        let (start, middle) = (self.len, self.len + prefix.len());
-        self.gathered[start..middle].copy_from_slice(&prefix);
-        self.gathered[middle..start + size].copy_from_slice(field);
-        self.len += size;
+        self.0.push(&(field.len() as u64).to_le_bytes());
+        self.0.push(field);
     }
 
-    fn hand_over(&mut self) {
-        self.hasher.update(&self.gathered[..self.len]);
-        self.len = 0;
-    }
-
-    fn finalize(mut self) -> [u8; 32] {
-        self.hand_over();
-        *self.hasher.finalize().as_bytes()
+    fn finalize(&mut self) -> [u8; 32] {
+        self.0.finalize()
     }
 }
 
@@ -220,7 +189,7 @@ mod tests {
             (long_path.as_str(), b"acme".as_slice()),
             ("/orders", long_value.as_slice()),
         ] {
-            let mut hasher = FINGERPRINT_HASHER.clone();
+            let mut hasher = blake3::Hasher::new_derive_key("idempotency-actix fingerprint v1");
             let body = blake3::hash(b"body");
             for part in [
                 b"POST",

@@ -205,10 +205,12 @@
 #![forbid(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 mod body;
+mod built_in_box;
 mod capture;
 mod engine;
 mod error;
 mod fingerprint;
+mod hashing;
 mod inspect;
 mod instrument;
 mod key;

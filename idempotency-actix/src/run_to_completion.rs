@@ -16,6 +16,8 @@ use std::task::{Context, Poll};
 
 use futures_util::future::LocalBoxFuture;
 
+use crate::built_in_box::built_in_box;
+
 /// A boxed run, polled by its owner and, if the owner drops it before its end, finished on a
 /// task of its own (spawned on the current worker).
 ///
@@ -27,9 +29,11 @@ pub(crate) struct RunToCompletion<T: 'static> {
 }
 
 impl<T: 'static> RunToCompletion<T> {
-    pub(crate) fn new(run: impl Future<Output = T> + 'static) -> Self {
+    /// The run `make` returns, built in its box (see [`built_in_box`]): a run's future is
+    /// about 2 KB, which would otherwise be built on the stack and copied.
+    pub(crate) fn new<F: Future<Output = T> + 'static>(make: impl FnOnce() -> F) -> Self {
         Self {
-            run: Some(Box::pin(run)),
+            run: Some(built_in_box(make)),
         }
     }
 }
@@ -83,7 +87,7 @@ mod tests {
 
     #[actix_rt::test]
     async fn a_run_awaited_to_its_end_gives_its_output() {
-        let run = RunToCompletion::new(async {
+        let run = RunToCompletion::new(|| async {
             actix_rt::time::sleep(Duration::from_millis(1)).await;
             7
         });
@@ -93,7 +97,7 @@ mod tests {
     #[actix_rt::test]
     async fn a_run_dropped_before_its_end_finishes_on_a_task_of_its_own() {
         let finished = Rc::new(Cell::new(false));
-        let run = RunToCompletion::new({
+        let run = RunToCompletion::new(|| {
             let finished = Rc::clone(&finished);
             async move {
                 actix_rt::time::sleep(Duration::from_millis(20)).await;
@@ -117,7 +121,7 @@ mod tests {
             }
         }
         let released = Rc::new(Cell::new(false));
-        let run = RunToCompletion::new({
+        let run = RunToCompletion::new(|| {
             let guard = Guard(Rc::clone(&released));
             async move {
                 let _guard = guard;

@@ -5,7 +5,9 @@ use std::sync::LazyLock;
 
 use actix_web::dev::ServiceRequest;
 use actix_web::http::header::HeaderName;
+use blake3::hazmat::ContextKey;
 
+use crate::hashing::Gathered;
 use crate::key::IdempotencyKey;
 
 /// Decides whose key a request's key is: the tenant, user or API client it belongs to.
@@ -118,10 +120,10 @@ impl std::fmt::Debug for KeyScope {
     }
 }
 
-/// The hasher every storage key starts from: blake3 in key-derivation mode with this crate's
-/// context, whose derivation (two compressions) is done once, not per request.
-static STORAGE_KEY_HASHER: LazyLock<blake3::Hasher> =
-    LazyLock::new(|| blake3::Hasher::new_derive_key("idempotency-actix storage key v1"));
+/// The key of the context every storage key is derived in (blake3 key-derivation mode with
+/// this crate's context), hashed once per process.
+static STORAGE_KEY_CONTEXT: LazyLock<ContextKey> =
+    LazyLock::new(|| blake3::hazmat::hash_derive_key_context("idempotency-actix storage key v1"));
 
 /// The two lowercase hex digits of every byte.
 const HEX_PAIRS: [[u8; 2]; 256] = {
@@ -156,11 +158,11 @@ pub struct StorageKey(String);
 impl StorageKey {
     /// The storage key of `key` in `scope`, under `prefix`.
     pub fn new(prefix: &str, scope: &[u8], key: &IdempotencyKey) -> Self {
-        let mut hasher = STORAGE_KEY_HASHER.clone();
-        hasher.update(&(scope.len() as u64).to_le_bytes());
-        hasher.update(scope);
-        hasher.update(key.as_str().as_bytes());
-        let digest = hasher.finalize();
+        let mut hasher = Gathered::new(&STORAGE_KEY_CONTEXT);
+        hasher.push(&(scope.len() as u64).to_le_bytes());
+        hasher.push(scope);
+        hasher.push(key.as_str().as_bytes());
+        let digest = blake3::Hash::from_bytes(hasher.finalize());
         let mut name = String::with_capacity(prefix.len() + 64);
         name.push_str(prefix);
         // Two digits per byte from a table, then one copy into the name: `Hash::to_hex`

@@ -10,6 +10,7 @@ use actix_web::dev::{Service, ServiceRequest, ServiceResponse};
 use futures_util::future::{Either, LocalBoxFuture, MapOk, TryFutureExt};
 use pin_project_lite::pin_project;
 
+use crate::built_in_box::built_in_box;
 use crate::engine::{Engine, Response, refuse, with_handler_body};
 use crate::error::IdempotencyError;
 use crate::policy::Policy;
@@ -110,7 +111,7 @@ where
         None
     };
     let client = ClientAttached::new(slot.clone());
-    IdempotencyFuture::processing(Box::pin(async move {
+    IdempotencyFuture::processing(built_in_box(move || async move {
         let answered = engine.process(policy, req, service, slot).await;
         client.finish();
         answered
