@@ -6,7 +6,7 @@ use actix_web::http::header::HeaderName;
 use actix_web::{dev::ServiceRequest, http::Method};
 use blake3::hazmat::ContextKey;
 
-use crate::hashing::Gathered;
+use crate::gathered_hasher::GatheredHasher;
 
 /// A blake3 digest of the parts of a request that a retry must repeat exactly.
 ///
@@ -84,11 +84,11 @@ static FINGERPRINT_CONTEXT: LazyLock<ContextKey> =
 
 /// The fields of a fingerprint, each after its length (8 bytes, little-endian), so that
 /// the encoding is unambiguous: ("/a", "b") never equals ("/ab", "").
-struct Fields(Gathered);
+struct Fields(GatheredHasher);
 
 impl Fields {
     fn new() -> Self {
-        Self(Gathered::new(&FINGERPRINT_CONTEXT))
+        Self(GatheredHasher::new(&FINGERPRINT_CONTEXT))
     }
 
     fn push(&mut self, field: &[u8]) {

@@ -210,7 +210,7 @@ mod capture;
 mod engine;
 mod error;
 mod fingerprint;
-mod hashing;
+mod gathered_hasher;
 mod inspect;
 mod instrument;
 mod key;

@@ -7,7 +7,7 @@ use actix_web::dev::ServiceRequest;
 use actix_web::http::header::HeaderName;
 use blake3::hazmat::ContextKey;
 
-use crate::hashing::Gathered;
+use crate::gathered_hasher::GatheredHasher;
 use crate::key::IdempotencyKey;
 
 /// Decides whose key a request's key is: the tenant, user or API client it belongs to.
@@ -158,7 +158,7 @@ pub struct StorageKey(String);
 impl StorageKey {
     /// The storage key of `key` in `scope`, under `prefix`.
     pub fn new(prefix: &str, scope: &[u8], key: &IdempotencyKey) -> Self {
-        let mut hasher = Gathered::new(&STORAGE_KEY_CONTEXT);
+        let mut hasher = GatheredHasher::new(&STORAGE_KEY_CONTEXT);
         hasher.push(&(scope.len() as u64).to_le_bytes());
         hasher.push(scope);
         hasher.push(key.as_str().as_bytes());

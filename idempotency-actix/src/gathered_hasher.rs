@@ -1,9 +1,9 @@
-//! [`Gathered`]: a blake3 hasher in key-derivation mode that gathers short inputs on the
+//! [`GatheredHasher`]: a blake3 hasher in key-derivation mode that gathers short inputs on the
 //! stack and hands them over in one `update`.
 
 use blake3::hazmat::{ContextKey, HasherExt};
 
-/// How many bytes [`Gathered`] keeps before it hands them to the hasher: room for the
+/// How many bytes [`GatheredHasher`] keeps before it hands them to the hasher: room for the
 /// parts of most requests' fingerprints and storage keys.
 const GATHERED: usize = 256;
 
@@ -11,16 +11,15 @@ const GATHERED: usize = 256;
 ///
 /// blake3 pays a fixed cost per `update`, more than the hashing of a short input, so short
 /// inputs are gathered and handed over together. The digest depends only on the bytes, not
-/// on how they were split. The hasher is made from the context's key (derived once per
-/// process) where it is used: cloning a prepared one, as before, copied its 1.9 KB of
-/// state, and moving it copied that again.
-pub(crate) struct Gathered {
+/// on how they were split. The hasher is made from the context's key, derived once per
+/// process: a prepared `blake3::Hasher` would be 1.9 KB of state to copy per digest.
+pub(crate) struct GatheredHasher {
     hasher: blake3::Hasher,
     gathered: [u8; GATHERED],
     len: usize,
 }
 
-impl Gathered {
+impl GatheredHasher {
     /// A hasher for the context whose key is `context_key`
     /// (see [`blake3::hazmat::hash_derive_key_context`]).
     #[inline]
@@ -66,7 +65,7 @@ mod tests {
         let context_key = blake3::hazmat::hash_derive_key_context("idempotency-actix test");
         let long = vec![b'x'; 1000];
         let parts: [&[u8]; 4] = [b"short", &long, b"", b"tail"];
-        let mut gathered = Gathered::new(&context_key);
+        let mut gathered = GatheredHasher::new(&context_key);
         for part in parts {
             gathered.push(part);
         }
