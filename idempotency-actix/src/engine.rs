@@ -18,6 +18,7 @@ use actix_web::web::{Bytes, BytesMut};
 use actix_web::{HttpMessage, HttpRequest, ResponseError};
 use futures_util::StreamExt;
 use futures_util::future::{Either, FutureExt, select};
+use tracing::Instrument;
 
 use crate::body::IdempotentBody;
 use crate::capture::{CapturingBody, Commit};
@@ -33,7 +34,7 @@ use crate::replay_cache::ReplayCache;
 use crate::run_to_completion::{RunToCompletion, panic_message};
 use crate::scope::{KeyScope, StorageKey};
 use crate::store::{BeginOutcome, DynStore, LeaseToken, StoreError};
-use crate::workload::{WorkLimits, WorkSlot, Workload};
+use crate::workload::{ClientAttached, WorkLimits, WorkSlot, Workload};
 
 /// The transaction a transactional route's claim comes with.
 #[cfg(feature = "postgres")]
@@ -167,7 +168,8 @@ pub(crate) fn refuse<B>(request: HttpRequest, error: &IdempotencyError) -> Respo
 
 impl Engine {
     /// Processes a protected request under `policy`, calling `service` at most once, in
-    /// the request's span; its outcome is recorded once, when it is done.
+    /// the request's span; its outcome is recorded once, when it is done, and then `client`
+    /// is marked served.
     ///
     /// `slot` is the request's share of the worker's workload (keyed requests); a streamed
     /// response keeps it until its record is complete.
@@ -177,6 +179,7 @@ impl Engine {
         req: ServiceRequest,
         service: Rc<S>,
         slot: Option<Rc<WorkSlot>>,
+        client: ClientAttached,
     ) -> Result<Response<B>, actix_web::Error>
     where
         S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = actix_web::Error>
@@ -184,9 +187,18 @@ impl Engine {
         B: MessageBody + 'static,
     {
         let record = RequestRecord::start(&req);
-        record
-            .around(self.protect(policy, req, service, slot))
-            .await
+        // Each branch builds `protect`'s future where it is awaited (see `wanted_span`).
+        let result = match record.wanted_span() {
+            None => self.protect(policy, req, service, slot).await,
+            Some(span) => {
+                self.protect(policy, req, service, slot)
+                    .instrument(span)
+                    .await
+            }
+        };
+        record.finish(&result);
+        client.finish();
+        result
     }
 
     /// Passes a request without a key to `service` on a route whose policy lets it through
@@ -204,9 +216,13 @@ impl Engine {
     {
         let record = RequestRecord::start(&req);
         claim_without_key(&req, &self);
-        record
-            .around(async move { service.call(req).await.map(with_handler_body) })
-            .await
+        let result = match record.wanted_span() {
+            None => service.call(req).await,
+            Some(span) => service.call(req).instrument(span).await,
+        };
+        let result = result.map(with_handler_body);
+        record.finish(&result);
+        result
     }
 
     async fn protect<S, B>(

@@ -21,7 +21,7 @@ use std::rc::Rc;
 
 use actix_web::dev::{Extensions, ServiceRequest, ServiceResponse};
 use actix_web::{HttpMessage, HttpRequest};
-use tracing::{Instrument, Span};
+use tracing::Span;
 
 use crate::error::IdempotencyError;
 use crate::store::StoreError;
@@ -307,24 +307,17 @@ impl RequestRecord {
         Self { span, state }
     }
 
-    /// Runs `work` (the processing of the request this records) in the request's span, and
-    /// records its outcome once it is done.
+    /// The request's span, if a subscriber wants it: the request's processing runs in it
+    /// (`.instrument(span)`); otherwise it runs as it is.
     ///
     /// A span no subscriber wants is neither entered nor given fields: with tracing's `log`
     /// feature on (Actix turns it on) each enter, exit and field of a disabled span still
     /// asks the `log` crate whether to print it, about 750 instructions per request that
-    /// no one reads.
-    pub(crate) async fn around<B>(
-        self,
-        work: impl Future<Output = Result<ServiceResponse<B>, actix_web::Error>>,
-    ) -> Result<ServiceResponse<B>, actix_web::Error> {
-        let result = if self.span.is_disabled() {
-            work.await
-        } else {
-            work.instrument(self.span.clone()).await
-        };
-        self.finish(&result);
-        result
+    /// no one reads. The caller awaits its work itself, between [`start`](Self::start) and
+    /// [`finish`](Self::finish), rather than through a wrapping future: a request's future
+    /// is then built once in its box, not built and moved into one layer after another.
+    pub(crate) fn wanted_span(&self) -> Option<Span> {
+        (!self.span.is_disabled()).then(|| self.span.clone())
     }
 
     /// Records the outcome and the status, once, when the request is done.

@@ -97,7 +97,9 @@ where
 {
     let keyed = req.headers().contains_key(&engine.settings.header);
     if !keyed && !policy.required && !policy.transactional {
-        return IdempotencyFuture::processing(Box::pin(engine.pass_without_key(req, service)));
+        return IdempotencyFuture::processing(built_in_box(move || {
+            engine.pass_without_key(req, service)
+        }));
     }
     let slot = if keyed {
         let Some(slot) = engine.workload.admit() else {
@@ -111,9 +113,7 @@ where
         None
     };
     let client = ClientAttached::new(slot.clone());
-    IdempotencyFuture::processing(built_in_box(move || async move {
-        let answered = engine.process(policy, req, service, slot).await;
-        client.finish();
-        answered
+    IdempotencyFuture::processing(built_in_box(move || {
+        engine.process(policy, req, service, slot, client)
     }))
 }
