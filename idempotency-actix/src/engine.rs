@@ -275,7 +275,9 @@ impl Engine {
         };
         let fingerprint = self.settings.fingerprint.of(&req, &body);
         let body_len = body.len();
-        req.set_payload(Payload::from(body));
+        // The body goes back into the request (`set_payload`) only where a handler will
+        // read it: a replay or a refusal has no use for it (a payload costs about 500
+        // instructions).
 
         // This future is dropped if the client goes away; a `begin` dropped on the way may
         // still land, so the guard abandons its token then, as after a timeout.
@@ -301,6 +303,7 @@ impl Engine {
             Ok(BeginOutcome::Acquired) => {
                 tracing::debug!(key = storage_key.as_str(), "idempotency: executing");
                 instrument::decided(&req.extensions(), Outcome::Executed);
+                req.set_payload(Payload::from(body));
                 let _in_flight = LockHeld::enter(&req.extensions());
                 let lock = Rc::new(HeldLock {
                     storage_key: storage_key.clone(),
@@ -371,6 +374,7 @@ impl Engine {
                 FailMode::Open => {
                     tracing::warn!(%error, "idempotency store failed; running the handler unprotected (fail-open)");
                     instrument::decided(&req.extensions(), Outcome::FailOpen);
+                    req.set_payload(Payload::from(body));
                     #[cfg(feature = "postgres")]
                     if policy.transactional {
                         return Box::pin(
