@@ -218,7 +218,8 @@ impl Engine {
         claim_without_key(&req, &self);
         let result = match record.wanted_span() {
             None => service.call(req).await,
-            Some(span) => service.call(req).instrument(span).await,
+            // The inner service's `call` (routing, inner layers) runs in the span too.
+            Some(span) => span.in_scope(|| service.call(req)).instrument(span).await,
         };
         let result = result.map(with_handler_body);
         record.finish(&result);

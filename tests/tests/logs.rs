@@ -8,6 +8,7 @@
 use std::io::Write;
 use std::sync::{Arc, Mutex, OnceLock};
 
+use actix_web::dev::{HttpServiceFactory, Service};
 use actix_web::http::StatusCode;
 use actix_web::{App, HttpResponse, web};
 use idempotency_actix::{
@@ -49,6 +50,33 @@ fn logged() -> String {
 
 async fn create() -> HttpResponse {
     HttpResponse::Created().body("created")
+}
+
+/// A server whose app keeps keys in a memory store of one global scope, around the resource
+/// `make` builds (for each worker).
+fn memory_server<R>(make: impl Fn() -> R + Send + Clone + 'static) -> actix_test::TestServer
+where
+    R: HttpServiceFactory + 'static,
+{
+    actix_test::start(move || {
+        App::new()
+            .wrap(Idempotency::new(MemoryStore::new()).scope(KeyScope::global()))
+            .service(make())
+    })
+}
+
+/// Asserts that the event whose message holds `marker` was logged inside the span of a
+/// request to `route`.
+fn assert_logged_in_request_span(marker: &str, route: &str) {
+    let logged = logged();
+    let event = logged
+        .lines()
+        .find(|line| line.contains(marker))
+        .unwrap_or_else(|| panic!("no event {marker:?} was logged: {logged}"));
+    assert!(
+        event.contains(&format!("idempotency{{http.route=\"{route}\"}}")),
+        "the event is outside the span of the request to {route}: {event}"
+    );
 }
 
 async fn post(server: &actix_test::TestServer, path: &str, key: &str) -> StatusCode {
@@ -118,14 +146,10 @@ async fn fail_open_runs_the_handler_and_warns() {
 #[actix_web::test]
 async fn key_values_never_reach_the_log() {
     log();
-    let server = actix_test::start(|| {
-        App::new()
-            .wrap(Idempotency::new(MemoryStore::new()).scope(KeyScope::global()))
-            .service(
-                web::resource("/secret")
-                    .wrap(IdempotentRoute::new())
-                    .route(web::post().to(create)),
-            )
+    let server = memory_server(|| {
+        web::resource("/secret")
+            .wrap(IdempotentRoute::new())
+            .route(web::post().to(create))
     });
     let secret = "customer-4711-card-ending-0042";
     assert_eq!(post(&server, "/secret", secret).await, StatusCode::CREATED);
@@ -150,14 +174,10 @@ async fn takes_a_transaction(
 #[actix_web::test]
 async fn a_transaction_on_a_route_that_is_not_transactional_logs_the_fix() {
     log();
-    let server = actix_test::start(|| {
-        App::new()
-            .wrap(Idempotency::new(MemoryStore::new()).scope(KeyScope::global()))
-            .service(
-                web::resource("/not-transactional")
-                    .wrap(IdempotentRoute::new())
-                    .route(web::post().to(takes_a_transaction)),
-            )
+    let server = memory_server(|| {
+        web::resource("/not-transactional")
+            .wrap(IdempotentRoute::new())
+            .route(web::post().to(takes_a_transaction))
     });
     assert_eq!(
         post(&server, "/not-transactional", "k").await,
@@ -230,14 +250,10 @@ async fn an_app_without_a_key_scope_warns_once_per_process() {
 #[actix_web::test]
 async fn each_protected_request_has_a_span_with_route_outcome_and_status() {
     log();
-    let server = actix_test::start(|| {
-        App::new()
-            .wrap(Idempotency::new(MemoryStore::new()).scope(KeyScope::global()))
-            .service(
-                web::resource("/spans/{id}")
-                    .wrap(IdempotentRoute::new())
-                    .route(web::post().to(create)),
-            )
+    let server = memory_server(|| {
+        web::resource("/spans/{id}")
+            .wrap(IdempotentRoute::new())
+            .route(web::post().to(create))
     });
     let secret = "span-key-5e1f0c";
     assert_eq!(post(&server, "/spans/7", secret).await, StatusCode::CREATED);
@@ -279,28 +295,39 @@ async fn create_and_log() -> HttpResponse {
 #[actix_web::test]
 async fn a_handler_run_under_a_lock_logs_inside_the_request_span() {
     log();
-    let server = actix_test::start(|| {
-        App::new()
-            .wrap(Idempotency::new(MemoryStore::new()).scope(KeyScope::global()))
-            .service(
-                web::resource("/spanned")
-                    .wrap(IdempotentRoute::new())
-                    .route(web::post().to(create_and_log)),
-            )
+    let server = memory_server(|| {
+        web::resource("/spanned")
+            .wrap(IdempotentRoute::new())
+            .route(web::post().to(create_and_log))
     });
     assert_eq!(
         post(&server, "/spanned", "spanned-key").await,
         StatusCode::CREATED
     );
-    let logged = logged();
-    let event = logged
-        .lines()
-        .find(|line| line.contains("handler-event-3c9a"))
-        .unwrap_or_else(|| panic!("the handler's event was not logged: {logged}"));
-    assert!(
-        event.contains("idempotency{http.route=\"/spanned\"}"),
-        "the handler's event is outside the request's span: {event}"
-    );
+    assert_logged_in_request_span("handler-event-3c9a", "/spanned");
+}
+
+#[actix_web::test]
+async fn a_keyless_request_reaches_the_layers_inside_within_the_request_span() {
+    log();
+    let server = memory_server(|| {
+        web::resource("/keyless-spanned")
+            // Inside the route's layer; logs when it is called, before any future
+            // of its is polled.
+            .wrap_fn(|req, service| {
+                tracing::info!("inner-layer-event-8b41: called");
+                service.call(req)
+            })
+            .wrap(IdempotentRoute::new())
+            .route(web::post().to(create))
+    });
+    let response = server
+        .post("/keyless-spanned")
+        .send_body("{}")
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::CREATED);
+    assert_logged_in_request_span("inner-layer-event-8b41", "/keyless-spanned");
 }
 
 #[actix_web::test]
