@@ -47,7 +47,10 @@
 //! requests), Redis CPU per request (`INFO cpu`, summed over every node: the cluster's
 //! primaries, the replica) and Redis commands per request (`INFO commandstats` of the
 //! primaries, without the replicas' `REPLCONF`), wrk's CPU per request (this process's
-//! waited-for children), and the number of responses that were not 2xx (should be 0).
+//! waited-for children), the number of responses that were not 2xx (should be 0), and
+//! "steal": the share of the machine's CPU time (`/proc/stat`, all CPUs) that the hypervisor
+//! gave to something else during the run, which slows every process measured without
+//! showing in their CPU times (a round with a few percent of it is a disturbed one).
 //! "× baseline by CPU" is the ratio of the CPU all three processes (server, Redis, wrk) spend
 //! per request, baseline over mode: what the throughput ratio comes to when they have the
 //! machine's cores to themselves, and steady while other processes load the machine (the
@@ -314,6 +317,9 @@ struct Measured {
     wrk_cpu_per_request: Duration,
     redis_cpu_per_request: Option<Duration>,
     redis_commands_per_request: Option<f64>,
+    /// The share of the machine's CPU time that the hypervisor gave to something else
+    /// during the run (`steal`).
+    steal: f64,
 }
 
 fn main() -> ExitCode {
@@ -505,9 +511,9 @@ fn run() -> Result<(), Error> {
 
     println!();
     println!(
-        "| mode | req/s | × baseline (target) | × baseline by CPU | p99 | server CPU / req | Redis CPU / req | wrk CPU / req | Redis commands / req | non-2xx | rounds: × baseline, lowest–highest |"
+        "| mode | req/s | × baseline (target) | × baseline by CPU | p99 | server CPU / req | Redis CPU / req | wrk CPU / req | Redis commands / req | non-2xx | steal | rounds: × baseline, lowest–highest |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for (route, measured) in &baselines {
         let count = measured.len() as f64;
         let mean = Baseline {
@@ -579,7 +585,7 @@ fn print_row(
     let by_cpu = baseline.total_cpu.as_secs_f64() / measured.total_cpu_per_request.as_secs_f64();
     let micros = |duration: Duration| format!("{:.1} µs", duration.as_secs_f64() * 1e6);
     println!(
-        "| {name} | {:.0} | {ratio} | {by_cpu:.2}× | {:.2} ms | {} | {} | {} | {} | {} | {rounds} |",
+        "| {name} | {:.0} | {ratio} | {by_cpu:.2}× | {:.2} ms | {} | {} | {} | {} | {} | {:.1} % | {rounds} |",
         measured.per_second,
         measured.p99.as_secs_f64() * 1e3,
         micros(measured.server_cpu_per_request),
@@ -591,6 +597,7 @@ fn print_row(
             .redis_commands_per_request
             .map_or("—".to_owned(), |commands| format!("{commands:.2}")),
         measured.not_2xx,
+        measured.steal * 100.0,
     );
 }
 
@@ -1028,7 +1035,9 @@ impl Load<'_> {
         let redis_cpu_before = redis_cpu(&nodes)?;
         redis_commands(&nodes)?;
         let wrk_cpu = children_cpu()?;
+        let machine = MachineCpu::now()?;
         let run = self.wrk(&script, &url, self.seconds)?;
+        let steal = MachineCpu::now()?.stolen_since(machine);
         let wrk_cpu = children_cpu()?.saturating_sub(wrk_cpu);
         let server_cpu = process_cpu(server.child.id())?.saturating_sub(server_cpu);
         let redis_cpu = redis_cpu(&nodes)?.saturating_sub(redis_cpu_before);
@@ -1047,6 +1056,7 @@ impl Load<'_> {
             wrk_cpu_per_request: per_request(wrk_cpu),
             redis_cpu_per_request: touches_redis.then(|| per_request(redis_cpu)),
             redis_commands_per_request: touches_redis.then(|| commands as f64 / requests as f64),
+            steal,
         })
     }
 
@@ -1239,6 +1249,45 @@ fn proc_stat_cpu(path: &str, field: usize) -> Result<Duration, Error> {
     Ok(Duration::from_secs_f64(
         ticks as f64 / clock_ticks_per_second(),
     ))
+}
+
+/// The machine's CPU time so far, all CPUs together, from the first line of `/proc/stat`,
+/// in clock ticks.
+#[derive(Clone, Copy)]
+struct MachineCpu {
+    /// Time a CPU of this machine wanted to run and the hypervisor ran something else.
+    steal: u64,
+    total: u64,
+}
+
+impl MachineCpu {
+    fn now() -> Result<Self, Error> {
+        let stat = std::fs::read_to_string("/proc/stat")?;
+        let ticks: Vec<u64> = stat
+            .lines()
+            .next()
+            .and_then(|line| line.strip_prefix("cpu "))
+            .ok_or("unreadable /proc/stat")?
+            .split_whitespace()
+            .map(str::parse)
+            .collect::<Result<_, _>>()
+            .map_err(|_| "unreadable /proc/stat")?;
+        // user nice system idle iowait irq softirq steal, then guest time, which user and
+        // nice already count.
+        Ok(Self {
+            steal: ticks.get(7).copied().unwrap_or(0),
+            total: ticks.iter().take(8).sum(),
+        })
+    }
+
+    /// The share of the CPU time since `before` that was stolen.
+    fn stolen_since(self, before: Self) -> f64 {
+        let total = self.total.saturating_sub(before.total);
+        if total == 0 {
+            return 0.0;
+        }
+        self.steal.saturating_sub(before.steal) as f64 / total as f64
+    }
 }
 
 fn clock_ticks_per_second() -> f64 {
