@@ -308,7 +308,7 @@ async fn a_handler_run_under_a_lock_logs_inside_the_request_span() {
 }
 
 #[actix_web::test]
-async fn a_keyless_request_reaches_the_layers_inside_within_the_request_span() {
+async fn a_keyless_request_calls_its_route_s_inner_layers_in_the_request_span() {
     log();
     let server = memory_server(|| {
         web::resource("/keyless-spanned")
