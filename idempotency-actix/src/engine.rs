@@ -295,9 +295,13 @@ impl Engine {
             .begin_or_claim_transaction(storage_key, &fingerprint, token, &policy)
             .await;
         pending.armed.set(false);
-        if begun.is_err() {
+        if begun
+            .as_ref()
+            .is_err_and(|error| !matches!(error, StoreError::Refused(_)))
+        {
             // A `begin` that timed out may have landed or may still land: abandon the token,
-            // so that whatever the order the key is not blocked with no handler running.
+            // so that whatever the order the key is not blocked with no handler running. One
+            // the store refused wrote nothing: a marker would only take room in a full store.
             self.abandon_in_background(&pending);
         }
         match begun {

@@ -47,6 +47,21 @@ async fn fill(connection: &mut redis::aio::MultiplexedConnection) -> Vec<String>
     names
 }
 
+/// [`fill`]s Redis, then lowers its limit: Valkey frees some buffers of its own a moment
+/// after the filling stops, room enough for a commit, and a lower limit keeps either server
+/// full until the fillers are deleted.
+async fn fill_and_keep_full(connection: &mut redis::aio::MultiplexedConnection) -> Vec<String> {
+    let fillers = fill(connection).await;
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg("3mb")
+        .query_async(connection)
+        .await
+        .unwrap();
+    fillers
+}
+
 /// Retries `key` until it is replayed (each answer meanwhile must be 409), for 10 s at most.
 async fn replay_once_committed(server: &FloodServer, key: &str) -> Reply {
     for _ in 0..200 {
@@ -89,16 +104,7 @@ async fn keys_stay_locked_until_their_commits_land(redis: PrivateRedis) {
     }
 
     let mut connection = redis.connection().await;
-    let fillers = fill(&mut connection).await;
-    // Valkey frees some buffers of its own a moment after the filling stops, room enough for
-    // a commit: a lower limit keeps either server full until the fillers are deleted.
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("maxmemory")
-        .arg("3mb")
-        .query_async(&mut connection)
-        .await
-        .unwrap();
+    let fillers = fill_and_keep_full(&mut connection).await;
     server.gate.open();
     let mut firsts = Vec::new();
     for (key, first) in keys.iter().zip(held) {
@@ -138,4 +144,43 @@ async fn keys_stay_locked_until_their_commits_land(redis: PrivateRedis) {
         0,
         "a refused commit is no lost record"
     );
+}
+
+/// A new key that a full Redis refuses leaves nothing behind: its `begin` wrote nothing, so
+/// there is no token to abandon. (Each refused key used to leave a marker for the route's
+/// TTL, written past `maxmemory` by the `allow-oom` abandon function, so a flood of new keys
+/// against a full Redis grew its memory for a day.)
+#[actix_web::test]
+async fn new_keys_refused_by_a_full_redis_leave_nothing_behind() {
+    let redis = PrivateRedis::start_with_args(&FULL_AT_4_MB).await;
+    let pool = RedisStore::pool(&redis.url()).unwrap();
+    let server = FloodServer::start(move || Idempotency::redis(pool.clone()), 64);
+    // The first request opens the worker's connection (and loads the functions) while
+    // Redis has room.
+    assert_eq!(
+        server.post("/orders", "before").await.status,
+        StatusCode::CREATED
+    );
+    let mut connection = redis.connection().await;
+    fill_and_keep_full(&mut connection).await;
+    let keys_before: u64 = redis::cmd("DBSIZE")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    for i in 0..20 {
+        let refused = server.post("/orders", &format!("new-{i}")).await;
+        assert_eq!(
+            refused.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "new-{i}: {refused:?}"
+        );
+    }
+    // An abandon would run 50 ms after its refusal, and again up to the lease.
+    actix_rt::time::sleep(Duration::from_secs(2)).await;
+    let keys_after: u64 = redis::cmd("DBSIZE")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    assert_eq!(keys_after, keys_before, "refused keys left records behind");
+    assert_eq!(server.runs.get(), 1);
 }

@@ -251,15 +251,16 @@ async fn an_expired_lease_frees_the_key(store: impl IdempotencyStore, prefix: St
 
 async fn renewal_keeps_the_lease(store: impl IdempotencyStore, prefix: String) {
     let key = key(&prefix, "k");
-    // Wide margins: each renewal comes a quarter lease after the last, however loaded the
-    // machine running the tests is.
-    let lease = Duration::from_millis(800);
+    // Wide margins: each renewal comes a quarter lease after the last, so a renewal may
+    // take 1.2 s (a replicated cluster's waits for its replica, on a machine loaded by the
+    // other tests) before the lease lapses.
+    let lease = Duration::from_millis(1_600);
     let token = acquire(&store, &key, b"a", lease).await;
     for _ in 0..6 {
-        actix_rt::time::sleep(Duration::from_millis(200)).await;
+        actix_rt::time::sleep(Duration::from_millis(400)).await;
         assert!(store.renew(&key, &token, lease).await.unwrap());
     }
-    // 1.2 s after the start, one and a half leases: still held.
+    // 2.4 s after the start, one and a half leases: still held.
     assert_eq!(
         begin_new(&store, &key, b"a", lease).await,
         BeginOutcome::InFlight

@@ -12,8 +12,8 @@ use std::time::Duration;
 use actix_web::http::StatusCode;
 use actix_web::{App, HttpResponse, post, web};
 use idempotency_actix::{
-    Idempotency, IdempotencyPolicy, IdempotentRoute, IdempotentTransaction, MemoryStore,
-    PostgresStore, idempotent,
+    FailMode, Idempotency, IdempotencyKey, IdempotencyPolicy, IdempotencyStore, IdempotentRoute,
+    IdempotentTransaction, LeaseToken, MemoryStore, PostgresStore, StorageKey, idempotent,
 };
 use idempotency_actix_tests::{Reply, RunCounter, TestDatabase};
 
@@ -106,6 +106,11 @@ const LEDGER: &str = "CREATE TABLE ledger (entry_id bigserial PRIMARY KEY, amoun
 
 /// A server with the transactional routes on a store whose pool has `connections`.
 async fn start(connections: u32) -> Harness {
+    start_failing(connections, FailMode::Closed).await
+}
+
+/// As [`start`], answering a store error as `fail_mode` says.
+async fn start_failing(connections: u32, fail_mode: FailMode) -> Harness {
     let database = TestDatabase::create().await;
     database
         .connection()
@@ -132,7 +137,7 @@ async fn start(connections: u32) -> Harness {
             App::new()
                 .app_data(web::Data::new(runs.clone()))
                 .app_data(web::Data::new(gate.clone()))
-                .wrap(Idempotency::postgres(store.clone()))
+                .wrap(Idempotency::postgres(store.clone()).on_store_error(fail_mode))
                 .service(by_attribute)
                 .service(
                     web::resource("/ledger-by-hand")
@@ -172,6 +177,19 @@ impl Harness {
             request = request.insert_header(("idempotency-key", key));
         }
         Reply::read(request.send().await.unwrap()).await.unwrap()
+    }
+
+    /// Posts to `path` with `key` on a task of its own, for a request that waits at the gate.
+    fn spawn_post(
+        &self,
+        path: &str,
+        key: &str,
+    ) -> actix_rt::task::JoinHandle<Result<Reply, awc::error::PayloadError>> {
+        let request = self
+            .server
+            .post(path)
+            .insert_header(("idempotency-key", key.to_owned()));
+        actix_rt::spawn(async move { Reply::read(request.send().await.unwrap()).await })
     }
 
     async fn count(&self, sql: &str) -> i64 {
@@ -276,13 +294,7 @@ async fn a_transaction_that_cannot_commit_is_503_and_leaves_nothing() {
 async fn a_duplicate_in_flight_gets_409_at_once_without_holding_a_connection() {
     // Two connections: the first request's transaction holds one for as long as it runs.
     let h = start(2).await;
-    let first = {
-        let request = h
-            .server
-            .post("/ledger?hold=1")
-            .insert_header(("idempotency-key", "k"));
-        actix_rt::spawn(async move { Reply::read(request.send().await.unwrap()).await })
-    };
+    let first = h.spawn_post("/ledger?hold=1", "k");
     // The handler has inserted its row and waits at the gate, inside its transaction.
     h.runs.wait_for(1).await;
     for _ in 0..8 {
@@ -308,16 +320,57 @@ async fn a_duplicate_in_flight_gets_409_at_once_without_holding_a_connection() {
     assert_eq!((h.runs.get(), h.ledger_rows().await), (2, 2));
 }
 
+/// A key whose earlier claim was abandoned (its client left before `begin` answered)
+/// holds a marker row. A transaction takes the marker over and runs its handler; until it
+/// commits, other statements still see the marker. A duplicate then is in flight: 409, and
+/// on a fail-open app still 409, never a second run (it used to be taken for a store error
+/// after four reads: 503, or with fail-open a second run of the handler).
+#[actix_web::test]
+async fn a_duplicate_of_a_claim_that_took_over_an_abandoned_marker_gets_409() {
+    for fail_mode in [FailMode::Closed, FailMode::Open] {
+        let h = start_failing(4, fail_mode).await;
+        let store = PostgresStore::new(PostgresStore::pool(h.database.url()).unwrap());
+        let key = StorageKey::new("idempotency:", b"", &IdempotencyKey::parse(b"k").unwrap());
+        let abandoned = LeaseToken::generate();
+        assert!(
+            store
+                .abandon(&key, &abandoned, Duration::from_secs(60))
+                .await
+                .unwrap()
+        );
+        let first = h.spawn_post("/ledger?hold=1", "k");
+        h.runs.wait_for(1).await;
+        for path in ["/ledger?hold=1", "/not-transactional"] {
+            let duplicate = h.post(path, Some("k")).await;
+            assert_eq!(
+                duplicate.status,
+                StatusCode::CONFLICT,
+                "{fail_mode:?} {path}: {duplicate:?}"
+            );
+            assert_eq!(
+                duplicate.json()["type"],
+                "tag:idempotency-actix,2026:in-flight"
+            );
+        }
+        assert!(!first.is_finished());
+        h.gate.open();
+        let first = first.await.unwrap().unwrap();
+        assert_eq!(first.status, StatusCode::CREATED);
+        let replay = h.post("/ledger?hold=1", Some("k")).await;
+        assert!(replay.is_replay(), "{fail_mode:?}: {replay:?}");
+        assert_eq!(replay.body, first.body);
+        assert_eq!(
+            (h.runs.get(), h.ledger_rows().await),
+            (1, 1),
+            "{fail_mode:?}"
+        );
+    }
+}
+
 #[actix_web::test]
 async fn a_duplicate_can_wait_for_the_commit_and_replay_it() {
     let h = start(4).await;
-    let send = || {
-        let request = h
-            .server
-            .post("/ledger-waits?hold=1")
-            .insert_header(("idempotency-key", "k"));
-        actix_rt::spawn(async move { Reply::read(request.send().await.unwrap()).await })
-    };
+    let send = || h.spawn_post("/ledger-waits?hold=1", "k");
     let first = send();
     h.runs.wait_for(1).await;
     let duplicate = send();

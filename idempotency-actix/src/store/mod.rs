@@ -126,6 +126,11 @@ pub enum StoreError {
     /// The store did not answer within the store timeout.
     #[error("store did not answer within {0:?}")]
     Timeout(Duration),
+    /// The store refused the operation and changed nothing: a Redis at `maxmemory` under
+    /// `noeviction` refuses a new key's `begin`. Unlike after a timeout, there is no token
+    /// to abandon.
+    #[error("store refused the operation: {0}")]
+    Refused(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// The store answered something this version cannot read.
     #[error("store returned an unreadable record: {0}")]
     Corrupt(#[from] RecordError),

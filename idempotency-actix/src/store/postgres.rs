@@ -688,13 +688,19 @@ fn begin_outcome(
         return Ok((!held).then_some(BeginOutcome::InFlight));
     };
     if state == "a" {
-        // Not taken although the marker's token is another's: the snapshot predates the
-        // row that stopped the statement; read again.
         let marked: String = row.try_get(5).map_err(protocol)?;
         let remembered = marked
             .split(' ')
             .any(|abandoned| abandoned == token.as_str());
-        return Ok(remembered.then_some(BeginOutcome::Abandoned));
+        if remembered {
+            return Ok(Some(BeginOutcome::Abandoned));
+        }
+        // Not taken although the marker's token is another's. With the lock taken, a
+        // transaction has taken the marker over and runs its handler; its row is not
+        // committed, so this snapshot still shows the marker: in flight, as above. With
+        // the lock free, the snapshot predates the row that stopped the statement: read
+        // again.
+        return Ok((!held).then_some(BeginOutcome::InFlight));
     }
     let stored: Vec<u8> = row.try_get(3).map_err(protocol)?;
     if stored.as_slice() != fingerprint.as_bytes().as_slice() {

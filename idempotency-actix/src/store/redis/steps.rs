@@ -55,7 +55,11 @@ impl<T: Transport> Steps<'_, T> {
                     .send(&Exchange::plain(protocol::read(key)))
                     .await?;
                 if read.value == redis::Value::Nil {
-                    return Err(error);
+                    // Nothing was written, so nothing is left to abandon.
+                    return Err(match error {
+                        StoreError::Unavailable(source) => StoreError::Refused(source),
+                        other => other,
+                    });
                 }
                 read
             }
