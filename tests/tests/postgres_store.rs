@@ -249,6 +249,47 @@ async fn contended_begins_acquire_exactly_once_per_key() {
     }
 }
 
+/// The store resends a `begin` on a new connection when the first one closes; if the first
+/// had landed, the resend finds the token's own row. Another statement may hold the key's
+/// advisory lock at that moment (a duplicate's `begin`, a transactional claim trying it):
+/// the row is still this token's, and `begin` stays idempotent for its token. (It used to
+/// answer 409 to its own request, leaving the key locked for a lease with no handler.)
+#[actix_web::test]
+async fn a_token_holds_its_key_while_another_statement_holds_the_lock() {
+    let database = TestDatabase::create().await;
+    let store = database.store().await;
+    let (key, token) = (key("k"), LeaseToken::generate());
+    assert_eq!(
+        store.begin(&key, &print(), &token, LEASE).await.unwrap(),
+        BeginOutcome::Acquired
+    );
+    // The advisory lock of `k` in `idempotency_records`, as the unit test
+    // `the_lock_id_of_a_known_key_never_changes` pins it, held by another transaction.
+    let holder = database.connection().await;
+    holder
+        .batch_execute("BEGIN; SELECT pg_advisory_xact_lock(6440539836243116760)")
+        .await
+        .unwrap();
+    assert_eq!(
+        store.begin(&key, &print(), &token, LEASE).await.unwrap(),
+        BeginOutcome::Acquired
+    );
+    assert_eq!(
+        store
+            .begin(&key, &print(), &LeaseToken::generate(), LEASE)
+            .await
+            .unwrap(),
+        BeginOutcome::InFlight
+    );
+    holder.batch_execute("ROLLBACK").await.unwrap();
+    assert!(
+        store
+            .commit(&key, &print(), &token, &response(), LEASE)
+            .await
+            .unwrap()
+    );
+}
+
 #[actix_web::test]
 async fn an_unreachable_server_is_a_store_error() {
     // A pool on a port where nothing listens: every operation is a store error, never a

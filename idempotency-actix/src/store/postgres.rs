@@ -707,6 +707,12 @@ fn begin_outcome(
         return Ok(Some(BeginOutcome::FingerprintMismatch));
     }
     match state.as_str() {
+        // This token's own row: a `begin` sent again after its first landed (the store
+        // resends on a new connection when one closes) holds the key, as `begin` is
+        // idempotent for its token, also while another statement holds the lock for a moment.
+        "i" if row.try_get::<_, &str>(5).map_err(protocol)? == token.as_str() => {
+            Ok(Some(BeginOutcome::Acquired))
+        }
         "i" => Ok(Some(BeginOutcome::InFlight)),
         "c" => {
             let response: Option<Vec<u8>> = row.try_get(4).map_err(protocol)?;
@@ -928,6 +934,19 @@ mod tests {
                 "{bad}"
             );
         }
+    }
+
+    /// Two versions that derived a key's advisory lock differently would let their
+    /// transactional claims of one key run side by side during a rolling deploy.
+    #[test]
+    fn the_lock_id_of_a_known_key_never_changes() {
+        let key = StorageKey::new(
+            "pg:",
+            b"",
+            &crate::IdempotencyKey::parse(b"k").expect("a key"),
+        );
+        let sql = Statements::new(DEFAULT_TABLE).expect("valid");
+        assert_eq!(sql.lock_id(&key), 6_440_539_836_243_116_760);
     }
 
     #[test]
