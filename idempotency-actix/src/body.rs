@@ -68,4 +68,14 @@ where
             KindProjection::Produced { body } => Pin::new(body).poll_next(cx),
         }
     }
+
+    /// The bytes of a body that holds them whole, so that a layer outside (Actix boxing a
+    /// resource's response, an app layer over a route layer) sees a complete body, not a
+    /// stream.
+    fn try_into_bytes(self) -> Result<Bytes, Self> {
+        match self.kind {
+            Kind::Handler { body } => body.try_into_bytes().map_err(Self::handler),
+            Kind::Produced { body } => body.try_into_bytes().map_err(Self::produced),
+        }
+    }
 }

@@ -618,6 +618,14 @@ impl Engine {
                 drop(body);
                 let response = response.set_body(IdempotentBody::produced(BoxBody::new(())));
                 (response, stored(Some(Bytes::new())))
+            } else if matches!(body.size(), BodySize::Sized(0) | BodySize::None) {
+                // Actix never polls a body that declares itself empty, so it cannot be
+                // stored as it streams: it is stored empty and committed before the head
+                // goes out, as a complete body is, and the client gets it as it is.
+                (
+                    response.set_body(IdempotentBody::handler(body)),
+                    stored(Some(Bytes::new())),
+                )
             } else if matches!(body.size(), BodySize::Sized(size) if size > limit as u64) {
                 // The client gets all of it; a retry gets the status and headers.
                 (

@@ -302,11 +302,13 @@ impl IdempotencyStore for BrokenStore {
     }
 }
 
-/// A store that answers only after `delay`, as a Redis under `DEBUG SLEEP` does.
+/// A store whose `begin` answers only after `delay`, as a Redis under `DEBUG SLEEP` does,
+/// and whose `commit` only after `commit_delay`.
 #[derive(Clone)]
 struct SlowStore {
     inner: MemoryStore,
     delay: Duration,
+    commit_delay: Duration,
 }
 
 impl IdempotencyStore for SlowStore {
@@ -336,6 +338,7 @@ impl IdempotencyStore for SlowStore {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
+        actix_rt::time::sleep(self.commit_delay).await;
         self.inner
             .commit(key, fingerprint, token, response, ttl)
             .await
@@ -420,6 +423,7 @@ async fn an_unreachable_redis_is_503_and_a_slow_store_times_out() {
     let slow = SlowStore {
         inner: MemoryStore::new(),
         delay: Duration::from_secs(5),
+        commit_delay: Duration::ZERO,
     };
     let server = start_with(&runs, move || {
         Idempotency::new(slow.clone()).store_timeout(Duration::from_millis(200))
@@ -432,6 +436,51 @@ async fn an_unreachable_redis_is_503_and_a_slow_store_times_out() {
         "the store timeout bounded the wait"
     );
     assert_eq!(runs.get(), 0);
+}
+
+/// Answers 201 with an empty body.
+async fn create_empty(runs: web::Data<RunCounter>) -> HttpResponse {
+    runs.record();
+    HttpResponse::Created().finish()
+}
+
+/// An empty body under both layers: Actix never polls a body that declares itself empty,
+/// and the route layer's response reaches the app layer boxed. Its record is still
+/// committed before the response is sent, so a retry sent as soon as the response arrived
+/// gets the replay, not 409. (The commit used to start when Actix dropped the unread body,
+/// after the response had gone out.)
+#[actix_web::test]
+async fn an_empty_response_under_both_layers_is_committed_before_it_is_sent() {
+    let runs = RunCounter::default();
+    let store = SlowStore {
+        inner: MemoryStore::new(),
+        delay: Duration::ZERO,
+        commit_delay: Duration::from_millis(300),
+    };
+    let server = {
+        let runs = runs.clone();
+        actix_test::start(move || {
+            App::new()
+                .app_data(web::Data::new(runs.clone()))
+                .wrap(Idempotency::new(store.clone()).protect_methods([Method::POST]))
+                .service(
+                    web::resource("/empty")
+                        .wrap(IdempotentRoute::new())
+                        .route(web::post().to(create_empty)),
+                )
+        })
+    };
+    let (status, headers, body) = send(&server, Method::POST, "/empty", Some("k")).await;
+    assert_eq!((status, body.len()), (StatusCode::CREATED, 0));
+    assert!(headers.get("idempotent-replayed").is_none());
+    let (status, headers, body) = send(&server, Method::POST, "/empty", Some("k")).await;
+    assert_eq!(
+        (status, body.len()),
+        (StatusCode::CREATED, 0),
+        "{headers:?}"
+    );
+    assert_eq!(headers.get("idempotent-replayed").unwrap(), "true");
+    assert_eq!(runs.get(), 1);
 }
 
 async fn pause_then_continue(
