@@ -681,27 +681,24 @@ fn begin_outcome(
         return Ok(Some(BeginOutcome::Acquired));
     }
     let state: Option<String> = row.try_get(2).map_err(protocol)?;
-    let Some(state) = state else {
-        // No live row visible. With the lock free the statement would have acquired, so a
-        // row committed after the snapshot stopped it: read again. With the lock taken, a
-        // transaction (or a concurrent statement) is working on the key right now.
-        return Ok((!held).then_some(BeginOutcome::InFlight));
-    };
-    if state == "a" {
-        let marked: String = row.try_get(5).map_err(protocol)?;
-        let remembered = marked
+    let marker = state.as_deref() == Some("a");
+    if marker {
+        let marked: &str = row.try_get(5).map_err(protocol)?;
+        if marked
             .split(' ')
-            .any(|abandoned| abandoned == token.as_str());
-        if remembered {
+            .any(|abandoned| abandoned == token.as_str())
+        {
             return Ok(Some(BeginOutcome::Abandoned));
         }
-        // Not taken although the marker's token is another's. With the lock taken, a
-        // transaction has taken the marker over and runs its handler; its row is not
-        // committed, so this snapshot still shows the marker: in flight, as above. With
-        // the lock free, the snapshot predates the row that stopped the statement: read
-        // again.
-        return Ok((!held).then_some(BeginOutcome::InFlight));
     }
+    let Some(state) = state.filter(|_| !marker) else {
+        // No live row, or another token's marker, and not taken. With the lock taken, a
+        // transaction (or a concurrent statement) is working on the key right now: a
+        // marker's takeover is not committed, so this snapshot still shows the marker.
+        // With the lock free the statement would have acquired, so a row committed after
+        // the snapshot stopped it: read again.
+        return Ok((!held).then_some(BeginOutcome::InFlight));
+    };
     let stored: Vec<u8> = row.try_get(3).map_err(protocol)?;
     if stored.as_slice() != fingerprint.as_bytes().as_slice() {
         return Ok(Some(BeginOutcome::FingerprintMismatch));
