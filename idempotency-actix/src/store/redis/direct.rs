@@ -63,6 +63,10 @@ struct State {
     waiting: VecDeque<Waiter>,
     /// The driver's waker, while it waits for commands to write.
     driver: Option<Waker>,
+    /// The driver's waker, while it waits with its timer set for no deadline or for
+    /// `next_deadline`: a request that brings an earlier deadline wakes it to set the timer
+    /// again, also while a write waits for room in the socket (and `driver` is empty).
+    watcher: Option<Waker>,
     /// Why the connection no longer works, once it does not.
     failed: Option<std::io::ErrorKind>,
     /// The last handle is gone: the driver ends.
@@ -108,6 +112,7 @@ impl DirectConnection {
                 outgoing: Vec::with_capacity(READ_CHUNK),
                 waiting: VecDeque::new(),
                 driver: None,
+                watcher: None,
                 failed: None,
                 abandoned: false,
                 next_deadline: None,
@@ -176,14 +181,18 @@ impl DirectConnection {
                 deadline,
                 answer: Some(answer),
             });
-            // The driver sets its timer for it on its next pass (which this wakes, or
-            // which comes when it is done with the one under way).
-            if let Some(deadline) = deadline
-                && state.next_deadline.is_none_or(|next| deadline < next)
-            {
-                state.next_deadline = Some(deadline);
+            // The driver sets its timer for it on its next pass, which this wakes if the
+            // driver waits for commands, or for an earlier deadline than this one.
+            let earliest =
+                deadline.filter(|&deadline| state.next_deadline.is_none_or(|next| deadline < next));
+            if earliest.is_some() {
+                state.next_deadline = earliest;
             }
-            state.driver.take()
+            let driver = state.driver.take();
+            match driver {
+                None if earliest.is_some() => state.watcher.take(),
+                driver => driver,
+            }
         };
         if let Some(driver) = driver {
             driver.wake();
@@ -349,6 +358,13 @@ fn closed(kind: std::io::ErrorKind) -> RedisError {
     ))
 }
 
+/// Keeps the waker of `cx` in `slot`, unless the one there already wakes the same task.
+fn register(slot: &mut Option<Waker>, cx: &Context<'_>) {
+    if !slot.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+        *slot = Some(cx.waker().clone());
+    }
+}
+
 /// Most a buffer keeps between batches: one that grew past it for a large record (a stored
 /// body of megabytes) is given back rather than kept for the life of the connection.
 const KEPT_CAPACITY: usize = 1024 * 1024;
@@ -420,13 +436,7 @@ impl Driver {
                 return Progress::Done;
             }
             if state.outgoing.is_empty() {
-                if !state
-                    .driver
-                    .as_ref()
-                    .is_some_and(|w| w.will_wake(cx.waker()))
-                {
-                    state.driver = Some(cx.waker().clone());
-                }
+                register(&mut state.driver, cx);
                 return Progress::None;
             }
             std::mem::swap(&mut state.outgoing, &mut self.writing);
@@ -517,7 +527,12 @@ impl Driver {
     /// request.
     fn watch(&mut self, cx: &mut Context<'_>) {
         loop {
-            let Some(at) = self.shared.lock().next_deadline else {
+            let next_deadline = {
+                let mut state = self.shared.lock();
+                register(&mut state.watcher, cx);
+                state.next_deadline
+            };
+            let Some(at) = next_deadline else {
                 return;
             };
             let timer = self
@@ -691,6 +706,55 @@ mod tests {
         );
         // The request without a deadline got its own reply, the slow one's dropped.
         assert_eq!(next.expect("a reply"), Value::BulkString(b"NEXT".to_vec()));
+    }
+
+    /// A server that accepts the connection and never reads from it, with a small receive
+    /// buffer, so that a large enough write stalls; it holds the socket until the test ends.
+    async fn server_that_never_reads() -> (ServerAddress, tokio::task::JoinHandle<()>) {
+        let socket = tokio::net::TcpSocket::new_v4().expect("a socket");
+        socket
+            .set_recv_buffer_size(16 * 1024)
+            .expect("a small receive buffer");
+        socket
+            .bind("127.0.0.1:0".parse().expect("an address"))
+            .expect("a loopback port");
+        let listener = socket.listen(1).expect("listening");
+        let port = listener.local_addr().expect("an address").port();
+        let server = tokio::spawn(async move {
+            let (_socket, _) = listener.accept().await.expect("the store connects");
+            std::future::pending::<()>().await;
+        });
+        (loopback(port), server)
+    }
+
+    #[actix_web::test]
+    async fn a_request_queued_behind_a_stalled_write_still_times_out_at_its_deadline() {
+        let (address, server) = server_that_never_reads().await;
+        let mut connection = DirectConnection::open(&address).await.expect("connected");
+        let mut later = connection.clone();
+        // More than the socket buffers of both ends hold: the write stalls.
+        let mut large = redis::cmd("SET");
+        large.arg("large").arg(vec![b'x'; 64 * 1024 * 1024]);
+        let deadline = Instant::now() + Duration::from_millis(50);
+        let (stalled, _) = under_deadline(deadline, async {
+            connection.req_packed_command(&large).await
+        })
+        .await;
+        assert!(stalled.expect_err("no reply").is_timeout());
+        // Every waiter has now timed out; a new request's deadline must still be kept
+        // while the write is stalled.
+        let deadline = Instant::now() + Duration::from_millis(50);
+        let waited = tokio::time::timeout(
+            Duration::from_secs(5),
+            under_deadline(deadline, async {
+                later.req_packed_command(&get("a")).await
+            }),
+        )
+        .await;
+        let (reply, kept) = waited.expect("answered by its deadline, not left waiting");
+        assert!(reply.expect_err("no reply").is_timeout());
+        assert!(kept);
+        server.abort();
     }
 
     #[actix_web::test]
