@@ -30,20 +30,25 @@ use crate::store::BeginOutcome;
 /// Clones share one cache: create it once, outside `HttpServer::new`, and pass a clone to
 /// every worker's [`Idempotency`](crate::Idempotency). Use one cache per store. It serves
 /// stores that report the remaining TTL of what `begin` finds
-/// ([`IdempotencyStore::begin_with_remaining_ttl`](crate::IdempotencyStore::begin_with_remaining_ttl)),
-/// such as the Redis store; the in-process `MemoryStore` gains nothing from
-/// it and reports none, so nothing of it is cached.
+/// ([`IdempotencyStore::begin_with_remaining_ttl`](crate::IdempotencyStore::begin_with_remaining_ttl)):
+/// the Redis, Redis Cluster and PostgreSQL stores. The in-process `MemoryStore` gains
+/// nothing from it and reports none, so nothing of it is cached.
 ///
 /// # Examples
 ///
 /// ```
 /// use actix_web::{App, HttpServer};
-/// use idempotency_actix::{Idempotency, ReplayCache};
+/// use idempotency_actix::{Idempotency, RedisStore, ReplayCache};
 ///
+/// # #[actix_web::main]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let pool = RedisStore::pool("redis://127.0.0.1:6379")?; // connects on first use
 /// let cache = ReplayCache::with_max_bytes(64 * 1024 * 1024);
 /// let server = HttpServer::new(move || {
-///     App::new().wrap(Idempotency::memory().replay_cache(cache.clone()))
+///     App::new().wrap(Idempotency::redis(pool.clone()).replay_cache(cache.clone()))
 /// });
+/// # Ok(())
+/// # }
 /// ```
 #[derive(Clone)]
 pub struct ReplayCache {

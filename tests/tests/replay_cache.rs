@@ -1,6 +1,7 @@
 //! The opt-in replay cache over real HTTP against a private `redis-server`: a cached replay
 //! is byte-identical and costs no Redis command, a request with another fingerprint still
-//! gets 422, and an entry is never served past its record's TTL.
+//! gets 422, and an entry is never served past its record's TTL. The same on the PostgreSQL
+//! store, whose `begin` reports a completed record's remaining TTL too.
 
 #![allow(clippy::unwrap_used)]
 
@@ -11,7 +12,7 @@ use actix_web::{App, HttpResponse, web};
 use idempotency_actix::{
     Idempotency, IdempotencyPolicy, IdempotentRoute, RedisPool, RedisStore, ReplayCache,
 };
-use idempotency_actix_tests::{PrivateRedis, Reply, RunCounter};
+use idempotency_actix_tests::{PrivateRedis, Reply, RunCounter, TestDatabase};
 
 async fn create(runs: web::Data<RunCounter>, body: web::Bytes) -> HttpResponse {
     let seq = runs.record();
@@ -22,10 +23,19 @@ async fn create(runs: web::Data<RunCounter>, body: web::Bytes) -> HttpResponse {
 }
 
 fn start(pool: RedisPool, cache: ReplayCache, runs: RunCounter) -> actix_test::TestServer {
+    start_on(move || Idempotency::redis(pool.clone()), cache, runs)
+}
+
+/// The app of these tests on the store `idempotency` makes, with `cache`.
+fn start_on(
+    idempotency: impl Fn() -> Idempotency + Clone + Send + 'static,
+    cache: ReplayCache,
+    runs: RunCounter,
+) -> actix_test::TestServer {
     actix_test::start(move || {
         App::new()
             .app_data(web::Data::new(runs.clone()))
-            .wrap(Idempotency::redis(pool.clone()).replay_cache(cache.clone()))
+            .wrap(idempotency().replay_cache(cache.clone()))
             .service(
                 web::resource("/orders")
                     .wrap(IdempotentRoute::new())
@@ -188,4 +198,52 @@ async fn without_the_cache_every_replay_asks_redis() {
         redis.take_command_counts().await.get("set").copied(),
         Some(3)
     );
+}
+
+#[actix_web::test]
+async fn on_postgres_a_replay_is_cached_and_not_served_after_its_ttl() {
+    let database = TestDatabase::create().await;
+    let store = database.store().await;
+    let runs = RunCounter::default();
+    let cache = ReplayCache::with_max_bytes(1 << 20);
+    let server = start_on(
+        move || Idempotency::postgres(store.clone()),
+        cache,
+        runs.clone(),
+    );
+
+    let first = post(&server, "/orders", "k6", "book").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    // The first replay reads the table and fills the cache.
+    assert!(post(&server, "/orders", "k6", "book").await.is_replay());
+    assert_eq!(
+        post(&server, "/orders", "k6", "other").await.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "another fingerprint is still refused"
+    );
+    // With the row gone from the table, only the cache can answer.
+    let client = database.connection().await;
+    let deleted = client
+        .execute("DELETE FROM idempotency_records", &[])
+        .await
+        .unwrap();
+    assert!(deleted >= 1);
+    let cached = post(&server, "/orders", "k6", "book").await;
+    assert!(cached.is_replay(), "served from the cache");
+    assert_eq!(cached.body, first.body);
+    assert_eq!(runs.get(), 1);
+
+    // `/short` keeps its records 1 s: the cache keeps them no longer.
+    assert_eq!(
+        post(&server, "/short", "k7", "book").await.status,
+        StatusCode::CREATED
+    );
+    assert!(post(&server, "/short", "k7", "book").await.is_replay());
+    actix_rt::time::sleep(Duration::from_millis(1_300)).await;
+    let after = post(&server, "/short", "k7", "book").await;
+    assert!(
+        !after.is_replay(),
+        "the record expired, in the table and in the cache"
+    );
+    assert_eq!(runs.get(), 3);
 }

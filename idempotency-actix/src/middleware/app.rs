@@ -294,10 +294,15 @@ impl Idempotency {
     /// # Examples
     ///
     /// ```
-    /// use idempotency_actix::{Idempotency, ReplayCache};
+    /// use idempotency_actix::{Idempotency, RedisStore, ReplayCache};
     ///
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let pool = RedisStore::pool("redis://127.0.0.1:6379")?; // connects on first use
     /// let cache = ReplayCache::with_max_bytes(32 * 1024 * 1024);
-    /// let idempotency = Idempotency::memory().replay_cache(cache.clone());
+    /// let idempotency = Idempotency::redis(pool).replay_cache(cache.clone());
+    /// # Ok(())
+    /// # }
     /// ```
     #[must_use]
     pub fn replay_cache(mut self, cache: ReplayCache) -> Self {

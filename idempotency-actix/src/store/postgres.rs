@@ -189,7 +189,8 @@ impl Statements {
                      RETURNING 1
                  )
                  SELECT lock.held, EXISTS (SELECT 1 FROM claimed) AS acquired,
-                        r.state::text, r.fingerprint, r.response, r.token
+                        r.state::text, r.fingerprint, r.response, r.token,
+                        (extract(epoch FROM r.expires_at - clock_timestamp()) * 1000)::bigint
                  FROM lock LEFT JOIN {t} r
                    ON r.key = $1 AND r.expires_at > clock_timestamp()"
             ),
@@ -469,7 +470,8 @@ impl PostgresStore {
     }
 
     /// `begin` on `client` (pooled, or a transaction's), repeated while its snapshot missed
-    /// a row committed by a concurrent statement.
+    /// a row committed by a concurrent statement; with a completed record, how much longer
+    /// the table keeps it.
     async fn begin_on(
         &self,
         client: &tokio_postgres::Client,
@@ -477,7 +479,7 @@ impl PostgresStore {
         fingerprint: &Fingerprint,
         token: &LeaseToken,
         lease: Duration,
-    ) -> Result<BeginOutcome, StoreError> {
+    ) -> Result<(BeginOutcome, Option<Duration>), StoreError> {
         let params = BeginParams::new(&self.sql, key, fingerprint, token, lease);
         for _ in 0..MAX_SNAPSHOT_RETRIES {
             let row = client
@@ -512,8 +514,8 @@ impl PostgresStore {
         )
         .await;
         match opened.map_err(unavailable).and(begun)? {
-            BeginOutcome::Acquired => Ok((BeginOutcome::Acquired, Some(transaction))),
-            outcome => Ok((outcome, None)),
+            (BeginOutcome::Acquired, _) => Ok((BeginOutcome::Acquired, Some(transaction))),
+            (outcome, _) => Ok((outcome, None)),
         }
     }
 
@@ -667,9 +669,29 @@ impl<'a> BeginParams<'a> {
     }
 }
 
-/// Reads the row of the `begin` statement; `None` when it must run again (the lock was ours
-/// but the conflicting row is not in the statement's snapshot yet).
+/// Reads the row of the `begin` statement, with a completed record's remaining ttl; `None`
+/// when it must run again (the lock was ours but the conflicting row is not in the
+/// statement's snapshot yet).
 fn begin_outcome(
+    row: &Row,
+    fingerprint: &Fingerprint,
+    token: &LeaseToken,
+) -> Result<Option<(BeginOutcome, Option<Duration>)>, StoreError> {
+    let outcome = begin_outcome_alone(row, fingerprint, token)?;
+    let Some(BeginOutcome::Completed(_)) = outcome else {
+        return Ok(outcome.map(|outcome| (outcome, None)));
+    };
+    let remaining: i64 = row
+        .try_get(6)
+        .map_err(|error| StoreError::Protocol(error.to_string()))?;
+    // A row read live has time left; one that lapsed while the statement ran has none, and
+    // the cache then keeps it for no time at all.
+    let remaining = Duration::from_millis(u64::try_from(remaining).unwrap_or(0));
+    Ok(outcome.map(|outcome| (outcome, Some(remaining))))
+}
+
+/// [`begin_outcome`] without the remaining ttl.
+fn begin_outcome_alone(
     row: &Row,
     fingerprint: &Fingerprint,
     token: &LeaseToken,
@@ -744,6 +766,19 @@ impl IdempotencyStore for PostgresStore {
         token: &LeaseToken,
         lease: Duration,
     ) -> Result<BeginOutcome, StoreError> {
+        let (outcome, _) = self
+            .begin_with_remaining_ttl(key, fingerprint, token, lease)
+            .await?;
+        Ok(outcome)
+    }
+
+    async fn begin_with_remaining_ttl(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        token: &LeaseToken,
+        lease: Duration,
+    ) -> Result<(BeginOutcome, Option<Duration>), StoreError> {
         let connection = self.pool.get().await.map_err(unavailable)?;
         match self
             .begin_on(&connection, key, fingerprint, token, lease)
