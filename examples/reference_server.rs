@@ -11,7 +11,8 @@
 //!
 //! Environment (an empty variable counts as unset):
 //!
-//! * `BIND` [`127.0.0.1:8080`]: where to listen; port 0 picks a free port.
+//! * `BIND` [`127.0.0.1:8080`]: where to listen, an IP address or host name and a port
+//!   (`127.0.0.1:8080`, `[::1]:8080`, `localhost:8080`); port 0 picks a free port.
 //! * `REDIS_URL`: set → the Redis store (bb8 pool); unset → the in-memory store.
 //! * `DATABASE_URL`: set → the PostgreSQL store (its table migrated at start) and the
 //!   `/ledger` routes (table `ledger`, created at start). At most one of `REDIS_URL`,
@@ -28,10 +29,11 @@
 //! * `REPLAY_CACHE` [`off`] or `on`: answer replays from a 64 MiB in-process replay cache.
 //!
 //! Once it accepts connections it prints `listening on http://ADDR` (one line per bound
-//! address, with the real port) on stdout. An invalid variable is reported on stderr and
-//! the process exits with status 2; a failure to start (bad `REDIS_URL` or
-//! `REDIS_CLUSTER_URLS`, a `DATABASE_URL` that cannot be reached or migrated, `BIND` in use)
-//! with status 1. The routes are listed in `idempotency_actix_examples::reference_app`.
+//! address, with the real port) on stdout. An invalid variable (such as a `BIND` that is not
+//! an address and port) is reported on stderr and the process exits with status 2; a failure
+//! to start (bad `REDIS_URL` or `REDIS_CLUSTER_URLS`, a `DATABASE_URL` that cannot be
+//! reached or migrated, a `BIND` address in use or a host name that does not resolve) with
+//! status 1. The routes are listed in `idempotency_actix_examples::reference_app`.
 
 use std::io::Write;
 use std::process::ExitCode;

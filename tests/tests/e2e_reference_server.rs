@@ -641,43 +641,56 @@ async fn without_redis_url_the_in_memory_store_protects_routes() {
     assert_eq!(count(&client, &server, "orders").await, 1);
 }
 
+/// Runs the reference server with `env` until it exits by itself, as it does when it refuses
+/// its configuration or cannot start: its exit code and what it wrote on stderr. Panics when
+/// it starts instead (still running after 30 s), printed on stdout, or panicked.
+fn exit_of(env: &[(&str, &str)]) -> (Option<i32>, String) {
+    let mut child = ReferenceServer::command()
+        .envs(env.iter().copied())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("{env:?}: the server started instead of exiting");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let output = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(!stderr.contains("panicked"), "{env:?}: {stderr}");
+    assert!(output.stdout.is_empty(), "{env:?}: printed on stdout");
+    (output.status.code(), stderr)
+}
+
+/// An invalid variable exits with status 2; a `REDIS_URL` that is no Redis URL is a failure
+/// to start (status 1), as the module docs of the reference server say.
 #[test]
 fn invalid_configuration_is_refused_with_a_clear_message() {
-    for (variable, value) in [
-        ("IDEMPOTENCY", "maybe"),
-        ("IDEMPOTENCY_METHODS", "POST,FETCH"),
-        ("WORKERS", "zero"),
-        ("REDIS_URL", "not a url"),
-        ("BIND", "not-an-address"),
+    for (variable, value, exit_status) in [
+        ("IDEMPOTENCY", "maybe", 2),
+        ("IDEMPOTENCY_METHODS", "POST,FETCH", 2),
+        ("WORKERS", "zero", 2),
+        ("REDIS_URL", "not a url", 1),
+        ("BIND", "not-an-address", 2),
+        ("BIND", "127.0.0.1:99999", 2),
     ] {
-        let mut command = ReferenceServer::command();
-        let mut child = command
-            .env(variable, value)
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while child.try_wait().unwrap().is_none() {
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                panic!("{variable}={value:?}: the server started instead of refusing");
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let output = child.wait_with_output().unwrap();
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert!(!output.status.success(), "{variable}={value:?}: {stderr}");
+        let (code, stderr) = exit_of(&[(variable, value)]);
+        assert_eq!(code, Some(exit_status), "{variable}={value:?}: {stderr}");
         assert!(stderr.contains(variable), "{variable}={value:?}: {stderr}");
-        assert!(
-            !stderr.contains("panicked"),
-            "{variable}={value:?}: {stderr}"
-        );
-        assert!(
-            output.stdout.is_empty(),
-            "{variable}={value:?}: printed on stdout"
-        );
     }
+}
+
+#[test]
+fn a_bind_address_in_use_is_a_failure_to_start() {
+    let server = ReferenceServer::start(&[]);
+    let (code, stderr) = exit_of(&[("BIND", &server.addr().to_string())]);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("BIND"), "{stderr}");
 }
 
 /// A server on this test binary's Redis Cluster under a prefix of its own, plus `env`.
@@ -835,14 +848,10 @@ async fn on_redis_cluster_two_servers_with_replicated_writes_run_a_handler_once(
 
 #[test]
 fn redis_url_and_redis_cluster_urls_together_are_refused() {
-    let output = ReferenceServer::command()
-        .env("REDIS_URL", "redis://127.0.0.1:6379")
-        .env("REDIS_CLUSTER_URLS", "redis://127.0.0.1:7000")
-        .stdin(std::process::Stdio::null())
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    let (code, stderr) = exit_of(&[
+        ("REDIS_URL", "redis://127.0.0.1:6379"),
+        ("REDIS_CLUSTER_URLS", "redis://127.0.0.1:7000"),
+    ]);
+    assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("REDIS_CLUSTER_URLS"), "{stderr}");
-    assert!(output.stdout.is_empty());
 }

@@ -14,7 +14,7 @@ pub const PROTECTABLE_METHODS: [Method; 4] =
 ///
 /// | variable | meaning | default |
 /// |---|---|---|
-/// | `BIND` | address to listen on; port 0 picks a free port | `127.0.0.1:8080` |
+/// | `BIND` | address to listen on: IP address or host name, and port; port 0 picks a free port | `127.0.0.1:8080` |
 /// | `REDIS_URL` | Redis store through a bb8 pool | unset: in-memory store |
 /// | `DATABASE_URL` | PostgreSQL store (schema migrated at start) and the `/ledger` routes | unset |
 /// | `REDIS_CLUSTER_URLS` | comma-separated seed node URLs: Redis Cluster store (not with `REDIS_URL`) | unset |
@@ -128,7 +128,12 @@ impl ServerConfig {
         };
         let mut config = Self::default();
 
-        if let Some(bind) = var("BIND", "an address such as 127.0.0.1:8080")? {
+        const BIND: &str = "an address and port such as 127.0.0.1:8080, [::1]:8080 or \
+                            localhost:8080 (port 0 picks a free one)";
+        if let Some(bind) = var("BIND", BIND)? {
+            if !is_bind_address(&bind) {
+                return Err(invalid("BIND", &bind, BIND));
+            }
             config.bind = bind;
         }
         config.redis_url = var("REDIS_URL", "a Redis URL such as redis://127.0.0.1:6379")?;
@@ -237,6 +242,26 @@ impl ServerConfig {
     }
 }
 
+/// Whether `BIND` has the form of an address to listen on: an IP address and port
+/// (`127.0.0.1:8080`, `[::1]:8080`) or a host name and port (`localhost:8080`, resolved when
+/// the server binds, so a name that does not resolve is a failure to start, not a
+/// configuration error).
+fn is_bind_address(value: &str) -> bool {
+    if value.parse::<std::net::SocketAddr>().is_ok() {
+        return true;
+    }
+    let Some((host, port)) = value.rsplit_once(':') else {
+        return false;
+    };
+    // A host name: letters, digits, `-` and `.`, and not all digits (that is an IPv4
+    // address, and this one did not parse).
+    let is_name = host
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.')
+        && host.chars().any(|c| c.is_ascii_alphabetic());
+    is_name && port.parse::<u16>().is_ok()
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::HashMap;
@@ -343,6 +368,31 @@ mod tests {
             parse(&[("REDIS_URL", ""), ("IDEMPOTENCY", " "), ("WORKERS", "")]),
             Ok(ServerConfig::default())
         );
+    }
+
+    #[test]
+    fn reads_bind_addresses_and_refuses_what_is_none() {
+        for value in [
+            "127.0.0.1:0",
+            "0.0.0.0:8080",
+            "[::1]:8080",
+            "localhost:8080",
+        ] {
+            let config = parse(&[("BIND", value)]).expect(value);
+            assert_eq!(config.bind, value);
+        }
+        for value in [
+            "not-an-address",
+            "127.0.0.1:99999",
+            "127.0.0.1",
+            ":8080",
+            "localhost:http",
+            "::1:8080",
+            "999.0.0.1:80",
+        ] {
+            let error = parse(&[("BIND", value)]).expect_err(value);
+            assert_eq!(error.variable, "BIND", "{value}");
+        }
     }
 
     #[test]

@@ -132,7 +132,7 @@ pub enum StartError {
     Database(String),
     /// `REDIS_CLUSTER_URLS` are not Redis URLs.
     RedisClusterUrls(String),
-    /// `BIND` could not be bound.
+    /// `BIND` could not be bound (in use, or a host name that does not resolve).
     Bind {
         /// The address asked for.
         address: String,
