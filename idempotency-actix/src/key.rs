@@ -18,10 +18,12 @@ pub const MAX_KEY_LENGTH: usize = 255;
 /// So `abc` and `"abc"` are the same key. A key is 1 to [`MAX_KEY_LENGTH`] characters of
 /// printable ASCII (a space is allowed only inside the quoted form).
 ///
-/// Parameters (`"abc";v=1`, `abc;v=1`) must follow RFC 8941's syntax and are ignored: both
-/// are the key `abc`. A `;` therefore always starts a parameter, also after a bare key. A list
-/// (`k1, k2`, what a proxy makes of two header lines) is refused with
-/// [`KeyError::List`], like a repeated header.
+/// Parameters after a quoted key (`"abc";v=1`) must follow RFC 8941's syntax and are ignored:
+/// that is the key `abc`. After a bare key a `;` is refused with
+/// [`KeyError::UnquotedParameters`]: `order;a` could be the key `order;a` or the key `order`
+/// with a parameter, and taking either reading silently would give two keys one record (a
+/// replay of another operation) or split one. A list (`k1, k2`, what a proxy makes of two
+/// header lines) is refused with [`KeyError::List`], like a repeated header.
 ///
 /// # Examples
 ///
@@ -35,6 +37,10 @@ pub const MAX_KEY_LENGTH: usize = 255;
 /// assert_eq!(bare, with_parameter);
 /// assert_eq!(bare.as_str(), "order-1234");
 ///
+/// assert_eq!(
+///     IdempotencyKey::parse(b"order-1234;v=1"),
+///     Err(KeyError::UnquotedParameters)
+/// );
 /// assert!(IdempotencyKey::parse(b"").is_err());
 /// assert!(IdempotencyKey::parse(br#""unbalanced"#).is_err());
 /// assert_eq!(IdempotencyKey::parse(b"k1, k2"), Err(KeyError::List));
@@ -77,6 +83,13 @@ pub enum KeyError {
     /// boolean as value).
     #[error("the idempotency key has a malformed parameter")]
     InvalidParameter,
+    /// A `;` after a bare key: parameters need the quoted form (`"abc";v=1`), as a bare
+    /// `abc;v=1` could as well be the key `abc;v=1`.
+    #[error(
+        "the idempotency key is followed by ';' without quotes; send parameters after a \
+         quoted key (\"abc\";v=1), or quote a key that contains ';'"
+    )]
+    UnquotedParameters,
     /// The header holds a list of keys (`k1, k2`), as when a proxy combines two header lines.
     #[error("the idempotency key header holds more than one key")]
     List,
@@ -86,7 +99,7 @@ pub enum KeyError {
 }
 
 impl IdempotencyKey {
-    /// Parses a header value: an sf-string or a bare key, then parameters, which are ignored.
+    /// Parses a header value: an sf-string, then parameters, which are ignored; or a bare key.
     ///
     /// # Errors
     ///
@@ -96,7 +109,10 @@ impl IdempotencyKey {
         let (key, rest) = match value.split_first() {
             None => return Err(KeyError::Empty),
             Some((b'"', quoted)) => parse_sf_string(quoted)?,
-            Some(_) => parse_bare(value)?,
+            Some(_) => match parse_bare(value)? {
+                (_, [b';', ..]) => return Err(KeyError::UnquotedParameters),
+                bare => bare,
+            },
         };
         let after_parameters = skip_parameters(rest)?;
         if let Some(&first) = after_parameters.first() {
@@ -110,7 +126,8 @@ impl IdempotencyKey {
             });
         }
         let length = key.len();
-        if length == 0 {
+        // A quoted key of spaces alone (`"  "`) holds no key either.
+        if key.bytes().all(|byte| byte == b' ') {
             return Err(KeyError::Empty);
         }
         if length > MAX_KEY_LENGTH {
@@ -375,6 +392,7 @@ mod tests {
         assert_eq!(parse(b""), Err(KeyError::Empty));
         assert_eq!(parse(b"   "), Err(KeyError::Empty));
         assert_eq!(parse(b"\"\""), Err(KeyError::Empty));
+        assert_eq!(parse(b"\"   \""), Err(KeyError::Empty));
     }
 
     #[test]
@@ -443,27 +461,39 @@ mod tests {
     fn parameters_are_accepted_and_ignored() {
         for value in [
             r#""abc";v=1"#,
-            "abc;v=1",
             r#""abc"; v=1;a;b=?0;c="x\"y";d=-1.25;e=:YWJj:;f=tok/en:1;*g=*"#,
-            "abc;v",
+            r#""abc";v"#,
         ] {
             assert_eq!(parse(value.as_bytes()), Ok("abc".to_owned()), "{value}");
         }
     }
 
     #[test]
+    fn a_semicolon_after_a_bare_key_is_refused() {
+        // `order;a` and `order;b` must not silently become one key `order`.
+        for value in ["abc;v=1", "abc;v", "order;a", "a;b;c", "abc;", "abc;V=1"] {
+            assert_eq!(
+                parse(value.as_bytes()),
+                Err(KeyError::UnquotedParameters),
+                "{value}"
+            );
+        }
+        assert_eq!(parse(br#""order;a""#), Ok("order;a".to_owned()));
+    }
+
+    #[test]
     fn malformed_parameters_are_rejected() {
         for value in [
-            "abc;",
-            "abc;V=1",
-            "abc;v=",
-            "abc;v=\"x",
-            "abc;v=?2",
-            "abc;v=:YWJj",
-            "abc;v=1234567890123456",
-            "abc;v=1.2345",
-            "abc;v=1.",
-            "abc;v=-",
+            r#""abc";"#,
+            r#""abc";V=1"#,
+            r#""abc";v="#,
+            r#""abc";v="x"#,
+            r#""abc";v=?2"#,
+            r#""abc";v=:YWJj"#,
+            r#""abc";v=1234567890123456"#,
+            r#""abc";v=1.2345"#,
+            r#""abc";v=1."#,
+            r#""abc";v=-"#,
             r#""abc";9=1"#,
         ] {
             assert_eq!(
