@@ -252,7 +252,7 @@ pub use openapi::{
 };
 pub use policy::{
     DEFAULT_LEASE, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_STORED_BODY, DEFAULT_TTL,
-    IdempotencyPolicy, MAX_DURATION, Policy,
+    IdempotencyPolicy, MAX_DURATION, MIN_LEASE, Policy,
 };
 pub use protected_route::ProtectedRoute;
 pub use record::{RECORD_VERSION, RecordError, StoredResponse};

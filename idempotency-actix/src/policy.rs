@@ -16,6 +16,12 @@ pub const DEFAULT_MAX_STORED_BODY: usize = 1024 * 1024;
 /// compile time).
 pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 60 * 60);
 
+/// The shortest lease a policy accepts: 500 ms. A lease is renewed every third of it while
+/// the handler runs; one of a few milliseconds lapses before its first renewal can land (the
+/// runtime's timers tick in milliseconds, a Redis round trip takes a fraction of one), and a
+/// duplicate then takes the key and runs the handler a second time.
+pub const MIN_LEASE: Duration = Duration::from_millis(500);
+
 /// Checks that `duration` is more than zero and at most [`MAX_DURATION`]: a zero lease would
 /// let duplicates in, an endless ttl overflows expiry arithmetic.
 pub(crate) const fn checked(duration: Duration) -> Duration {
@@ -152,9 +158,14 @@ impl IdempotencyPolicy {
     ///
     /// # Panics
     ///
-    /// If `lease` is zero or over [`MAX_DURATION`] (a configuration mistake).
+    /// If `lease` is under [`MIN_LEASE`] or over [`MAX_DURATION`] (a configuration mistake).
     #[must_use]
     pub const fn lease(mut self, lease: Duration) -> Self {
+        assert!(
+            lease.as_millis() >= MIN_LEASE.as_millis(),
+            "an idempotency lease must be at least 500 ms: a shorter one can lapse before its \
+             renewal lands and let a duplicate run the handler"
+        );
         self.lease = Some(checked(lease));
         self
     }
@@ -203,9 +214,12 @@ impl IdempotencyPolicy {
     /// This route is transactional: its record is claimed inside a database transaction
     /// that the handler writes through with
     /// `IdempotentTransaction`; the handler's writes and its
-    /// stored response commit together, or neither does. Needs the `postgres` feature and
-    /// `Idempotency::postgres`; on any other store the route answers
-    /// 503 and logs why.
+    /// stored response commit together, or neither does. Needs `Idempotency::postgres`; on
+    /// any other store the route answers 503 and logs why.
+    ///
+    /// Only with the `postgres` feature: without it a transactional route does not compile
+    /// (it would have no store to run in, and no fail mode may run it unprotected).
+    #[cfg(feature = "postgres")]
     #[must_use]
     pub const fn transactional(mut self) -> Self {
         self.transactional = Some(true);
@@ -242,9 +256,23 @@ mod tests {
     use super::*;
 
     #[test]
-    #[should_panic(expected = "more than zero")]
+    #[should_panic(expected = "at least 500 ms")]
     fn a_zero_lease_is_refused() {
         let _ = IdempotencyPolicy::default().lease(Duration::ZERO);
+    }
+
+    #[test]
+    #[should_panic(expected = "at least 500 ms")]
+    fn a_lease_of_a_few_milliseconds_is_refused() {
+        let _ = IdempotencyPolicy::default().lease(Duration::from_millis(5));
+    }
+
+    #[test]
+    fn the_shortest_lease_is_accepted() {
+        let policy = IdempotencyPolicy::default()
+            .lease(MIN_LEASE)
+            .apply_to(&Policy::default());
+        assert_eq!(policy.lease, MIN_LEASE);
     }
 
     #[test]

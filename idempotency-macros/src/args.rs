@@ -226,7 +226,18 @@ impl Arguments {
                 Ok(())
             }
             (Key::Lease, Some(expr)) => {
-                self.lease = Some(duration(key, &expr)?);
+                let lease = duration(key, &expr)?;
+                if lease < MIN_LEASE_MILLIS {
+                    return Err(syn::Error::new_spanned(
+                        expr,
+                        format!(
+                            "`lease` must be at least 500ms: it is renewed every third of it while \
+                             the handler runs, and a shorter one can lapse before a renewal lands \
+                             and let a duplicate run the handler; {ALLOWED}"
+                        ),
+                    ));
+                }
+                self.lease = Some(lease);
                 Ok(())
             }
             (Key::WaitForCompletion, Some(expr)) => {
@@ -246,6 +257,10 @@ impl Arguments {
 }
 
 /// A duration argument's value in milliseconds.
+/// The shortest `lease`, in milliseconds: `idempotency_actix::MIN_LEASE`, which
+/// `IdempotencyPolicy::lease` also checks (at start, with a panic).
+const MIN_LEASE_MILLIS: u64 = 500;
+
 fn duration(key: Key, expr: &Expr) -> syn::Result<u64> {
     let name = key.name();
     let literal = match expr {

@@ -49,7 +49,7 @@ use proc_macro::TokenStream;
 /// | argument | effect on this route | App default |
 /// |---|---|---|
 /// | `ttl = "<duration>"` | how long a completed response is replayed: the TTL the store holds after commit | 24 h (`Idempotency::policy`) |
-/// | `lease = "<duration>"` | how long an in-flight record holds the key without renewal; renewed every third of it while the handler runs, so it bounds how soon a crashed instance's key frees up | 30 s (`Idempotency::policy`) |
+/// | `lease = "<duration>"` | how long an in-flight record holds the key without renewal; renewed every third of it while the handler runs, so it bounds how soon a crashed instance's key frees up; at least 500 ms | 30 s (`Idempotency::policy`) |
 /// | `required` | a request without a key is refused with a 400 problem | off (`Idempotency::policy`) |
 /// | `store_errors` | responses with status >= 400 are stored and replayed too, instead of releasing the key so that a retry runs again | off (`Idempotency::policy`) |
 /// | `max_request_body = <bytes>` | the largest body a keyed request may send; larger is a 413 problem and the handler does not run | 1 MiB (`Idempotency::policy`) |
