@@ -81,7 +81,8 @@ impl KeyScope {
     }
 
     /// Scopes keys by the value of a request header (a [`HeaderName`], or a string checked
-    /// to be one) that a trusted gateway sets after authentication.
+    /// to be one) that a trusted gateway sets after authentication. A keyed request whose
+    /// header is missing, repeated or empty is refused with 400.
     ///
     /// # Errors
     ///
@@ -102,8 +103,10 @@ impl KeyScope {
             ScopeSource::Header(name) => {
                 let mut values = req.headers().get_all(name);
                 let value = values.next()?;
-                // A repeated scope header is ambiguous: refuse it like a missing one.
-                values.next().is_none().then(|| value.as_bytes().to_vec())
+                // A repeated scope header is ambiguous, and an empty one names no principal
+                // (its scope would be the global one's): refuse them like a missing one.
+                let value = value.as_bytes();
+                (values.next().is_none() && !value.trim_ascii().is_empty()).then(|| value.to_vec())
             }
             ScopeSource::Function(scope_of) => scope_of(req).map(String::into_bytes),
         }

@@ -624,7 +624,8 @@ async fn scopes_keep_principals_apart(backend: Backend) {
     let a_again = send("a").await;
     assert!(a_again.is_replay());
     assert_eq!(a_again.body, a.body);
-    // Without a tenant the request cannot be scoped: refused, never put in a shared space.
+    // Without a tenant, or with an empty one, the request cannot be scoped: refused, never
+    // put in a shared space.
     let request = h
         .server
         .post("/orders")
@@ -632,6 +633,11 @@ async fn scopes_keep_principals_apart(backend: Backend) {
     let unscoped = h.finish(request.send_body("{}")).await;
     assert_eq!(
         unscoped.assert_problem(400),
+        "tag:idempotency-actix,2026:missing-scope"
+    );
+    let empty = send("").await;
+    assert_eq!(
+        empty.assert_problem(400),
         "tag:idempotency-actix,2026:missing-scope"
     );
     // Keyless requests need no scope.
