@@ -19,18 +19,24 @@ pub const PROBLEM_SCHEMA: &str = "IdempotencyProblem";
 
 /// The syntax of a key, as a regular expression: the bare form (visible ASCII but `"`, `,`
 /// and `;`, which end a bare key) or the IETF draft's sf-string form (printable ASCII in
-/// quotes, `\"` and `\\` escaped). Every value it matches is accepted; the middleware also
-/// accepts RFC 8941 parameters after the key, which it ignores.
+/// quotes, `\"` and `\\` escaped). Every value it matches whose key is 1 to 255 characters
+/// long is accepted; the middleware also accepts RFC 8941 parameters after a quoted key,
+/// which it ignores.
 pub const KEY_PATTERN: &str = r#"^(?:[!#-+\x2D-:<-~]+|"(?:[ !#-\[\]-~]|\\["\\])+")$"#;
 
 /// A [`utoipa::Modify`] that documents protected routes in a utoipa-generated spec.
 ///
 /// For each [`ProtectedRoute`] (`<handler>::IDEMPOTENCY`, put there by `#[idempotent]`),
-/// the operation whose `operationId` is the handler's name (utoipa's default), or else the
-/// operation at each of its `(method, path)`, gets:
+/// the operations whose `operationId` is the handler's name (utoipa's default) at one of
+/// its `(method, path)` pairs (the spec's path may carry a scope's prefix: `/api/orders` for
+/// `/orders`), or else the operation at each of those pairs exactly, gets what follows. An
+/// operation of another handler with the same function name (`comments::create` beside
+/// `orders::create`), or of a method the middleware never protects (`GET`), is left alone.
+/// Each operation documented gets:
 ///
 /// * the `Idempotency-Key` header parameter, required if the route requires a key, with
-///   its syntax ([`KEY_PATTERN`]) and its maximum length (255);
+///   its syntax ([`KEY_PATTERN`]) and the longest value that can hold a key of 255
+///   characters (512: quoted, every character escaped);
 /// * the problem responses 400, 409 (with `Retry-After`), 413, 422 and 503 (with
 ///   `Retry-After`), `application/problem+json` with the [`PROBLEM_SCHEMA`] schema (RFC
 ///   9457: `type`, `title`, `status`, `detail`);
@@ -121,9 +127,11 @@ impl IdempotencyOpenApi {
         for route in self.routes.iter() {
             let required = self.keys_required || route.requires_key();
             let mut found = false;
-            for item in openapi.paths.paths.values_mut() {
-                for operation in operations(item) {
-                    if operation.operation_id.as_deref() == Some(route.handler()) {
+            for (path, item) in &mut openapi.paths.paths {
+                for (method, operation) in protected_operations(item) {
+                    if operation.operation_id.as_deref() == Some(route.handler())
+                        && routed_at(route, method, path)
+                    {
                         document_operation(operation, self.header, required);
                         found = true;
                     }
@@ -341,26 +349,37 @@ fn key_parameter(header: &str, required: bool) -> Parameter {
             ObjectBuilder::new()
                 .schema_type(SchemaType::Type(Type::String))
                 .min_length(Some(1))
-                .max_length(Some(MAX_KEY_LENGTH))
+                // The header's value, not the key: a key of 255 characters is 257 with its
+                // quotes, and each escape adds one more.
+                .max_length(Some(MAX_HEADER_VALUE_LENGTH))
                 .pattern(Some(KEY_PATTERN)),
         ))
         .build()
 }
 
-/// The operations of a path item, for every method OpenAPI knows.
-fn operations(item: &mut PathItem) -> impl Iterator<Item = &mut Operation> {
+/// The longest header value that can hold an accepted key: the quoted form with every
+/// character escaped.
+const MAX_HEADER_VALUE_LENGTH: usize = 2 * MAX_KEY_LENGTH + 2;
+
+/// The operations of a path item for the methods the middleware protects, by method name.
+fn protected_operations(item: &mut PathItem) -> impl Iterator<Item = (&str, &mut Operation)> {
     [
-        &mut item.post,
-        &mut item.put,
-        &mut item.patch,
-        &mut item.delete,
-        &mut item.get,
-        &mut item.head,
-        &mut item.options,
-        &mut item.trace,
+        ("post", &mut item.post),
+        ("put", &mut item.put),
+        ("patch", &mut item.patch),
+        ("delete", &mut item.delete),
     ]
     .into_iter()
-    .filter_map(Option::as_mut)
+    .filter_map(|(method, operation)| Some((method, operation.as_mut()?)))
+}
+
+/// Whether `route` is routed at `method` on the spec's `path`: one of its pairs has that
+/// method and a path that `path` ends with (a scope's prefix may come before it).
+fn routed_at(route: &ProtectedRoute, method: &str, path: &str) -> bool {
+    route
+        .routes()
+        .iter()
+        .any(|(routed, at)| *routed == method && path.ends_with(at))
 }
 
 /// The operation of `item` for `method` (lower case), if it is one the middleware protects.
@@ -371,5 +390,71 @@ fn operation_for<'a>(item: &'a mut PathItem, method: &str) -> Option<&'a mut Ope
         "patch" => item.patch.as_mut(),
         "delete" => item.delete.as_mut(),
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use utoipa::openapi::path::{HttpMethod, OperationBuilder, PathItem};
+    use utoipa::openapi::{OpenApiBuilder, PathsBuilder};
+
+    use super::*;
+
+    const ORDERS: ProtectedRoute = ProtectedRoute::new("create", &[("post", "/orders")]);
+
+    fn operation(id: &str) -> Operation {
+        OperationBuilder::new().operation_id(Some(id)).build()
+    }
+
+    fn documented(spec: &OpenApi, path: &str, method: HttpMethod) -> bool {
+        let item = &spec.paths.paths[path];
+        let operation = match method {
+            HttpMethod::Post => item.post.as_ref(),
+            HttpMethod::Get => item.get.as_ref(),
+            _ => None,
+        };
+        operation
+            .and_then(|operation| operation.parameters.as_ref())
+            .is_some_and(|parameters| parameters.iter().any(|p| p.name == "Idempotency-Key"))
+    }
+
+    #[test]
+    fn only_the_handlers_own_operations_are_documented() {
+        let mut spec = OpenApiBuilder::new()
+            .paths(
+                PathsBuilder::new()
+                    .path(
+                        "/api/orders",
+                        PathItem::new(HttpMethod::Post, operation("create")),
+                    )
+                    // Another module's handler of the same name, and a safe method.
+                    .path(
+                        "/comments",
+                        PathItem::new(HttpMethod::Post, operation("create")),
+                    )
+                    .path(
+                        "/orders/export",
+                        PathItem::new(HttpMethod::Get, operation("create")),
+                    ),
+            )
+            .build();
+        IdempotencyOpenApi::new(&[ORDERS]).apply(&mut spec);
+        assert!(
+            documented(&spec, "/api/orders", HttpMethod::Post),
+            "under a scope's prefix"
+        );
+        assert!(!documented(&spec, "/comments", HttpMethod::Post));
+        assert!(!documented(&spec, "/orders/export", HttpMethod::Get));
+    }
+
+    #[test]
+    fn a_quoted_key_of_the_longest_length_fits_the_schema() {
+        let longest = 2 + MAX_KEY_LENGTH;
+        assert!(longest <= MAX_HEADER_VALUE_LENGTH);
+        let parameter = key_parameter("Idempotency-Key", true);
+        let Some(RefOr::T(Schema::Object(schema))) = parameter.schema else {
+            panic!("an object schema");
+        };
+        assert_eq!(schema.max_length, Some(MAX_HEADER_VALUE_LENGTH));
     }
 }
