@@ -26,7 +26,9 @@
 //! * `IDEMPOTENCY_PREFIX` [`idempotency:`]: prefix of every storage key, so apps or test runs
 //!   sharing one Redis stay apart.
 //! * `WORKERS` [one per core]: the number of Actix workers.
-//! * `REPLAY_CACHE` [`off`] or `on`: answer replays from a 64 MiB in-process replay cache.
+//! * `REPLAY_CACHE` [`off`] or `on`: answer replays from a 64 MiB in-process replay cache;
+//!   only with `REDIS_URL`, `REDIS_CLUSTER_URLS` or `DATABASE_URL` (the in-memory store
+//!   answers replays from the process already and needs no cache).
 //!
 //! Once it accepts connections it prints `listening on http://ADDR` (one line per bound
 //! address, with the real port) on stdout. An invalid variable (such as a `BIND` that is not

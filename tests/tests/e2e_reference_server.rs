@@ -685,6 +685,16 @@ fn invalid_configuration_is_refused_with_a_clear_message() {
     }
 }
 
+/// The in-memory store answers replays from the process already: a replay cache in front of
+/// it would do nothing, so asking for one is refused.
+#[test]
+fn a_replay_cache_on_the_in_memory_store_is_refused() {
+    let (code, stderr) = exit_of(&[("REPLAY_CACHE", "on")]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("REPLAY_CACHE"), "{stderr}");
+    assert!(stderr.contains("in-memory store"), "{stderr}");
+}
+
 #[test]
 fn a_bind_address_in_use_is_a_failure_to_start() {
     let server = ReferenceServer::start(&[]);

@@ -23,7 +23,7 @@ pub const PROTECTABLE_METHODS: [Method; 4] =
 /// | `IDEMPOTENCY_METHODS` | comma-separated methods whose untagged routes are protected too, e.g. `POST,PATCH` | none |
 /// | `IDEMPOTENCY_PREFIX` | prefix of every storage key, to keep apps or test runs apart on one Redis | the crate's (`idempotency:`) |
 /// | `WORKERS` | number of Actix workers | Actix's default (one per core) |
-/// | `REPLAY_CACHE` | `on`: answer replays from an in-process [`ReplayCache`](idempotency_actix::ReplayCache) of 64 MiB | `off` |
+/// | `REPLAY_CACHE` | `on`: answer replays from an in-process [`ReplayCache`](idempotency_actix::ReplayCache) of 64 MiB; needs a store variable (the in-memory store needs no cache) | `off` |
 ///
 /// An empty variable counts as unset. At most one store variable may be set: `REDIS_URL`,
 /// `REDIS_CLUSTER_URLS` or `DATABASE_URL`.
@@ -207,6 +207,20 @@ impl ServerConfig {
         };
         config.idempotency = switch("IDEMPOTENCY", true)?;
         config.replay_cache = switch("REPLAY_CACHE", false)?;
+        let memory_store = config.redis_url.is_none()
+            && config.redis_cluster_urls.is_none()
+            && config.database_url.is_none();
+        if config.replay_cache && memory_store {
+            // The cache only keeps what a store's replay reports a remaining ttl for; the
+            // in-memory store answers from the process already and reports none.
+            return Err(invalid(
+                "REPLAY_CACHE",
+                "on",
+                "off with the in-memory store, which answers replays from this process and \
+                 needs no replay cache (set REDIS_URL, REDIS_CLUSTER_URLS or DATABASE_URL to \
+                 use one)",
+            ));
+        }
 
         let methods_expected = format!(
             "a comma-separated list of {}",
@@ -360,6 +374,22 @@ mod tests {
         }
         let no_seeds = parse(&[("REDIS_CLUSTER_URLS", " , ")]).expect_err("no seeds");
         assert_eq!(no_seeds.variable, "REDIS_CLUSTER_URLS");
+    }
+
+    #[test]
+    fn a_replay_cache_needs_a_store_outside_the_process() {
+        let memory = parse(&[("REPLAY_CACHE", "on")]).expect_err("memory store");
+        assert_eq!(memory.variable, "REPLAY_CACHE");
+        assert!(memory.to_string().contains("in-memory store"), "{memory}");
+        assert!(!parse(&[("REPLAY_CACHE", "off")]).expect("off").replay_cache);
+        for (store, url) in [
+            ("REDIS_URL", "redis://127.0.0.1:6379"),
+            ("REDIS_CLUSTER_URLS", "redis://127.0.0.1:7000"),
+            ("DATABASE_URL", "postgres://postgres@127.0.0.1/postgres"),
+        ] {
+            let config = parse(&[(store, url), ("REPLAY_CACHE", "on")]).expect(store);
+            assert!(config.replay_cache, "{store}");
+        }
     }
 
     #[test]
