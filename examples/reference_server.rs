@@ -23,6 +23,8 @@
 //!   the commit) waits up to 500 ms for N replicas, strictly (fewer → the step fails).
 //! * `IDEMPOTENCY` [`on`] or `off`: `off` installs no middleware at all (benchmark baseline).
 //! * `IDEMPOTENCY_METHODS`: e.g. `POST,PATCH`; also protect untagged routes of those methods.
+//!   Not `POST` with `DATABASE_URL`: the app-level layer would claim the transactional
+//!   `POST /ledger` before routing, outside its transaction, and every one would answer 500.
 //! * `IDEMPOTENCY_PREFIX` [`idempotency:`]: prefix of every storage key, so apps or test runs
 //!   sharing one Redis stay apart.
 //! * `WORKERS` [one per core]: the number of Actix workers.

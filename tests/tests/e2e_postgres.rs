@@ -235,6 +235,23 @@ async fn the_baseline_books_the_same_rows() {
     assert_eq!(ledger_rows(&server).await, 2);
 }
 
+/// Only POST conflicts with the transactional `POST /ledger` (the refusal of POST is in
+/// `e2e_reference_server.rs`); the other methods protect untagged routes beside it.
+#[actix_web::test]
+async fn idempotency_methods_without_post_leave_the_ledger_transactional() {
+    let database = TestDatabase::create().await;
+    let server = ReferenceServer::start(&[
+        ("DATABASE_URL", database.url()),
+        ("IDEMPOTENCY_METHODS", "PUT,PATCH,DELETE"),
+    ]);
+    let booked = book(&server, "methods", 3, None).await.unwrap();
+    assert_eq!(booked.status, StatusCode::CREATED, "{booked:?}");
+    let retry = book(&server, "methods", 3, None).await.unwrap();
+    assert!(retry.is_replay(), "{retry:?}");
+    assert_eq!(retry.body, booked.body);
+    assert_eq!(ledger_rows(&server).await, 1);
+}
+
 #[test]
 fn two_store_variables_are_an_invalid_configuration() {
     for other in ["REDIS_URL", "REDIS_CLUSTER_URLS"] {

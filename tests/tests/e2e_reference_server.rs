@@ -695,6 +695,30 @@ fn a_replay_cache_on_the_in_memory_store_is_refused() {
     assert!(stderr.contains("in-memory store"), "{stderr}");
 }
 
+/// A loopback port nothing listens on (bound, then closed again).
+fn closed_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().port()
+}
+
+/// `POST /ledger` is transactional; an app-level layer protecting POST would claim it
+/// outside its transaction and every `POST /ledger` would answer 500, so the combination is
+/// refused as configuration (exit 2), before any connection to the database: this one does
+/// not answer (a start failure, exit 1, if it were tried).
+#[test]
+fn idempotency_methods_with_post_and_a_database_url_are_refused() {
+    let database_url = format!("postgres://postgres@127.0.0.1:{}/none", closed_port());
+    for methods in ["POST", "patch,post"] {
+        let (code, stderr) = exit_of(&[
+            ("DATABASE_URL", &database_url),
+            ("IDEMPOTENCY_METHODS", methods),
+        ]);
+        assert_eq!(code, Some(2), "{methods}: {stderr}");
+        assert!(stderr.contains("IDEMPOTENCY_METHODS"), "{stderr}");
+        assert!(stderr.contains("POST /ledger"), "{stderr}");
+    }
+}
+
 #[test]
 fn a_bind_address_in_use_is_a_failure_to_start() {
     let server = ReferenceServer::start(&[]);

@@ -20,7 +20,7 @@ pub const PROTECTABLE_METHODS: [Method; 4] =
 /// | `REDIS_CLUSTER_URLS` | comma-separated seed node URLs: Redis Cluster store (not with `REDIS_URL`) | unset |
 /// | `IDEMPOTENCY_REPLICAS` | N: replicated writes, each write waits for N replicas (strict, 500 ms); needs a Redis store | unset: off |
 /// | `IDEMPOTENCY` | `on`, or `off` for no middleware at all (the benchmark baseline) | `on` |
-/// | `IDEMPOTENCY_METHODS` | comma-separated methods whose untagged routes are protected too, e.g. `POST,PATCH` | none |
+/// | `IDEMPOTENCY_METHODS` | comma-separated methods whose untagged routes are protected too, e.g. `POST,PATCH`; not `POST` with `DATABASE_URL` (it would claim the transactional `POST /ledger` outside its transaction) | none |
 /// | `IDEMPOTENCY_PREFIX` | prefix of every storage key, to keep apps or test runs apart on one Redis | the crate's (`idempotency:`) |
 /// | `WORKERS` | number of Actix workers | Actix's default (one per core) |
 /// | `REPLAY_CACHE` | `on`: answer replays from an in-process [`ReplayCache`](idempotency_actix::ReplayCache) of 64 MiB; needs a store variable (the in-memory store needs no cache) | `off` |
@@ -240,6 +240,22 @@ impl ServerConfig {
                     config.protect_methods.push(method.clone());
                 }
             }
+            // `POST /ledger` is transactional: its record is claimed inside its transaction.
+            // The app-level layer would claim every POST before routing, outside any
+            // transaction, and the route would answer each one with 500.
+            let conflicts = config.idempotency
+                && config.database_url.is_some()
+                && config.protect_methods.contains(&Method::POST);
+            if conflicts {
+                return Err(invalid(
+                    "IDEMPOTENCY_METHODS",
+                    &value,
+                    "no POST when DATABASE_URL is set: protecting untagged POST routes would \
+                     claim the transactional POST /ledger outside its transaction, and every \
+                     POST /ledger would answer 500; leave POST out (tagged routes stay \
+                     protected) or unset DATABASE_URL",
+                ));
+            }
         }
 
         config.key_prefix = var("IDEMPOTENCY_PREFIX", "a key prefix")?;
@@ -374,6 +390,30 @@ mod tests {
         }
         let no_seeds = parse(&[("REDIS_CLUSTER_URLS", " , ")]).expect_err("no seeds");
         assert_eq!(no_seeds.variable, "REDIS_CLUSTER_URLS");
+    }
+
+    #[test]
+    fn post_is_not_protected_beside_the_transactional_ledger() {
+        const DATABASE: (&str, &str) = ("DATABASE_URL", "postgres://postgres@127.0.0.1/postgres");
+        for methods in ["POST", "put,Post"] {
+            let error = parse(&[DATABASE, ("IDEMPOTENCY_METHODS", methods)]).expect_err(methods);
+            assert_eq!(error.variable, "IDEMPOTENCY_METHODS");
+            assert!(error.to_string().contains("POST /ledger"), "{error}");
+        }
+        let others = parse(&[DATABASE, ("IDEMPOTENCY_METHODS", "PUT,PATCH,DELETE")]);
+        assert_eq!(others.expect("no POST").protect_methods.len(), 3);
+        // Without the middleware nothing is claimed; without a database there is no ledger.
+        let off = parse(&[
+            DATABASE,
+            ("IDEMPOTENCY", "off"),
+            ("IDEMPOTENCY_METHODS", "POST"),
+        ]);
+        assert!(off.is_ok(), "{off:?}");
+        let redis = parse(&[
+            ("REDIS_URL", "redis://127.0.0.1:6379"),
+            ("IDEMPOTENCY_METHODS", "POST"),
+        ]);
+        assert!(redis.is_ok(), "{redis:?}");
     }
 
     #[test]
