@@ -1,8 +1,9 @@
 //! The demo: `cargo run --example demo`.
 //!
 //! Starts the reference app (see `idempotency_actix_examples::reference_app`) in this process
-//! on a free loopback port, on the in-memory store (on Redis when `REDIS_URL` is set), sends
-//! a scripted sequence of requests and prints what happened:
+//! on a free loopback port, on the in-memory store (on Redis when `REDIS_URL` is set, its keys
+//! under `IDEMPOTENCY_PREFIX`, default `idempotency:`, as the reference server's), sends a
+//! scripted sequence of requests and prints what happened:
 //!
 //! 1. a first request with a key runs the handler;
 //! 2. its retry is replayed: same body, `Idempotent-Replayed: true`, handler not run;
@@ -280,9 +281,11 @@ async fn script(demo: &mut Demo) {
 
 #[actix_web::main]
 async fn main() -> ExitCode {
-    // Only REDIS_URL is taken from the environment: the demo picks its own port and workers.
+    // Only REDIS_URL and IDEMPOTENCY_PREFIX are taken from the environment: the demo picks
+    // its own port and workers.
     let lookup = |name: &str| {
-        (name == "REDIS_URL")
+        ["REDIS_URL", "IDEMPOTENCY_PREFIX"]
+            .contains(&name)
             .then(|| std::env::var_os(name))
             .flatten()
     };

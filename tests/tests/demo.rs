@@ -1,13 +1,21 @@
 //! The README's first command, `cargo run --example demo`: it needs no set-up (no Redis), and
-//! on Redis (`REDIS_URL`) it tells the same story. Runs the built example as a process.
+//! on Redis (`REDIS_URL`, keys under `IDEMPOTENCY_PREFIX`) it tells the same story. Runs the
+//! built example as a process.
 
-use idempotency_actix_tests::{example_executable, redis_connection, redis_url};
+use idempotency_actix_tests::{
+    example_executable, keys_under, redis_connection, redis_url, unique_prefix,
+};
 
-fn run_demo(redis_url: Option<&str>) -> (bool, String, String) {
+/// Runs the demo; on the Redis at the URL with the key prefix when one is given.
+fn run_demo(redis: Option<(&str, &str)>) -> (bool, String, String) {
     let mut command = std::process::Command::new(example_executable("demo"));
-    command.env_remove("REDIS_URL");
-    if let Some(url) = redis_url {
-        command.env("REDIS_URL", url);
+    command
+        .env_remove("REDIS_URL")
+        .env_remove("IDEMPOTENCY_PREFIX");
+    if let Some((url, prefix)) = redis {
+        command
+            .env("REDIS_URL", url)
+            .env("IDEMPOTENCY_PREFIX", prefix);
     }
     let output = command
         .stdin(std::process::Stdio::null())
@@ -54,8 +62,30 @@ fn the_demo_runs_without_any_set_up() {
 
 #[actix_web::test]
 async fn the_demo_runs_on_redis() {
-    redis_connection().await;
-    let (success, stdout, stderr) = run_demo(Some(&redis_url()));
+    let mut connection = redis_connection().await;
+    let prefix = unique_prefix("demo");
+    let (success, stdout, stderr) = run_demo(Some((&redis_url(), &prefix)));
     assert!(success, "the demo failed on Redis:\n{stdout}\n{stderr}");
     assert_full_transcript(&stdout);
+
+    // Its records are under the test's prefix: the two orders' (24 h) and the keyed
+    // payment's, unless its 2 s ttl has run out.
+    let keys = keys_under(&mut connection, &prefix).await;
+    assert!((2..=3).contains(&keys.len()), "{keys:?}");
+    // None under the default prefix: a key's name ends in the digest of this run's random
+    // idempotency key, whatever the prefix, so that name under `idempotency:` is this run's.
+    for key in &keys {
+        let default = format!("idempotency:{}", &key[prefix.len()..]);
+        let exists: bool = redis::cmd("EXISTS")
+            .arg(&default)
+            .query_async(&mut connection)
+            .await
+            .expect("EXISTS");
+        assert!(!exists, "the demo wrote {default}");
+    }
+    let _: () = redis::cmd("DEL")
+        .arg(&keys)
+        .query_async(&mut connection)
+        .await
+        .expect("DEL");
 }
