@@ -309,7 +309,8 @@ impl Engine {
                 tracing::debug!(key = storage_key.as_str(), "idempotency: executing");
                 instrument::decided(&req.extensions(), Outcome::Executed);
                 req.set_payload(Payload::from(body));
-                let _in_flight = LockHeld::enter(&req.extensions());
+                // Held by the run, which may outlive this future (its client left).
+                let in_flight = LockHeld::enter(&req.extensions());
                 let lock = Rc::new(HeldLock {
                     storage_key: storage_key.clone(),
                     fingerprint,
@@ -327,6 +328,7 @@ impl Engine {
                 // on a task of its own (see `RunToCompletion`).
                 let engine = Rc::clone(&self);
                 let run = RunToCompletion::new(move || async move {
+                    let _in_flight = in_flight;
                     #[cfg(feature = "postgres")]
                     if let Some(transaction) = transaction {
                         // Boxed: its future is several times the size of the rest, and this
@@ -346,11 +348,21 @@ impl Engine {
                         .run_and_commit(policy, lock, req, service, slot)
                         .await
                 });
-                run.await.map_err(|panic| {
-                    let message = panic_message(panic.as_ref());
-                    tracing::error!(panic = message, "idempotency: the handler panicked");
-                    actix_web::error::ErrorInternalServerError("request processing failed")
-                })?
+                match run.await {
+                    Ok(handled) => handled,
+                    Err(panic) => {
+                        // A panic the run's own catch did not see (a response body's `size`,
+                        // say): nothing was committed, so the key is released for a retry, as
+                        // after a handler's panic.
+                        let message = panic_message(panic.as_ref());
+                        tracing::error!(
+                            panic = message,
+                            "idempotency: the request panicked; key released"
+                        );
+                        self.release(storage_key, token).await;
+                        Err(IdempotencyError::HandlerPanicked.into())
+                    }
+                }
             }
             Ok(BeginOutcome::Completed(stored)) => {
                 tracing::debug!(key = storage_key.as_str(), "idempotency: replayed");
@@ -513,10 +525,7 @@ impl Engine {
         let (storage_key, token) = (&lock.storage_key, &lock.token);
         match outcome {
             Handled::Panicked => {
-                tracing::error!(
-                    key = storage_key.as_str(),
-                    "idempotency: handler panicked; key released"
-                );
+                tracing::error!("idempotency: handler panicked; key released");
                 self.release(storage_key, token).await;
                 // No clone of the request may be held while an app-level layer's inner
                 // service routes it (routing needs it unshared), so the 500 travels as an
@@ -584,7 +593,10 @@ impl Engine {
             + 'static,
         B: MessageBody + 'static,
     {
-        let response = match AssertUnwindSafe(service.call(req)).catch_unwind().await {
+        // `call` inside the caught future: a service that panics in `call` itself, before it
+        // returns its future (a `wrap_fn` layer), is caught too.
+        let called = async move { service.call(req).await };
+        let response = match AssertUnwindSafe(called).catch_unwind().await {
             Err(_panic) => return Handled::Panicked,
             Ok(Err(error)) => return Handled::Failed(error),
             Ok(Ok(response)) => response,
@@ -731,7 +743,7 @@ impl Engine {
             self.store.release(storage_key, token),
         );
         if let Err(error) = released.await {
-            tracing::error!(key = storage_key.as_str(), %error, "idempotency: release failed; the key frees itself when its lease expires");
+            tracing::error!(%error, "idempotency: release failed; the key frees itself when its lease expires");
         }
     }
 }
@@ -811,7 +823,7 @@ async fn keep_renewing(lock: &HeldLock) {
                 return;
             }
             Err(error) => {
-                tracing::warn!(key = lock.storage_key.as_str(), %error, "idempotency: lease renewal failed; will retry");
+                tracing::warn!(%error, "idempotency: lease renewal failed; will retry");
             }
         }
     }

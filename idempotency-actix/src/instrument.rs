@@ -267,10 +267,13 @@ fn describe_once() {
 /// One protected request, from the engine's first look until its response: its span, its
 /// route label and the outcome decided for it (the last decision wins, so a route layer
 /// that refuses a request an app layer passed on has the last word). Recorded once, when
-/// the request finishes.
+/// the request finishes, or when its future is dropped (the client left; a handler that
+/// runs under a lock then goes on by itself, and its request still counts).
 pub(crate) struct RequestRecord {
     span: Span,
     state: Rc<RequestState>,
+    /// Whether [`finish`](Self::finish) recorded the request.
+    finished: bool,
 }
 
 /// What [`RequestRecord`] shares with the layers through the request's extensions.
@@ -304,7 +307,11 @@ impl RequestRecord {
             outcome: Cell::new(None),
         });
         req.extensions_mut().insert(Rc::clone(&state));
-        Self { span, state }
+        Self {
+            span,
+            state,
+            finished: false,
+        }
     }
 
     /// The request's span, if a subscriber wants it: the request's processing runs in it
@@ -321,9 +328,8 @@ impl RequestRecord {
     }
 
     /// Records the outcome and the status, once, when the request is done.
-    pub(crate) fn finish<B>(self, result: &Result<ServiceResponse<B>, actix_web::Error>) {
-        let traced = !self.span.is_disabled();
-        if traced {
+    pub(crate) fn finish<B>(mut self, result: &Result<ServiceResponse<B>, actix_web::Error>) {
+        if !self.span.is_disabled() {
             let status = match result {
                 Ok(response) => response.status(),
                 Err(error) => error.as_response_error().status_code(),
@@ -331,6 +337,13 @@ impl RequestRecord {
             self.span
                 .record("http.response.status_code", status.as_u16());
         }
+        self.record_outcome();
+        self.finished = true;
+    }
+
+    /// Records the outcome decided so far, if one was.
+    fn record_outcome(&self) {
+        let traced = !self.span.is_disabled();
         let Some(outcome) = self.state.outcome.get() else {
             return;
         };
@@ -343,6 +356,16 @@ impl RequestRecord {
             describe_once();
             let route = self.state.route.as_deref().unwrap_or(UNMATCHED_ROUTE);
             crate::metric_handles::count_request(route, outcome.as_str());
+        }
+    }
+}
+
+/// A request whose future was dropped before it finished (its client left) is recorded with
+/// the outcome decided so far and no status.
+impl Drop for RequestRecord {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.record_outcome();
         }
     }
 }

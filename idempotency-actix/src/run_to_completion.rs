@@ -15,6 +15,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use futures_util::future::LocalBoxFuture;
+use tracing::Instrument;
 
 use crate::built_in_box::built_in_box;
 
@@ -60,9 +61,16 @@ impl<T: 'static> Future for RunToCompletion<T> {
 impl<T: 'static> Drop for RunToCompletion<T> {
     fn drop(&mut self) {
         if let Some(run) = self.run.take() {
-            actix_rt::spawn(async move {
-                run.await;
-            });
+            // In the span of the request whose future is being dropped (an instrumented
+            // future enters its span while it drops what it wraps), so that what the run
+            // logs from now on still carries the request's fields.
+            let span = tracing::Span::current();
+            actix_rt::spawn(
+                async move {
+                    run.await;
+                }
+                .instrument(span),
+            );
         }
     }
 }

@@ -273,19 +273,13 @@ impl Engine {
                     (response, stored, ttl)
                 }
                 Err(_panic) => {
-                    tracing::error!(
-                        key,
-                        "idempotency: response body panicked; transaction rolled back"
-                    );
+                    tracing::error!("idempotency: response body panicked; transaction rolled back");
                     self.roll_back(transaction).await;
                     return Err(IdempotencyError::HandlerPanicked.into());
                 }
             },
             Handled::Panicked => {
-                tracing::error!(
-                    key,
-                    "idempotency: handler panicked; transaction rolled back"
-                );
+                tracing::error!("idempotency: handler panicked; transaction rolled back");
                 self.roll_back(transaction).await;
                 return Err(IdempotencyError::HandlerPanicked.into());
             }
@@ -321,7 +315,7 @@ impl Engine {
                 // Not committed (or unknown, if the connection died during COMMIT): the
                 // handler's writes are not known to have happened, so neither is its
                 // response sent. A retry with the key replays or runs again, whichever is true.
-                tracing::error!(key, %error, "idempotency: the transaction did not commit; answering 503");
+                tracing::error!(%error, "idempotency: the transaction did not commit; answering 503");
                 Ok(self.unavailable(response.into_parts().0, error))
             }
         }
@@ -356,7 +350,10 @@ impl Engine {
             }
         };
         let slot = TransactionSlot::offer(&req, transaction);
-        let called = AssertUnwindSafe(service.call(req)).catch_unwind().await;
+        // `call` inside the caught future, as in `run_and_capture`.
+        let called = AssertUnwindSafe(async move { service.call(req).await })
+            .catch_unwind()
+            .await;
         let transaction = slot.take_back();
         let response = match called {
             Ok(Ok(response)) if policy.stores_status(response.status()) => response,

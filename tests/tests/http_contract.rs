@@ -10,6 +10,7 @@
 
 use std::time::Duration;
 
+use actix_web::dev::Service;
 use actix_web::http::{Method, StatusCode, header::HeaderValue};
 use actix_web::web::{self, Bytes};
 use actix_web::{App, HttpRequest, HttpResponse};
@@ -171,6 +172,19 @@ fn start(backend: Backend, test: &str, configure: fn(Idempotency) -> Idempotency
                     web::resource("/panic")
                         .wrap(IdempotentRoute::new())
                         .route(web::post().to(panics)),
+                )
+                .service(
+                    // A layer under the middleware that panics in `call` itself, before it
+                    // returns a future, when the request asks it to.
+                    web::resource("/panic-in-call")
+                        .wrap_fn(|req, service| {
+                            if req.headers().contains_key("x-panic-in-call") {
+                                panic!("a layer panicked in call on purpose");
+                            }
+                            service.call(req)
+                        })
+                        .wrap(IdempotentRoute::new())
+                        .route(web::post().to(create)),
                 )
                 .service(
                     web::resource("/large")
@@ -480,6 +494,26 @@ async fn a_panicking_handler_is_500_and_releases_the_key(backend: Backend) {
     );
 }
 
+async fn a_layer_panicking_in_call_is_500_and_releases_the_key(backend: Backend) {
+    let h = start(backend, "panic_in_call", |i| i);
+    let key = h.key("c");
+    let request = h
+        .server
+        .post("/panic-in-call")
+        .insert_header(("idempotency-key", key.clone()))
+        .insert_header(("x-panic-in-call", "1"));
+    let first = h.finish(request.send_body("{}")).await;
+    assert_eq!(
+        first.assert_problem(500),
+        "tag:idempotency-actix,2026:handler-panicked"
+    );
+    // Released: the retry runs (the header is not part of the fingerprint), no 409.
+    let retry = h.post("/panic-in-call", Some(&key), "{}").await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(!retry.is_replay());
+    assert_eq!(h.runs.get(), 1);
+}
+
 async fn an_oversized_request_body_is_413_without_running(backend: Backend) {
     let h = start(backend, "too_large", |i| i);
     let big: &'static str = Box::leak("a".repeat(2048).into_boxed_str());
@@ -684,6 +718,7 @@ every_backend!(
     error_responses_release_the_key,
     a_route_can_store_error_responses,
     a_panicking_handler_is_500_and_releases_the_key,
+    a_layer_panicking_in_call_is_500_and_releases_the_key,
     an_oversized_request_body_is_413_without_running,
     a_body_sent_in_chunks_is_the_same_request,
     an_oversized_response_is_sent_whole_and_never_rerun,
