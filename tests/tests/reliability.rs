@@ -41,6 +41,8 @@ struct Setup {
     runs: RunCounter,
     route: fn() -> IdempotentRoute,
     configure: fn(Idempotency) -> Idempotency,
+    /// When set, the store's `begin`s are counted here.
+    begins: Option<RunCounter>,
 }
 
 impl Setup {
@@ -55,10 +57,17 @@ impl Setup {
             InitError = (),
         >,
     > {
+        let idempotency = match &self.begins {
+            Some(begins) => Idempotency::new(WatchedStore::counting(
+                RedisStore::new(self.pool.clone()),
+                begins.clone(),
+            )),
+            None => Idempotency::redis(self.pool.clone()),
+        };
         App::new()
             .app_data(web::Data::new(self.runs.clone()))
             .wrap((self.configure)(
-                Idempotency::redis(self.pool.clone()).key_prefix(self.prefix.clone()),
+                idempotency.key_prefix(self.prefix.clone()),
             ))
             .service(
                 web::resource("/orders")
@@ -113,6 +122,7 @@ fn app_factory(
         runs,
         route,
         configure,
+        begins: None,
     }
 }
 
@@ -248,55 +258,88 @@ async fn a_body_that_fails_after_the_handler_ran_is_never_run_again() {
     assert_eq!(runs.get(), 1);
 }
 
-#[actix_web::test]
-async fn a_retry_can_wait_for_the_first_request_and_replay_it() {
-    let runs = RunCounter::default();
-    let server = serve(app_factory(
-        redis_pool().await,
-        unique_prefix("wait"),
-        runs.clone(),
-        || {
-            IdempotentRoute::with_policy(
-                IdempotencyPolicy::default().wait_for_completion(Duration::from_secs(5)),
-            )
-        },
-        |i| i,
-    ));
+/// A first request to `/orders?delay_ms=…` on the shared Redis, with `route` and `configure`
+/// (the test's own prefix), and a retry with its key sent once the first one's handler
+/// runs: both replies, how many times the handler ran, and how many `begin`s the store got.
+async fn a_retry_while_the_first_runs(
+    test: &str,
+    delay_ms: u64,
+    route: fn() -> IdempotentRoute,
+    configure: fn(Idempotency) -> Idempotency,
+) -> (Reply, Reply, usize, usize) {
+    let (runs, begins) = (RunCounter::default(), RunCounter::default());
+    let server = serve(Setup {
+        begins: Some(begins.clone()),
+        ..app_factory(
+            redis_pool().await,
+            unique_prefix(test),
+            runs.clone(),
+            route,
+            configure,
+        )
+    });
     let client = awc::Client::default();
-    let url = server.url("/orders?delay_ms=600");
-    let (first, waiting) = futures_util::future::join(post(&client, &url, "w"), async {
+    let url = server.url(&format!("/orders?delay_ms={delay_ms}"));
+    let (first, retry) = futures_util::future::join(post(&client, &url, "w"), async {
         runs.wait_for(1).await;
         post(&client, &url, "w").await
     })
     .await;
+    (first, retry, runs.get(), begins.get())
+}
+
+/// With waiting for completion (5 s) allowed by `route` or `configure`, a retry sent while
+/// the first request runs waits for it and gets its response; the handler runs once.
+async fn a_retry_waits_and_gets_the_replay(
+    test: &str,
+    route: fn() -> IdempotentRoute,
+    configure: fn(Idempotency) -> Idempotency,
+) {
+    let (first, waiting, runs, _) = a_retry_while_the_first_runs(test, 600, route, configure).await;
     assert_eq!(first.status, StatusCode::CREATED);
     assert_eq!(waiting.status, StatusCode::CREATED);
     assert!(waiting.replayed, "the waiting retry got the first response");
     assert_eq!(waiting.body, first.body);
-    assert_eq!(runs.get(), 1);
+    assert_eq!(runs, 1);
+}
+
+/// Waiting for completion, up to 5 s.
+fn waiting_5_s() -> IdempotencyPolicy {
+    IdempotencyPolicy::default().wait_for_completion(Duration::from_secs(5))
+}
+
+#[actix_web::test]
+async fn a_retry_can_wait_for_the_first_request_and_replay_it() {
+    a_retry_waits_and_gets_the_replay(
+        "wait",
+        || IdempotentRoute::with_policy(waiting_5_s()),
+        |i| i,
+    )
+    .await;
+}
+
+#[actix_web::test]
+async fn a_retry_can_wait_under_the_app_default_and_replay_it() {
+    a_retry_waits_and_gets_the_replay("wait_app", IdempotentRoute::new, |i| {
+        i.policy(waiting_5_s())
+    })
+    .await;
 }
 
 #[actix_web::test]
 async fn waiting_is_bounded_then_409() {
-    let runs = RunCounter::default();
-    let server = serve(app_factory(
-        redis_pool().await,
-        unique_prefix("wait_bound"),
-        runs.clone(),
-        IdempotentRoute::new,
-        |i| i.policy(IdempotencyPolicy::default().wait_for_completion(Duration::from_millis(200))),
-    ));
-    let client = awc::Client::default();
-    let url = server.url("/orders?delay_ms=1500");
-    let (first, waiting) = futures_util::future::join(post(&client, &url, "w"), async {
-        runs.wait_for(1).await;
-        post(&client, &url, "w").await
-    })
-    .await;
+    let (first, waiting, runs, begins) =
+        a_retry_while_the_first_runs("wait_bound", 1500, IdempotentRoute::new, |i| {
+            i.policy(IdempotencyPolicy::default().wait_for_completion(Duration::from_millis(500)))
+        })
+        .await;
     assert_eq!(first.status, StatusCode::CREATED);
     assert_eq!(waiting.status, StatusCode::CONFLICT);
     assert_eq!(waiting.retry_after.as_deref(), Some("1"));
-    assert_eq!(runs.get(), 1);
+    assert_eq!(runs, 1);
+    // The first request's `begin`, then the retry's: it asked again while it waited (a
+    // retry that did not wait asks once).
+    assert!(begins >= 3, "the retry did not wait: {begins} begins");
 }
 
 /// How a client leaves while its handler runs.
@@ -631,17 +674,32 @@ async fn graceful_shutdown_lets_in_flight_requests_finish_and_commit() {
     assert_eq!(runs.get(), 1);
 }
 
-/// A store whose `begin`s land only once its gate is open, even when the caller gave up
-/// waiting: a `begin` that timed out and runs late, after the engine abandoned its token.
+/// A store that counts its `begin`s (once each has landed) and `abandon`s, and whose
+/// `begin`s land only once its gate is open, even when the caller gave up waiting: a
+/// `begin` that timed out and runs late, after the engine abandoned its token.
 #[derive(Clone)]
-struct LateBegins<S> {
+struct WatchedStore<S> {
     inner: S,
     gate: Gate,
     abandons: RunCounter,
     landed: RunCounter,
 }
 
-impl<S: IdempotencyStore + Clone> IdempotencyStore for LateBegins<S> {
+impl<S> WatchedStore<S> {
+    /// `inner` with its gate open: every `begin` lands at once and is counted in `begins`.
+    fn counting(inner: S, begins: RunCounter) -> Self {
+        let gate = Gate::default();
+        gate.open();
+        Self {
+            inner,
+            gate,
+            abandons: RunCounter::default(),
+            landed: begins,
+        }
+    }
+}
+
+impl<S: IdempotencyStore + Clone> IdempotencyStore for WatchedStore<S> {
     async fn begin(
         &self,
         key: &StorageKey,
@@ -706,7 +764,7 @@ async fn a_begin_that_lands_after_it_was_abandoned_never_blocks_the_key(
     inner: impl IdempotencyStore + Clone + Send,
 ) {
     let runs = RunCounter::default();
-    let store = LateBegins {
+    let store = WatchedStore {
         inner,
         gate: Gate::default(),
         abandons: RunCounter::default(),
