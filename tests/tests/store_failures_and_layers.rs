@@ -420,21 +420,19 @@ async fn an_unreachable_redis_is_503_and_a_slow_store_times_out() {
     let (status, headers, body) = send(&unreachable, Method::POST, "/orders", Some("k")).await;
     assert_503(status, &headers, &body);
 
+    // The `begin` answers after 2 s, well within the client's own timeout (5 s): waited for,
+    // it would acquire and the handler would run (201). The 503 shows the store timeout
+    // (200 ms) cut it short.
     let slow = SlowStore {
         inner: MemoryStore::new(),
-        delay: Duration::from_secs(5),
+        delay: Duration::from_secs(2),
         commit_delay: Duration::ZERO,
     };
     let server = start_with(&runs, move || {
         Idempotency::new(slow.clone()).store_timeout(Duration::from_millis(200))
     });
-    let started = std::time::Instant::now();
     let (status, headers, body) = send(&server, Method::POST, "/orders", Some("k")).await;
     assert_503(status, &headers, &body);
-    assert!(
-        started.elapsed() < Duration::from_secs(5),
-        "the store timeout bounded the wait"
-    );
     assert_eq!(runs.get(), 0);
 }
 
