@@ -259,17 +259,25 @@ async fn a_token_holds_its_key_while_another_statement_holds_the_lock() {
     let database = TestDatabase::create().await;
     let store = database.store().await;
     let (key, token) = (key("k"), LeaseToken::generate());
+    // The advisory lock of `k` in `idempotency_records`, as the unit test
+    // `the_lock_id_of_a_known_key_never_changes` pins it, held by another transaction.
+    let holder = database.connection().await;
+    let hold = || holder.batch_execute("BEGIN; SELECT pg_advisory_xact_lock(6440539836243116760)");
+    // It is the lock the store takes for `k`: while it is held, a `begin` of the key that has
+    // no record finds it taken and claims nothing (in flight). A store that derived another
+    // lock would acquire here, and the rest of the test would meet no contention.
+    hold().await.unwrap();
+    assert_eq!(
+        store.begin(&key, &print(), &token, LEASE).await.unwrap(),
+        BeginOutcome::InFlight,
+        "the store does not take the pinned lock of `k`"
+    );
+    holder.batch_execute("ROLLBACK").await.unwrap();
     assert_eq!(
         store.begin(&key, &print(), &token, LEASE).await.unwrap(),
         BeginOutcome::Acquired
     );
-    // The advisory lock of `k` in `idempotency_records`, as the unit test
-    // `the_lock_id_of_a_known_key_never_changes` pins it, held by another transaction.
-    let holder = database.connection().await;
-    holder
-        .batch_execute("BEGIN; SELECT pg_advisory_xact_lock(6440539836243116760)")
-        .await
-        .unwrap();
+    hold().await.unwrap();
     assert_eq!(
         store.begin(&key, &print(), &token, LEASE).await.unwrap(),
         BeginOutcome::Acquired
