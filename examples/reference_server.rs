@@ -28,6 +28,9 @@
 //! * `IDEMPOTENCY_PREFIX` [`idempotency:`]: prefix of every storage key, so apps or test runs
 //!   sharing one Redis stay apart.
 //! * `WORKERS` [one per core]: the number of Actix workers.
+//! * `LOG_LEVEL` [`warn`]: `off`, `error`, `warn`, `info`, `debug` or `trace`; the least
+//!   severe level of the log (the middleware's `tracing` events: store errors, fail-open,
+//!   lost records, misconfiguration; `debug` adds each request's outcome) on stderr.
 //! * `REPLAY_CACHE` [`off`] or `on`: answer replays from a 64 MiB in-process replay cache;
 //!   only with `REDIS_URL`, `REDIS_CLUSTER_URLS` or `DATABASE_URL` (the in-memory store
 //!   answers replays from the process already and needs no cache).
@@ -57,6 +60,14 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    // On stderr: stdout carries the `listening on` line that whoever started us waits for.
+    let logging = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_max_level(config.log_level)
+        .try_init();
+    if let Err(error) = logging {
+        eprintln!("reference_server: no log on stderr: {error}");
+    }
     actix_web::rt::System::new().block_on(serve(config))
 }
 

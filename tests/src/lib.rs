@@ -415,8 +415,9 @@ pub struct ReferenceServer {
 }
 
 /// The environment variables the reference server reads.
-const REFERENCE_SERVER_VARIABLES: [&str; 10] = [
+const REFERENCE_SERVER_VARIABLES: [&str; 11] = [
     "BIND",
+    "LOG_LEVEL",
     "REDIS_URL",
     "REDIS_CLUSTER_URLS",
     "DATABASE_URL",

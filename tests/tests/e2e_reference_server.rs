@@ -678,6 +678,8 @@ fn invalid_configuration_is_refused_with_a_clear_message() {
         ("REDIS_URL", "not a url", 1),
         ("BIND", "not-an-address", 2),
         ("BIND", "127.0.0.1:99999", 2),
+        ("LOG_LEVEL", "loud", 2),
+        ("LOG_LEVEL", "3", 2),
     ] {
         let (code, stderr) = exit_of(&[(variable, value)]);
         assert_eq!(code, Some(exit_status), "{variable}={value:?}: {stderr}");
@@ -699,6 +701,55 @@ fn a_replay_cache_on_the_in_memory_store_is_refused() {
 fn closed_port() -> u16 {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     listener.local_addr().unwrap().port()
+}
+
+/// Waits up to 10 s for a line with `text` on the server's stderr, and returns it.
+async fn line_on_stderr(server: &ReferenceServer, text: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let stderr = server.stderr();
+        if let Some(line) = stderr.lines().find(|line| line.contains(text)) {
+            return line.to_owned();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no {text:?} on stderr:\n{stderr}"
+        );
+        actix_rt::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The middleware's log reaches stderr: its errors and warnings by default (here a store
+/// that does not answer), its debug lines (each request's outcome) with `LOG_LEVEL=debug`.
+#[actix_rt::test]
+async fn the_middlewares_log_reaches_stderr() {
+    let client = client();
+    let order = json!({ "item": "book", "qty": 1 });
+    let redis = format!("redis://127.0.0.1:{}", closed_port());
+    for (env, status, text, level) in [
+        (
+            ("REDIS_URL", redis.as_str()),
+            StatusCode::SERVICE_UNAVAILABLE,
+            "idempotency store failed; answering 503",
+            "ERROR",
+        ),
+        (
+            ("LOG_LEVEL", "debug"),
+            StatusCode::CREATED,
+            "idempotency: executing",
+            "DEBUG",
+        ),
+    ] {
+        let server = ReferenceServer::start(&[env]);
+        let reply = post_json(&client, &server.url("/orders"), Some(&new_key()), &order).await;
+        assert_eq!(reply.status, status, "{reply:?}");
+        let line = line_on_stderr(&server, text).await;
+        assert!(line.contains(level), "{line}");
+        if env.0 == "REDIS_URL" {
+            // By default, lines below WARN (written before this one) are left out.
+            assert!(!server.stderr().contains("DEBUG"), "{}", server.stderr());
+        }
+    }
 }
 
 /// `POST /ledger` is transactional; an app-level layer protecting POST would claim it

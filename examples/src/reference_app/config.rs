@@ -4,6 +4,7 @@ use std::ffi::OsString;
 use std::num::{NonZeroU32, NonZeroUsize};
 
 use actix_web::http::Method;
+use tracing_subscriber::filter::LevelFilter;
 
 /// The methods `IDEMPOTENCY_METHODS` may name: the unsafe ones (safe methods are never
 /// protected, and an unknown name is more likely a typo than an extension method).
@@ -23,6 +24,7 @@ pub const PROTECTABLE_METHODS: [Method; 4] =
 /// | `IDEMPOTENCY_METHODS` | comma-separated methods whose untagged routes are protected too, e.g. `POST,PATCH`; not `POST` with `DATABASE_URL` (it would claim the transactional `POST /ledger` outside its transaction) | none |
 /// | `IDEMPOTENCY_PREFIX` | prefix of every storage key, to keep apps or test runs apart on one Redis | the crate's (`idempotency:`) |
 /// | `WORKERS` | number of Actix workers | Actix's default (one per core) |
+/// | `LOG_LEVEL` | the least severe level of the log on stderr: `off`, `error`, `warn`, `info`, `debug` or `trace` | `warn` |
 /// | `REPLAY_CACHE` | `on`: answer replays from an in-process [`ReplayCache`](idempotency_actix::ReplayCache) of 64 MiB; needs a store variable (the in-memory store needs no cache) | `off` |
 ///
 /// An empty variable counts as unset. At most one store variable may be set: `REDIS_URL`,
@@ -49,6 +51,8 @@ pub struct ServerConfig {
     pub workers: Option<NonZeroUsize>,
     /// `REPLAY_CACHE`: whether completed records are cached in process.
     pub replay_cache: bool,
+    /// `LOG_LEVEL`: the least severe level the reference server logs on stderr.
+    pub log_level: LevelFilter,
 }
 
 impl Default for ServerConfig {
@@ -64,6 +68,7 @@ impl Default for ServerConfig {
             key_prefix: None,
             workers: None,
             replay_cache: false,
+            log_level: LevelFilter::WARN,
         }
     }
 }
@@ -260,6 +265,22 @@ impl ServerConfig {
 
         config.key_prefix = var("IDEMPOTENCY_PREFIX", "a key prefix")?;
 
+        const LEVEL: &str = "one of off, error, warn, info, debug, trace";
+        if let Some(value) = var("LOG_LEVEL", LEVEL)? {
+            config.log_level = [
+                LevelFilter::OFF,
+                LevelFilter::ERROR,
+                LevelFilter::WARN,
+                LevelFilter::INFO,
+                LevelFilter::DEBUG,
+                LevelFilter::TRACE,
+            ]
+            .into_iter()
+            // By name only: `LevelFilter`'s own parser also takes digits and an empty string.
+            .find(|level| level.to_string().eq_ignore_ascii_case(&value))
+            .ok_or_else(|| invalid("LOG_LEVEL", &value, LEVEL))?;
+        }
+
         const COUNT: &str = "a positive number of workers";
         if let Some(value) = var("WORKERS", COUNT)? {
             config.workers = Some(
@@ -321,6 +342,7 @@ mod tests {
             ("IDEMPOTENCY_PREFIX", "test:"),
             ("WORKERS", "2"),
             ("REPLAY_CACHE", "on"),
+            ("LOG_LEVEL", "Debug"),
         ])
         .expect("valid");
         assert_eq!(config.bind, "127.0.0.1:0");
@@ -330,6 +352,7 @@ mod tests {
         assert_eq!(config.key_prefix.as_deref(), Some("test:"));
         assert_eq!(config.workers.map(NonZeroUsize::get), Some(2));
         assert!(config.replay_cache);
+        assert_eq!(config.log_level, LevelFilter::DEBUG);
     }
 
     #[test]
@@ -474,6 +497,8 @@ mod tests {
             ("IDEMPOTENCY_METHODS", "PSOT"),
             ("WORKERS", "0"),
             ("WORKERS", "two"),
+            ("LOG_LEVEL", "3"),
+            ("LOG_LEVEL", "warning"),
         ] {
             let error = parse(&[(variable, value)]).expect_err(value);
             assert_eq!(error.variable, variable);
