@@ -6,6 +6,7 @@ use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::rc::Rc;
 use std::task::{Context, Poll, ready};
+use std::time::Duration;
 
 use actix_web::body::{BodySize, MessageBody};
 use actix_web::web::{Bytes, BytesMut};
@@ -29,7 +30,10 @@ type Chunk = Option<Result<Bytes, Box<dyn StdError>>>;
 /// committed without a body, and the client's response ends with the error.
 ///
 /// If the client goes away first, the rest of the body is read on a task of its own, up to
-/// the limit, and committed the same way.
+/// the limit, and committed the same way. A body that then produces nothing for `idle` (the
+/// lease) is dropped and its record committed without a body: with no client to wait for
+/// it, a stalled stream would otherwise keep its key locked (renewing its lease) and its
+/// work slot taken for as long as the process runs.
 pub(crate) struct CapturingBody<B: MessageBody + 'static> {
     body: Option<Pin<Box<B>>>,
     /// `Some` until the record is being completed.
@@ -37,6 +41,8 @@ pub(crate) struct CapturingBody<B: MessageBody + 'static> {
     /// The commit under way, and the chunk (or end, or error) that waits for it.
     committing: Option<(LocalBoxFuture<'static, ()>, Chunk)>,
     client: Option<ClientAttached>,
+    /// How long the rest of the body may produce nothing once its client is gone.
+    idle: Duration,
 }
 
 struct Recording {
@@ -51,7 +57,13 @@ impl<B> CapturingBody<B>
 where
     B: MessageBody + 'static,
 {
-    pub(crate) fn new(body: B, limit: usize, commit: Commit, slot: Option<Rc<WorkSlot>>) -> Self {
+    pub(crate) fn new(
+        body: B,
+        limit: usize,
+        idle: Duration,
+        commit: Commit,
+        slot: Option<Rc<WorkSlot>>,
+    ) -> Self {
         let remaining = match body.size() {
             BodySize::Sized(size) => Some(size),
             BodySize::None => Some(0),
@@ -67,6 +79,7 @@ where
             }),
             committing: None,
             client: Some(ClientAttached::new(slot)),
+            idle,
         }
     }
 
@@ -180,13 +193,29 @@ impl<B: MessageBody + 'static> Drop for CapturingBody<B> {
             recording: self.recording.take(),
             committing: self.committing.take(),
             client: None,
+            idle: self.idle,
         };
+        let idle = self.idle;
         actix_rt::spawn(async move {
             while rest.is_recording() {
-                if std::future::poll_fn(|cx| rest.poll_chunk(cx))
-                    .await
-                    .is_none()
-                {
+                let waits_for_body = rest.recording.is_some();
+                let next = std::future::poll_fn(|cx| rest.poll_chunk(cx));
+                let chunk = if waits_for_body {
+                    match actix_rt::time::timeout(idle, next).await {
+                        Ok(chunk) => chunk,
+                        Err(_stalled) => {
+                            tracing::warn!(
+                                "idempotency: a response body produced nothing for a lease after its client left; its record completes without a body"
+                            );
+                            rest.body = None;
+                            rest.commit(None, None);
+                            continue;
+                        }
+                    }
+                } else {
+                    next.await
+                };
+                if chunk.is_none() {
                     break;
                 }
             }

@@ -567,6 +567,7 @@ impl Engine {
                     async move { keep_renewing(&lock).await }
                 }));
                 let (engine, held) = (Rc::clone(self), slot.clone());
+                let lease = lock.lease.get();
                 let commit: Commit = Box::new(move |body| {
                     Box::pin(async move {
                         let stored = StoredResponse { body, ..stored };
@@ -574,7 +575,7 @@ impl Engine {
                         drop((renewals, held));
                     })
                 });
-                let body = CapturingBody::new(body, limit, commit, slot);
+                let body = CapturingBody::new(body, limit, lease, commit, slot);
                 Ok(response.map_body(|_, ()| IdempotentBody::produced(BoxBody::new(body))))
             }
         }

@@ -184,7 +184,8 @@
 //!   replay then has the status and headers only): the handler ran, so it never runs again.
 //!   A stream that outgrows the stored-body limit completes its record then and stops
 //!   renewing its lease, so an endless stream holds nothing; one whose client left is read
-//!   on to its end (or the limit) and committed.
+//!   on to its end (or the limit) and committed, or committed without a body once it has
+//!   produced nothing for a lease.
 //! * Every store operation is bounded by the store timeout (2 s). If `begin` times out (or
 //!   its client goes away), its token is abandoned in the background
 //!   ([`IdempotencyStore::abandon`]): the store remembers it, so that `begin`, landing late

@@ -58,6 +58,26 @@ async fn endless(runs: web::Data<RunCounter>) -> HttpResponse {
     HttpResponse::Ok().streaming(chunks)
 }
 
+/// `FIRST`; once the gate is open, a chunk every 20 ms for 200 ms (so that Actix, writing
+/// them, finds its client gone and drops the body); then nothing, forever.
+async fn stalled(runs: web::Data<RunCounter>, gate: web::Data<Gate>) -> HttpResponse {
+    runs.record();
+    let gate = gate.get_ref().clone();
+    let after_the_gate =
+        futures_util::stream::once(async move { gate.wait().await }).flat_map(|()| {
+            futures_util::stream::unfold(0, |sent| async move {
+                (sent < 10).then_some(())?;
+                actix_rt::time::sleep(Duration::from_millis(20)).await;
+                Some((Bytes::from_static(b"{}\n"), sent + 1))
+            })
+        });
+    let chunks = futures_util::stream::iter([Bytes::from_static(FIRST)])
+        .chain(after_the_gate)
+        .chain(futures_util::stream::pending())
+        .map(Ok::<_, actix_web::Error>);
+    HttpResponse::Ok().streaming(chunks)
+}
+
 fn start(test: &str, runs: &RunCounter, gate: &Gate) -> actix_test::TestServer {
     let pool = RedisStore::pool(&redis_url()).unwrap();
     let prefix = unique_prefix(test);
@@ -82,6 +102,13 @@ fn start(test: &str, runs: &RunCounter, gate: &Gate) -> actix_test::TestServer {
                         IdempotencyPolicy::default().max_stored_body(4096),
                     ))
                     .route(web::post().to(endless)),
+            )
+            .service(
+                web::resource("/stalled")
+                    .wrap(IdempotentRoute::with_policy(
+                        IdempotencyPolicy::default().lease(Duration::from_secs(1)),
+                    ))
+                    .route(web::post().to(stalled)),
             )
     })
 }
@@ -197,6 +224,42 @@ async fn a_stream_whose_client_left_is_read_to_its_end_and_committed() {
         }
         assert_eq!(retry.headers().get("idempotent-replayed").unwrap(), "true");
         assert_eq!(retry.body().await.unwrap(), [FIRST, LAST].concat());
+        assert_eq!(runs.get(), 1);
+        return;
+    }
+    panic!("the record stayed in flight");
+}
+
+#[actix_rt::test]
+async fn a_stalled_stream_whose_client_left_completes_its_record_without_a_body() {
+    let (runs, gate) = (RunCounter::default(), Gate::default());
+    let server = start("stream-stalled", &runs, &gate);
+    let client = awc::Client::default();
+    let request = || {
+        client
+            .post(server.url("/stalled"))
+            .insert_header(("idempotency-key", "stalled"))
+    };
+
+    let mut response = request().send().await.unwrap();
+    assert_eq!(next_chunk(&mut response).await, FIRST);
+    drop(response);
+    gate.open();
+
+    // Nothing comes for a lease (1 s): the record completes without a body instead of
+    // staying in flight, its lease renewed, for as long as the process runs.
+    for _ in 0..500 {
+        let retry = request().send().await.unwrap();
+        if retry.status() == 409 {
+            actix_rt::time::sleep(Duration::from_millis(10)).await;
+            continue;
+        }
+        assert_eq!(retry.status(), 200);
+        assert_eq!(retry.headers().get("idempotent-replayed").unwrap(), "true");
+        assert_eq!(
+            retry.headers().get("idempotent-body-omitted").unwrap(),
+            "true"
+        );
         assert_eq!(runs.get(), 1);
         return;
     }
