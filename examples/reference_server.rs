@@ -41,11 +41,21 @@
 //! to start (bad `REDIS_URL` or `REDIS_CLUSTER_URLS`, a `DATABASE_URL` that cannot be
 //! reached or migrated, a `BIND` address in use or a host name that does not resolve) with
 //! status 1. The routes are listed in `idempotency_actix_examples::reference_app`.
+//!
+//! SIGTERM or SIGINT (Ctrl-C) stops it gracefully: it stops accepting connections, lets the
+//! requests in progress finish and commit their records (for up to 90 s, the longest
+//! `delay_ms` plus 30 s; past that they are dropped), and exits with status 0. A second
+//! SIGTERM or SIGINT during that wait stops it at once, with the status of a process killed
+//! by that signal (130 for SIGINT, 143 for SIGTERM): the requests still running are dropped
+//! and their keys stay locked (409) until their leases end.
 
 use std::io::Write;
+use std::pin::pin;
 use std::process::ExitCode;
+use std::task::Poll;
 
-use idempotency_actix_examples::reference_app::{self, ServerConfig};
+use actix_web::dev::ServerHandle;
+use idempotency_actix_examples::reference_app::{self, SHUTDOWN_TIMEOUT, ServerConfig};
 
 /// mimalloc, as production Rust services commonly run: the benchmark's baseline and every
 /// protected mode use the same allocator (README "Performance").
@@ -80,6 +90,14 @@ async fn serve(config: ServerConfig) -> ExitCode {
         }
     };
     eprintln!("reference_server: {}", running.summary);
+    // Listening before the line below: whoever started us may signal as soon as they read it.
+    let signals = match StopSignals::listen() {
+        Ok(signals) => signals,
+        Err(error) => {
+            eprintln!("reference_server: cannot listen for SIGINT and SIGTERM: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
     let mut stdout = std::io::stdout().lock();
     for addr in &running.addrs {
         // Whoever started us waits for this line; a closed stdout is their business.
@@ -87,11 +105,95 @@ async fn serve(config: ServerConfig) -> ExitCode {
     }
     let _ = stdout.flush();
     drop(stdout);
-    match running.server.await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
-            eprintln!("reference_server: {error}");
-            ExitCode::FAILURE
+    let mut forced = pin!(stop_on_signals(signals, running.server.handle()));
+    let mut server = pin!(running.server);
+    // Whichever ends first: the server, once stopped, or a second signal.
+    std::future::poll_fn(|cx| {
+        if let Poll::Ready(stopped) = server.as_mut().poll(cx) {
+            return Poll::Ready(match stopped {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(error) => {
+                    eprintln!("reference_server: {error}");
+                    ExitCode::FAILURE
+                }
+            });
         }
+        forced.as_mut().poll(cx)
+    })
+    .await
+}
+
+/// Stops `server` gracefully on the first SIGINT or SIGTERM; returns on the second, with
+/// the exit status of a forced stop (128 + the signal's number, as a shell reports a
+/// process that signal killed). Dropping the server then drops what is still running.
+async fn stop_on_signals(mut signals: StopSignals, server: ServerHandle) -> ExitCode {
+    let (name, _) = signals.next().await;
+    eprintln!(
+        "reference_server: {name}: stopping once the requests in progress finish (at most {} s); \
+         SIGINT or SIGTERM again stops at once",
+        SHUTDOWN_TIMEOUT.as_secs()
+    );
+    // The stop command is sent now; what it returns only tells when the server has stopped,
+    // which awaiting the server itself tells too.
+    drop(server.stop(true));
+    let (name, number) = signals.next().await;
+    eprintln!(
+        "reference_server: {name} again: stopping at once; requests in progress are dropped \
+         and their keys stay locked until their leases end"
+    );
+    ExitCode::from(128 + number)
+}
+
+/// The signals that stop the server: SIGINT (Ctrl-C) and SIGTERM.
+#[cfg(unix)]
+struct StopSignals {
+    interrupt: actix_web::rt::signal::unix::Signal,
+    terminate: actix_web::rt::signal::unix::Signal,
+}
+
+#[cfg(unix)]
+impl StopSignals {
+    /// Starts listening: from now on these signals no longer end the process by default.
+    fn listen() -> std::io::Result<Self> {
+        use actix_web::rt::signal::unix::{SignalKind, signal};
+        Ok(Self {
+            interrupt: signal(SignalKind::interrupt())?,
+            terminate: signal(SignalKind::terminate())?,
+        })
+    }
+
+    /// The next signal received: its name and number.
+    async fn next(&mut self) -> (&'static str, u8) {
+        std::future::poll_fn(|cx| {
+            if self.interrupt.poll_recv(cx).is_ready() {
+                Poll::Ready(("SIGINT", 2))
+            } else if self.terminate.poll_recv(cx).is_ready() {
+                Poll::Ready(("SIGTERM", 15))
+            } else {
+                Poll::Pending
+            }
+        })
+        .await
+    }
+}
+
+/// The signal that stops the server where there is no SIGTERM: Ctrl-C.
+#[cfg(not(unix))]
+struct StopSignals;
+
+#[cfg(not(unix))]
+impl StopSignals {
+    /// Listening starts with the first wait.
+    fn listen() -> std::io::Result<Self> {
+        Ok(Self)
+    }
+
+    /// The next Ctrl-C: its name, and the number of SIGINT.
+    async fn next(&mut self) -> (&'static str, u8) {
+        // An error means it cannot be listened for: then it never comes.
+        if actix_web::rt::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+        ("Ctrl-C", 2)
     }
 }

@@ -551,6 +551,19 @@ impl ReferenceServer {
         None
     }
 
+    /// Sends it `signal` (a name `kill -s` knows: `TERM`, `INT`) with kill(1).
+    ///
+    /// # Panics
+    ///
+    /// When kill(1) cannot be run or fails (the process is gone).
+    pub fn signal(&self, signal: &str) {
+        let sent = std::process::Command::new("kill")
+            .args(["-s", signal, &self.child.id().to_string()])
+            .status()
+            .unwrap_or_else(|error| panic!("cannot run kill: {error}"));
+        assert!(sent.success(), "kill -s {signal} failed: {sent}");
+    }
+
     /// Kills it at once (SIGKILL: like a crash, nothing is flushed or finished).
     pub fn kill(&mut self) {
         let _ = self.child.kill();

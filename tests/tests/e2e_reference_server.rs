@@ -140,13 +140,20 @@ async fn count(client: &awc::Client, server: &ReferenceServer, counter: &str) ->
 
 /// A server on the test Redis under a prefix of its own, plus `env`.
 async fn start_on_redis(test: &str, env: &[(&str, &str)]) -> (ReferenceServer, String) {
+    start_on_redis_with_prefix(&unique_prefix(test), env).await
+}
+
+/// A server on the test Redis under `prefix`, plus `env`.
+async fn start_on_redis_with_prefix(
+    prefix: &str,
+    env: &[(&str, &str)],
+) -> (ReferenceServer, String) {
     redis_connection().await; // a clear message when Redis is down
-    let prefix = unique_prefix(test);
     let url = redis_url();
-    let mut vars = vec![("REDIS_URL", url.as_str()), ("IDEMPOTENCY_PREFIX", &prefix)];
+    let mut vars = vec![("REDIS_URL", url.as_str()), ("IDEMPOTENCY_PREFIX", prefix)];
     vars.extend_from_slice(env);
     let server = ReferenceServer::start(&vars);
-    (server, prefix)
+    (server, prefix.to_owned())
 }
 
 fn assert_uuid_v4(value: &Value) -> uuid::Uuid {
@@ -639,6 +646,80 @@ async fn without_redis_url_the_in_memory_store_protects_routes() {
         .await
         .assert_replay_of(&first);
     assert_eq!(count(&client, &server, "orders").await, 1);
+}
+
+/// Waits up to 10 s until the Redis at `REDIS_URL` holds a record under `prefix`: a request
+/// has taken its key and its handler runs.
+async fn record_under(prefix: &str) {
+    let mut redis = redis_connection().await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while keys_under(&mut redis, prefix).await.is_empty() {
+        assert!(Instant::now() < deadline, "no record under {prefix}");
+        actix_rt::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// SIGTERM, or SIGINT (Ctrl-C), while a protected request runs: the server stops gracefully.
+/// The request finishes and its record is committed, the process exits 0, and a server
+/// started afterwards on the same Redis replays the response without running the handler.
+#[actix_rt::test]
+async fn a_signal_lets_the_running_request_finish_and_commit() {
+    let client = client();
+    let order = json!({ "item": "clock", "qty": 1 });
+    for signal in ["TERM", "INT"] {
+        let (mut server, prefix) = start_on_redis(&format!("e2e-sig{signal}"), &[]).await;
+        let key = new_key();
+        let path = "/orders?delay_ms=1500";
+        let url = server.url(path);
+        let (reply, ()) =
+            futures_util::future::join(post_json(&client, &url, Some(&key), &order), async {
+                record_under(&prefix).await;
+                server.signal(signal);
+            })
+            .await;
+        reply.assert_executed(StatusCode::CREATED);
+        let status = server.wait_for_exit().expect("the server stops");
+        assert_eq!(status.code(), Some(0), "SIG{signal}: {}", server.stderr());
+
+        let (after, _) = start_on_redis_with_prefix(&prefix, &[]).await;
+        post_json(&client, &after.url(path), Some(&key), &order)
+            .await
+            .assert_replay_of(&reply);
+        assert_eq!(count(&client, &after, "orders").await, 0);
+    }
+}
+
+/// A second signal during the graceful stop stops the server at once, with the exit status
+/// of a process killed by that signal; the request it dropped keeps its key locked.
+#[actix_rt::test]
+async fn a_second_signal_stops_at_once() {
+    let client = client();
+    let order = json!({ "item": "kettle", "qty": 1 });
+    let (mut server, prefix) = start_on_redis("e2e-sig-twice", &[]).await;
+    let key = new_key();
+    // Long enough that only a forced stop ends it before the client's 30 s timeout.
+    let path = "/orders?delay_ms=20000";
+    let (reply, ()) = futures_util::future::join(
+        client
+            .post(server.url(path))
+            .insert_header(("Idempotency-Key", key.as_str()))
+            .send_json(&order),
+        async {
+            record_under(&prefix).await;
+            server.signal("TERM");
+            line_on_stderr(&server, "stopping once").await;
+            server.signal("INT");
+        },
+    )
+    .await;
+    assert!(reply.is_err(), "the request was not dropped: {reply:?}");
+    let status = server.wait_for_exit().expect("the server stops at once");
+    assert_eq!(status.code(), Some(130), "{}", server.stderr());
+
+    let (after, _) = start_on_redis_with_prefix(&prefix, &[]).await;
+    post_json(&client, &after.url(path), Some(&key), &order)
+        .await
+        .assert_problem(StatusCode::CONFLICT);
 }
 
 /// Runs the reference server with `env` until it exits by itself, as it does when it refuses

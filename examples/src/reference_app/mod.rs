@@ -46,6 +46,12 @@ pub use self::routes::{
 /// How long each write waits for its replicas with `IDEMPOTENCY_REPLICAS` set.
 pub const REPLICA_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
 
+/// How long a graceful stop waits for the requests in progress before it drops them: the
+/// longest handler the server has (`POST /orders?delay_ms=60000`) plus 30 s for the store
+/// and the response.
+pub const SHUTDOWN_TIMEOUT: std::time::Duration =
+    std::time::Duration::from_secs(MAX_DELAY_MS / 1000 + 30);
+
 /// The size of the replay cache with `REPLAY_CACHE=on`.
 pub const REPLAY_CACHE_BYTES: u64 = 64 * 1024 * 1024;
 
@@ -176,7 +182,10 @@ pub struct Running {
 /// Binds and starts the reference server for `config`.
 ///
 /// Call it inside an Actix system (`#[actix_web::main]`, `actix_web::rt::System`), then
-/// await or spawn [`Running::server`]. With Redis (and idempotency on) it checks the
+/// await or spawn [`Running::server`]. The server handles no signals itself (Actix's own
+/// handling would drop the requests in progress on SIGINT): its owner stops it through
+/// [`Server::handle`], and a graceful stop lets requests in progress finish, and commit, for
+/// up to [`SHUTDOWN_TIMEOUT`]. With Redis (and idempotency on) it checks the
 /// connection once and warns on stderr when Redis does not answer; the server starts anyway
 /// and answers protected requests with 503 until Redis is up. With PostgreSQL it migrates
 /// the store's table and creates table `ledger` (both if missing), and deletes expired
@@ -240,7 +249,9 @@ pub async fn start(config: &ServerConfig) -> Result<Running, StartError> {
     // Two server types: with the middleware, and without any (the benchmark baseline).
     macro_rules! serve {
         ($server:expr) => {{
-            let mut server = $server;
+            let mut server = $server
+                .disable_signals()
+                .shutdown_timeout(SHUTDOWN_TIMEOUT.as_secs());
             if let Some(workers) = config.workers {
                 server = server.workers(workers.get());
             }
