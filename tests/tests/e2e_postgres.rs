@@ -1,6 +1,7 @@
 //! The reference server on PostgreSQL (`DATABASE_URL`) as a real process: crashes at every
 //! point of a transactional request (`std::process::abort` through `X-Crash`), a crash on a
-//! plain route, the `/ledger` routes, and the store variables that exclude each other.
+//! plain route, the `/ledger` routes (also beside `IDEMPOTENCY_METHODS` without POST), and
+//! the store variables that exclude each other.
 //!
 //! Each test runs its servers on a database of its own on the server at `DATABASE_URL`
 //! (default postgres://postgres@127.0.0.1:5432/postgres).

@@ -1,7 +1,8 @@
 //! The reference server (DESIGN §11) as a real process, driven over HTTP: every route's
 //! contract, concurrency on one instance and across two sharing one Redis, expiry, error
-//! and panic release, oversized responses, `IDEMPOTENCY=off`, `IDEMPOTENCY_METHODS`, and
-//! invalid configuration.
+//! and panic release, oversized responses, `IDEMPOTENCY=off`, `IDEMPOTENCY_METHODS`, the
+//! graceful stop on SIGTERM and SIGINT, the middleware's log on stderr, and invalid
+//! configuration.
 //!
 //! Each test starts its own servers (see [`ReferenceServer`]) on the Redis at `REDIS_URL`
 //! (default 127.0.0.1:6379) under a key prefix of its own (`IDEMPOTENCY_PREFIX`), and
@@ -659,34 +660,51 @@ async fn record_under(prefix: &str) {
     }
 }
 
-/// SIGTERM, or SIGINT (Ctrl-C), while a protected request runs: the server stops gracefully.
-/// The request finishes and its record is committed, the process exits 0, and a server
-/// started afterwards on the same Redis replays the response without running the handler.
+/// Sends `signal` to a server on the test Redis while its handler runs a keyed
+/// `POST /orders?delay_ms={delay_ms}`, and checks the graceful stop: the request finishes
+/// with 201 and its record is committed, the process exits 0, and a server started
+/// afterwards on the same Redis replays the response without running the handler.
+async fn assert_graceful_stop(signal: &str, delay_ms: u64) {
+    // Bounds the wait, beyond the longest delay asked for.
+    let client = awc::Client::builder()
+        .timeout(Duration::from_millis(delay_ms) + Duration::from_secs(30))
+        .finish();
+    let order = json!({ "item": "clock", "qty": 1 });
+    let (mut server, prefix) = start_on_redis(&format!("e2e-sig{signal}"), &[]).await;
+    let key = new_key();
+    let path = format!("/orders?delay_ms={delay_ms}");
+    let url = server.url(&path);
+    let (reply, ()) =
+        futures_util::future::join(post_json(&client, &url, Some(&key), &order), async {
+            record_under(&prefix).await;
+            server.signal(signal);
+        })
+        .await;
+    reply.assert_executed(StatusCode::CREATED);
+    let status = server.wait_for_exit().expect("the server stops");
+    assert_eq!(status.code(), Some(0), "SIG{signal}: {}", server.stderr());
+
+    let (after, _) = start_on_redis_with_prefix(&prefix, &[]).await;
+    post_json(&client, &after.url(&path), Some(&key), &order)
+        .await
+        .assert_replay_of(&reply);
+    assert_eq!(count(&client, &after, "orders").await, 0);
+}
+
+/// SIGTERM, or SIGINT (Ctrl-C), while a protected request runs: the server stops gracefully
+/// (Actix's own handling of SIGINT dropped the request).
 #[actix_rt::test]
 async fn a_signal_lets_the_running_request_finish_and_commit() {
-    let client = client();
-    let order = json!({ "item": "clock", "qty": 1 });
     for signal in ["TERM", "INT"] {
-        let (mut server, prefix) = start_on_redis(&format!("e2e-sig{signal}"), &[]).await;
-        let key = new_key();
-        let path = "/orders?delay_ms=1500";
-        let url = server.url(path);
-        let (reply, ()) =
-            futures_util::future::join(post_json(&client, &url, Some(&key), &order), async {
-                record_under(&prefix).await;
-                server.signal(signal);
-            })
-            .await;
-        reply.assert_executed(StatusCode::CREATED);
-        let status = server.wait_for_exit().expect("the server stops");
-        assert_eq!(status.code(), Some(0), "SIG{signal}: {}", server.stderr());
-
-        let (after, _) = start_on_redis_with_prefix(&prefix, &[]).await;
-        post_json(&client, &after.url(path), Some(&key), &order)
-            .await
-            .assert_replay_of(&reply);
-        assert_eq!(count(&client, &after, "orders").await, 0);
+        assert_graceful_stop(signal, 1500).await;
     }
+}
+
+/// A graceful stop waits for a handler that runs longer than Actix's default shutdown
+/// timeout of 30 s (which dropped it): this test takes 32 s.
+#[actix_rt::test]
+async fn a_graceful_stop_waits_for_a_request_longer_than_thirty_seconds() {
+    assert_graceful_stop("TERM", 32_000).await;
 }
 
 /// A second signal during the graceful stop stops the server at once, with the exit status
