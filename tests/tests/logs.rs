@@ -382,3 +382,32 @@ async fn a_lost_in_flight_record_is_an_error_without_the_key() {
         "the key value leaked into the log"
     );
 }
+
+async fn panics() -> HttpResponse {
+    panic!("a handler panicked on purpose for the log test");
+}
+
+#[actix_web::test]
+async fn a_handler_s_panic_is_an_error_in_the_request_span_without_the_storage_key() {
+    log();
+    let server = memory_server(|| {
+        web::resource("/panics-logged")
+            .wrap(IdempotentRoute::new())
+            .route(web::post().to(panics))
+    });
+    assert_eq!(
+        post(&server, "/panics-logged", "panic-log-1").await,
+        StatusCode::INTERNAL_SERVER_ERROR
+    );
+    assert_logged_in_request_span("handler panicked; key released", "/panics-logged");
+    let logged = logged();
+    let line = logged
+        .lines()
+        .find(|line| line.contains("handler panicked; key released"))
+        .unwrap();
+    assert!(line.contains("ERROR"), "{line}");
+    assert!(
+        !line.contains("key="),
+        "no storage key at error level: {line}"
+    );
+}

@@ -17,7 +17,7 @@ use actix_web::{App, HttpResponse, web};
 use idempotency_actix::{
     FailMode, Idempotency, IdempotencyPolicy, IdempotentRoute, MemoryStore, Outcome, RedisStore,
 };
-use idempotency_actix_tests::{Reply, RunCounter};
+use idempotency_actix_tests::{Gate, Reply, RunCounter};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 
 /// Held by each test for its whole run.
@@ -39,11 +39,14 @@ fn snapshotter() -> &'static Snapshotter {
 type Labels = Vec<(String, String)>;
 
 /// Every counter and gauge now: (name, labels sorted, value). A snapshot reports counters
-/// as increments since the last one (and drains histograms), so counters are summed here.
+/// as increments since the last one, and gauges as their change since the last one (it
+/// sets each to zero once read, and the middleware only increments and decrements them),
+/// and drains histograms: counters and gauges are summed here.
 fn metrics() -> Vec<(String, Labels, DebugValue)> {
     static TOTALS: std::sync::Mutex<Vec<(String, Labels, u64)>> = std::sync::Mutex::new(Vec::new());
+    static GAUGES: std::sync::Mutex<Vec<(String, Labels, f64)>> = std::sync::Mutex::new(Vec::new());
     let mut totals = TOTALS.lock().unwrap();
-    let mut gauges = Vec::new();
+    let mut gauges = GAUGES.lock().unwrap();
     for (key, _, _, value) in snapshotter().snapshot().into_vec() {
         let (_, key) = key.into_parts();
         let mut labels: Labels = key
@@ -62,14 +65,28 @@ fn metrics() -> Vec<(String, Labels, DebugValue)> {
                     None => totals.push((name, labels, increment)),
                 }
             }
-            gauge @ DebugValue::Gauge(_) => gauges.push((name, labels, gauge)),
+            DebugValue::Gauge(change) => {
+                let known = gauges
+                    .iter_mut()
+                    .find(|(n, l, _)| *n == name && *l == labels);
+                match known {
+                    Some((_, _, value)) => *value += change.into_inner(),
+                    None => gauges.push((name, labels, change.into_inner())),
+                }
+            }
             DebugValue::Histogram(_) => {}
         }
     }
     totals
         .iter()
         .map(|(name, labels, total)| (name.clone(), labels.clone(), DebugValue::Counter(*total)))
-        .chain(gauges)
+        .chain(gauges.iter().map(|(name, labels, value)| {
+            (
+                name.clone(),
+                labels.clone(),
+                DebugValue::Gauge((*value).into()),
+            )
+        }))
         .collect()
 }
 
@@ -450,4 +467,77 @@ async fn replay_cache_evictions_are_counted() {
         actix_rt::time::sleep(Duration::from_millis(10)).await;
     }
     panic!("no replay cache eviction was counted");
+}
+
+#[actix_web::test]
+async fn a_run_whose_client_left_is_counted_and_holds_the_in_flight_gauge() {
+    let _turn = one_at_a_time();
+    snapshotter();
+    let (runs, gate) = (RunCounter::default(), Gate::default());
+    let server = actix_test::start({
+        let (runs, gate) = (runs.clone(), gate.clone());
+        move || {
+            let (runs, gate) = (runs.clone(), gate.clone());
+            App::new()
+                .wrap(Idempotency::new(MemoryStore::new()))
+                .service(web::resource("/m/left").wrap(IdempotentRoute::new()).route(
+                    web::post().to(move || {
+                        let (runs, gate) = (runs.clone(), gate.clone());
+                        async move {
+                            runs.record();
+                            gate.wait().await;
+                            HttpResponse::Created().body("made")
+                        }
+                    }),
+                ))
+        }
+    });
+    let route = "/m/left";
+
+    // The client gives up while the handler runs; Actix drops the request's future and the
+    // run goes on by itself.
+    let mut socket = std::net::TcpStream::connect(server.addr()).unwrap();
+    std::io::Write::write_all(
+        &mut socket,
+        b"POST /m/left HTTP/1.1\r\nHost: test\r\nIdempotency-Key: gone\r\n\
+          Content-Length: 2\r\n\r\n{}",
+    )
+    .unwrap();
+    runs.wait_for(1).await;
+    // A zero linger time makes closing the socket send a reset.
+    socket2::SockRef::from(&socket)
+        .set_linger(Some(Duration::ZERO))
+        .unwrap();
+    drop(socket);
+    let mut counted = 0;
+    for _ in 0..500 {
+        counted = requests(route, Outcome::Executed);
+        if counted == 1 {
+            break;
+        }
+        actix_rt::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        counted, 1,
+        "the request is counted once its future is dropped"
+    );
+    assert_eq!(
+        gauge("idempotency_requests_in_flight", route),
+        Some(1.0),
+        "its handler still runs under the lock"
+    );
+
+    gate.open();
+    let mut retry = send(&server, route, Some("gone"), "{}").await;
+    for _ in 0..500 {
+        if retry.status != StatusCode::CONFLICT {
+            break;
+        }
+        actix_rt::time::sleep(Duration::from_millis(10)).await;
+        retry = send(&server, route, Some("gone"), "{}").await;
+    }
+    assert!(retry.is_replay(), "the run committed by itself");
+    assert_eq!(gauge("idempotency_requests_in_flight", route), Some(0.0));
+    assert_eq!(requests(route, Outcome::Executed), 1, "counted once");
+    assert_eq!(runs.get(), 1);
 }
