@@ -45,9 +45,10 @@
 //! SIGTERM or SIGINT (Ctrl-C) stops it gracefully: it stops accepting connections, lets the
 //! requests in progress finish and commit their records (for up to 90 s, the longest
 //! `delay_ms` plus 30 s; past that they are dropped), and exits with status 0. A second
-//! SIGTERM or SIGINT during that wait stops it at once, with the status of a process killed
-//! by that signal (130 for SIGINT, 143 for SIGTERM): the requests still running are dropped
-//! and their keys stay locked (409) until their leases end.
+//! SIGTERM or SIGINT during that wait (Ctrl-C twice) stops it at once, with exit status 128
+//! plus the signal's number, as a shell reports a process that signal killed (130 for
+//! SIGINT, 143 for SIGTERM): the requests still running are dropped and their keys stay
+//! locked (409) until their leases end.
 
 use std::io::Write;
 use std::pin::pin;
