@@ -29,8 +29,9 @@
 //!   sharing one Redis stay apart.
 //! * `WORKERS` [one per core]: the number of Actix workers.
 //! * `LOG_LEVEL` [`warn`]: `off`, `error`, `warn`, `info`, `debug` or `trace`; the least
-//!   severe level of the log (the middleware's `tracing` events: store errors, fail-open,
-//!   lost records, misconfiguration; `debug` adds each request's outcome) on stderr.
+//!   severe level of the log on stderr: the middleware's `tracing` events (store errors,
+//!   fail-open, lost records, misconfiguration; `debug` adds each request's outcome) and
+//!   Actix's own.
 //! * `REPLAY_CACHE` [`off`] or `on`: answer replays from a 64 MiB in-process replay cache;
 //!   only with `REDIS_URL`, `REDIS_CLUSTER_URLS` or `DATABASE_URL` (the in-memory store
 //!   answers replays from the process already and needs no cache).
