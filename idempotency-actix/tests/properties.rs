@@ -90,12 +90,20 @@ proptest! {
     }
 
     #[test]
-    fn parameters_are_ignored(key in bare_key(), name in "[a-z*][a-z0-9_.*-]{0,8}", value in 0u32..) {
+    fn parameters_after_a_quoted_key_are_ignored_and_after_a_bare_key_refused(
+        key in bare_key(),
+        name in "[a-z*][a-z0-9_.*-]{0,8}",
+        value in 0u32..,
+    ) {
         let plain = IdempotencyKey::parse(key.as_bytes()).unwrap();
-        for form in [key.clone(), sf_string(&key)] {
-            let with_parameters = format!("{form};{name}={value}; {name};b=?1");
-            prop_assert_eq!(&IdempotencyKey::parse(with_parameters.as_bytes()).unwrap(), &plain);
-        }
+        let parameters = format!(";{name}={value}; {name};b=?1");
+        let quoted = format!("{}{parameters}", sf_string(&key));
+        prop_assert_eq!(&IdempotencyKey::parse(quoted.as_bytes()).unwrap(), &plain);
+        let bare = format!("{key}{parameters}");
+        prop_assert_eq!(
+            IdempotencyKey::parse(bare.as_bytes()),
+            Err(KeyError::UnquotedParameters)
+        );
     }
 
     #[test]
@@ -106,9 +114,15 @@ proptest! {
 
     #[test]
     fn any_printable_key_round_trips_through_an_sf_string(key in printable()) {
-        let parsed = IdempotencyKey::parse(sf_string(&key).as_bytes()).unwrap();
-        // Surrounding spaces are part of a quoted key; an all-space key is still a key.
-        prop_assert_eq!(parsed.as_str(), key.as_str());
+        let parsed = IdempotencyKey::parse(sf_string(&key).as_bytes());
+        if key.bytes().all(|byte| byte == b' ') {
+            // A key of spaces alone holds no key.
+            prop_assert_eq!(parsed, Err(KeyError::Empty));
+        } else {
+            // Surrounding spaces are part of a quoted key.
+            let parsed = parsed.unwrap();
+            prop_assert_eq!(parsed.as_str(), key.as_str());
+        }
     }
 
     #[test]
