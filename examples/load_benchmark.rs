@@ -51,11 +51,15 @@
 //! "steal": the share of the machine's CPU time (`/proc/stat`, all CPUs) that the hypervisor
 //! gave to something else during the run, which slows every process measured without
 //! showing in their CPU times (a round with a few percent of it is a disturbed one).
-//! "× baseline by CPU" is the ratio of the CPU all three processes (server, Redis, wrk) spend
-//! per request, baseline over mode: what the throughput ratio comes to when they have the
-//! machine's cores to themselves, and steady while other processes load the machine (the
-//! req/s ratio is not). PostgreSQL's own CPU is not measured (its server is shared), so for
-//! the PostgreSQL modes that ratio counts the server and wrk only, and the Redis columns
+//! "× baseline by CPU" is the ratio of two throughput bounds, mode over baseline, each
+//! computed from the CPU the processes spend per request: requests per second can exceed
+//! neither what the machine's cores give all three processes (server, Redis, wrk) together,
+//! nor what one core gives each process that runs on one thread (the server with
+//! `WORKERS=1`, wrk with `-t1`, and a single Redis server; a cluster's or a replicated
+//! mode's nodes are counted together only). It is what the throughput ratio comes to when
+//! no process ever waits for another, and steady while other processes load the machine
+//! (the req/s ratio is not). PostgreSQL's own CPU is not measured (its server is shared), so
+//! for the PostgreSQL modes that ratio counts the server and wrk only, and the Redis columns
 //! show `—`.
 //!
 //! `BENCH_ROUNDS=N` runs the whole sequence N times (each mode with the baselines around it
@@ -308,8 +312,9 @@ const MODES: [Mode; 12] = [
 
 /// What one mode measured.
 struct Measured {
-    /// CPU per request of all the processes measured: the server, Redis (every node) and wrk.
-    total_cpu_per_request: Duration,
+    /// The most requests per second the CPU the processes spent per request allows (see the
+    /// module docs, "× baseline by CPU").
+    cpu_bound_per_second: f64,
     per_second: f64,
     p99: Duration,
     not_2xx: u64,
@@ -493,7 +498,7 @@ fn run() -> Result<(), Error> {
             let around = &baselines[route_index].1[baselines[route_index].1.len() - 2..];
             let baseline = Baseline {
                 per_second: (around[0].per_second + around[1].per_second) / 2.0,
-                total_cpu: (around[0].total_cpu_per_request + around[1].total_cpu_per_request) / 2,
+                cpu_bound: (around[0].cpu_bound_per_second + around[1].cpu_bound_per_second) / 2.0,
             };
             match results
                 .iter_mut()
@@ -518,11 +523,7 @@ fn run() -> Result<(), Error> {
         let count = measured.len() as f64;
         let mean = Baseline {
             per_second: measured.iter().map(|b| b.per_second).sum::<f64>() / count,
-            total_cpu: measured
-                .iter()
-                .map(|b| b.total_cpu_per_request)
-                .sum::<Duration>()
-                .div_f64(count),
+            cpu_bound: measured.iter().map(|b| b.cpu_bound_per_second).sum::<f64>() / count,
         };
         let label = match route {
             Route::Orders => "baseline",
@@ -560,7 +561,8 @@ fn run() -> Result<(), Error> {
 /// The baseline a mode is compared with.
 struct Baseline {
     per_second: f64,
-    total_cpu: Duration,
+    /// Its [`Measured::cpu_bound_per_second`].
+    cpu_bound: f64,
 }
 
 fn print_row(
@@ -582,7 +584,7 @@ fn print_row(
         ),
         None => format!("{ratio:.2}×"),
     };
-    let by_cpu = baseline.total_cpu.as_secs_f64() / measured.total_cpu_per_request.as_secs_f64();
+    let by_cpu = measured.cpu_bound_per_second / baseline.cpu_bound;
     let micros = |duration: Duration| format!("{:.1} µs", duration.as_secs_f64() * 1e6);
     println!(
         "| {name} | {:.0} | {ratio} | {by_cpu:.2}× | {:.2} ms | {} | {} | {} | {} | {} | {:.1} % | {rounds} |",
@@ -772,6 +774,8 @@ impl Redis {
             .lines()
             .filter_map(|line| {
                 let (name, stats) = line.trim().strip_prefix("cmdstat_")?.split_once(':')?;
+                // A subcommand (`config|resetstat`) counts as its command.
+                let name = name.split('|').next().unwrap_or(name);
                 let calls = stats.split(',').find_map(|s| s.strip_prefix("calls="))?;
                 Some((name.to_owned(), calls.parse().ok()?))
             })
@@ -989,7 +993,8 @@ impl Load<'_> {
             .env_remove("IDEMPOTENCY_REPLICAS")
             .env_remove("REPLAY_CACHE")
             .env_remove("IDEMPOTENCY")
-            .env_remove("IDEMPOTENCY_METHODS");
+            .env_remove("IDEMPOTENCY_METHODS")
+            .env_remove("LOG_LEVEL");
         match mode.backend {
             Backend::Nothing => {}
             Backend::Redis | Backend::RedisReplicated => {
@@ -1047,11 +1052,18 @@ impl Load<'_> {
         let requests = run.requests.max(1);
         let per_request = |total: Duration| total / u32::try_from(requests).unwrap_or(u32::MAX);
         let touches_redis = !nodes.is_empty();
+        let one_thread_each: Vec<Duration> = [server_cpu, wrk_cpu]
+            .into_iter()
+            .chain((nodes.len() == 1).then_some(redis_cpu))
+            .collect();
         Ok(Measured {
+            cpu_bound_per_second: cpu_bound_per_second(
+                per_request(server_cpu + redis_cpu + wrk_cpu),
+                one_thread_each.into_iter().map(per_request),
+            ),
             per_second: run.requests as f64 / run.duration.as_secs_f64(),
             p99: run.p99,
             not_2xx: run.not_2xx,
-            total_cpu_per_request: per_request(server_cpu + redis_cpu + wrk_cpu),
             server_cpu_per_request: per_request(server_cpu),
             wrk_cpu_per_request: per_request(wrk_cpu),
             redis_cpu_per_request: touches_redis.then(|| per_request(redis_cpu)),
@@ -1108,6 +1120,15 @@ impl Load<'_> {
 }
 
 /// User + system CPU time of `nodes` so far, together.
+/// The most requests per second that CPU per request allows: `total` (every process) on all
+/// of the machine's cores, and each of `one_thread_each` (a process on one thread) on one.
+fn cpu_bound_per_second(total: Duration, one_thread_each: impl Iterator<Item = Duration>) -> f64 {
+    let cores = std::thread::available_parallelism().map_or(1, usize::from) as f64;
+    one_thread_each
+        .map(|per_request| 1.0 / per_request.as_secs_f64())
+        .fold(cores / total.as_secs_f64(), f64::min)
+}
+
 fn redis_cpu(nodes: &[&Redis]) -> Result<Duration, Error> {
     nodes.iter().map(|node| node.cpu()).sum()
 }
