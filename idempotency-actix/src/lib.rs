@@ -65,7 +65,7 @@
 //! |---|---|
 //! | no key, key not required | the handler runs, nothing is stored |
 //! | no key, `required` | 400 problem |
-//! | malformed key (empty, over 255 characters, not printable ASCII, bad sf-string or parameter, repeated header, a list `k1, k2`) | 400 problem |
+//! | malformed key (empty, over 255 characters, not printable ASCII, bad sf-string or parameter, a `;` after a bare key, repeated header, a list `k1, k2`) | 400 problem |
 //! | first request with a key | the handler runs once; its response is returned as produced |
 //! | retry after completion, same request | stored status, headers and body plus `Idempotent-Replayed: true` |
 //! | retry with the same key, another method, path, query or body | 422 problem |
