@@ -263,7 +263,7 @@ impl Engine {
                 mut stored,
                 ttl,
                 limit,
-            } => match AssertUnwindSafe(read_before_commit(body, limit))
+            } => match AssertUnwindSafe(read_before_commit(body, limit, lock.lease.get()))
                 .catch_unwind()
                 .await
             {
@@ -418,15 +418,27 @@ impl Engine {
 /// Reads a streamed response body before the transaction commits, since nothing may leave
 /// before then: all of it when it fits in `limit` (stored and sent), else what was read is
 /// sent before the rest and the record completes without a body, as on other routes. A body
-/// that fails midway is sent up to its failure and stored without a body.
-async fn read_before_commit<B>(body: B, limit: usize) -> (BoxBody, Option<Bytes>)
+/// that fails midway is sent up to its failure and stored without a body; so is one that
+/// produces nothing for `idle` (the lease): it would hold the transaction, its advisory lock
+/// and its pooled connection for as long as it stalls, also once its client has left.
+async fn read_before_commit<B>(body: B, limit: usize, idle: Duration) -> (BoxBody, Option<Bytes>)
 where
     B: MessageBody + 'static,
 {
     let mut body = Box::pin(body);
     let mut read = BytesMut::new();
     loop {
-        match std::future::poll_fn(|cx| body.as_mut().poll_next(cx)).await {
+        let next = std::future::poll_fn(|cx| body.as_mut().poll_next(cx));
+        let Ok(next) = actix_rt::time::timeout(idle, next).await else {
+            tracing::warn!(
+                "idempotency: a response body produced nothing for a lease before its transaction committed; its record completes without a body"
+            );
+            let stalled: Box<dyn std::error::Error> =
+                "the response body produced nothing for a lease".into();
+            let failed = futures_util::stream::iter([Ok(read.freeze()), Err(stalled)]);
+            return (BoxBody::new(BodyStream::new(failed)), None);
+        };
+        match next {
             None => {
                 let bytes = read.freeze();
                 return (BoxBody::new(bytes.clone()), Some(bytes));

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use actix_web::http::StatusCode;
 use actix_web::{App, HttpResponse, post, web};
+use futures_util::StreamExt;
 use idempotency_actix::{
     FailMode, Idempotency, IdempotencyKey, IdempotencyPolicy, IdempotencyStore, IdempotentRoute,
     IdempotentTransaction, LeaseToken, MemoryStore, PostgresStore, StorageKey, idempotent,
@@ -95,6 +96,21 @@ async fn by_hand(
     book(&transaction, &runs, &gate, &knobs).await
 }
 
+/// Inserts one ledger row, then answers 201 with a body that sends one chunk and then
+/// nothing, ever (an idle stream).
+async fn stalls(transaction: IdempotentTransaction, runs: web::Data<RunCounter>) -> HttpResponse {
+    runs.record();
+    transaction
+        .execute("INSERT INTO ledger (amount) VALUES (1)", &[])
+        .await
+        .unwrap();
+    let chunks = futures_util::stream::iter([Ok::<_, actix_web::Error>(web::Bytes::from_static(
+        b"{\"progress\":1}\n",
+    ))])
+    .chain(futures_util::stream::pending());
+    HttpResponse::Created().streaming(chunks)
+}
+
 struct Harness {
     server: actix_test::TestServer,
     database: TestDatabase,
@@ -154,6 +170,15 @@ async fn start_failing(connections: u32, fail_mode: FailMode) -> Harness {
                                 .wait_for_completion(Duration::from_secs(10)),
                         ))
                         .route(web::post().to(by_hand)),
+                )
+                .service(
+                    web::resource("/ledger-stalls")
+                        .wrap(IdempotentRoute::with_policy(
+                            IdempotencyPolicy::default()
+                                .transactional()
+                                .lease(Duration::from_secs(1)),
+                        ))
+                        .route(web::post().to(stalls)),
                 )
                 .service(
                     web::resource("/not-transactional")
@@ -465,4 +490,33 @@ async fn inspection_sees_a_transactional_claim_in_flight_and_cannot_delete_it() 
         (StatusCode::CREATED, false)
     );
     assert_eq!(h.runs.get(), 2);
+}
+
+#[actix_web::test]
+async fn a_body_that_stalls_before_the_commit_is_cut_after_a_lease_and_its_write_commits() {
+    let h = start(2).await;
+    // Nothing leaves before the commit, and the body never ends: after a lease (1 s) with
+    // nothing from it, the record completes without a body and the transaction commits.
+    // The client gets the head and the chunk read, or, as Actix closes the connection on a
+    // body that fails, nothing: either way the request ends, where it used to wait for good
+    // (here until the client's 5 s timeout).
+    let first = h
+        .server
+        .post("/ledger-stalls")
+        .insert_header(("idempotency-key", "stalls"))
+        .send()
+        .await;
+    match first {
+        Ok(response) => assert_eq!(response.status(), StatusCode::CREATED),
+        Err(error) => assert!(
+            !matches!(error, awc::error::SendRequestError::Timeout),
+            "the request was left waiting: {error}"
+        ),
+    }
+    let retry = h.post("/ledger-stalls", Some("stalls")).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(retry.is_replay());
+    assert_eq!(retry.header("idempotent-body-omitted"), Some("true"));
+    assert_eq!(h.runs.get(), 1);
+    assert_eq!(h.ledger_rows().await, 1, "the handler's write committed");
 }
