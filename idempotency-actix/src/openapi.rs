@@ -128,7 +128,10 @@ impl IdempotencyOpenApi {
             let required = self.keys_required || route.requires_key();
             let mut found = false;
             for (path, item) in &mut openapi.paths.paths {
-                for (method, operation) in protected_operations(item) {
+                for method in PROTECTED_METHODS {
+                    let Some(operation) = operation_for(item, method) else {
+                        continue;
+                    };
                     if operation.operation_id.as_deref() == Some(route.handler())
                         && routed_at(route, method, path)
                     {
@@ -361,17 +364,8 @@ fn key_parameter(header: &str, required: bool) -> Parameter {
 /// character escaped.
 const MAX_HEADER_VALUE_LENGTH: usize = 2 * MAX_KEY_LENGTH + 2;
 
-/// The operations of a path item for the methods the middleware protects, by method name.
-fn protected_operations(item: &mut PathItem) -> impl Iterator<Item = (&str, &mut Operation)> {
-    [
-        ("post", &mut item.post),
-        ("put", &mut item.put),
-        ("patch", &mut item.patch),
-        ("delete", &mut item.delete),
-    ]
-    .into_iter()
-    .filter_map(|(method, operation)| Some((method, operation.as_mut()?)))
-}
+/// The methods the middleware protects, as [`operation_for`] names them.
+const PROTECTED_METHODS: [&str; 4] = ["post", "put", "patch", "delete"];
 
 /// Whether `route` is routed at `method` on the spec's `path`: one of its pairs has that
 /// method and a path that `path` ends with (a scope's prefix may come before it).

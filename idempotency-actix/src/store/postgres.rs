@@ -677,7 +677,7 @@ fn begin_outcome(
     fingerprint: &Fingerprint,
     token: &LeaseToken,
 ) -> Result<Option<(BeginOutcome, Option<Duration>)>, StoreError> {
-    let outcome = begin_outcome_alone(row, fingerprint, token)?;
+    let outcome = outcome_without_ttl(row, fingerprint, token)?;
     let Some(BeginOutcome::Completed(_)) = outcome else {
         return Ok(outcome.map(|outcome| (outcome, None)));
     };
@@ -691,7 +691,7 @@ fn begin_outcome(
 }
 
 /// [`begin_outcome`] without the remaining ttl.
-fn begin_outcome_alone(
+fn outcome_without_ttl(
     row: &Row,
     fingerprint: &Fingerprint,
     token: &LeaseToken,
