@@ -43,9 +43,12 @@
 //! reached or migrated, a `BIND` address in use or a host name that does not resolve) with
 //! status 1. The routes are listed in `idempotency_actix_examples::reference_app`.
 //!
-//! SIGTERM or SIGINT (Ctrl-C) stops it gracefully: it stops accepting connections, lets the
-//! requests in progress finish and commit their records (for up to 90 s, the longest
-//! `delay_ms` plus 30 s; past that they are dropped), and exits with status 0. A second
+//! SIGTERM or SIGINT (Ctrl-C) stops it gracefully: it drains its keyed work first
+//! (`Idempotency::drain`: new keyed requests get 503, and those in progress, whose clients
+//! left included, finish and commit their records, for up to 90 s, the longest `delay_ms`
+//! plus 30 s), then stops accepting connections and lets the other requests in progress
+//! finish (for up to 90 s more; past either bound they are dropped), and exits with status
+//! 0. A second
 //! SIGTERM or SIGINT during that wait (Ctrl-C twice) stops it at once, with exit status 128
 //! plus the signal's number, as a shell reports a process that signal killed (130 for
 //! SIGINT, 143 for SIGTERM): the requests still running are dropped and their keys stay
@@ -57,6 +60,8 @@ use std::process::ExitCode;
 use std::task::Poll;
 
 use actix_web::dev::ServerHandle;
+use futures_util::future::Either;
+use idempotency_actix::Idempotency;
 use idempotency_actix_examples::reference_app::{self, SHUTDOWN_TIMEOUT, ServerConfig};
 
 /// mimalloc, as production Rust services commonly run: the benchmark's baseline and every
@@ -131,14 +136,38 @@ async fn serve(config: ServerConfig) -> ExitCode {
 async fn stop_on_signals(mut signals: StopSignals, server: ServerHandle) -> ExitCode {
     let (name, _) = signals.next().await;
     eprintln!(
-        "reference_server: {name}: stopping once the requests in progress finish (at most {} s); \
-         SIGINT or SIGTERM again stops at once",
+        "reference_server: {name}: stopping once the requests in progress finish (at most {} s \
+         for keyed ones, new ones answered 503, then {} s for the rest); SIGINT or SIGTERM \
+         again stops at once",
+        SHUTDOWN_TIMEOUT.as_secs(),
         SHUTDOWN_TIMEOUT.as_secs()
     );
+    // Keyed work first, that of clients that left included, which Actix's stop would drop.
+    let drained = {
+        let drain = pin!(Idempotency::drain(SHUTDOWN_TIMEOUT));
+        let second_signal = pin!(signals.next());
+        match futures_util::future::select(drain, second_signal).await {
+            Either::Left((left, _)) => left,
+            Either::Right(((name, number), _)) => return forced_stop(name, number),
+        }
+    };
+    if drained > 0 {
+        eprintln!(
+            "reference_server: {drained} keyed requests still in progress after {} s are \
+             dropped; their keys stay locked until their leases end",
+            SHUTDOWN_TIMEOUT.as_secs()
+        );
+    }
     // The stop command is sent now; what it returns only tells when the server has stopped,
     // which awaiting the server itself tells too.
     drop(server.stop(true));
     let (name, number) = signals.next().await;
+    forced_stop(name, number)
+}
+
+/// Reports a stop forced by a second signal: the exit status of a process killed by it (128
+/// + the signal's number, as a shell reports it).
+fn forced_stop(name: &str, number: u8) -> ExitCode {
     eprintln!(
         "reference_server: {name} again: stopping at once; requests in progress are dropped \
          and their keys stay locked until their leases end"

@@ -34,6 +34,7 @@ use crate::replay_cache::ReplayCache;
 use crate::run_to_completion::{RunToCompletion, panic_message};
 use crate::scope::{KeyScope, StorageKey};
 use crate::store::{BeginOutcome, DynStore, LeaseToken, StoreError};
+use crate::work_in_progress::InProgress;
 use crate::workload::{ClientAttached, WorkLimits, WorkSlot, Workload};
 
 /// The transaction a transactional route's claim comes with.
@@ -690,7 +691,12 @@ impl Engine {
                     %error,
                     "idempotency: commit failed; response sent, key kept locked and commit retried in the background"
                 );
-                actix_rt::spawn(keep_committing(Rc::clone(lock), stored, ttl));
+                let in_progress = InProgress::start();
+                let committing = keep_committing(Rc::clone(lock), stored, ttl);
+                actix_rt::spawn(async move {
+                    committing.await;
+                    drop(in_progress);
+                });
             }
         }
     }
@@ -710,7 +716,9 @@ impl Engine {
         };
         let timeout = self.settings.store_timeout;
         let deadline = Instant::now() + pending.lease;
+        let in_progress = InProgress::start();
         actix_rt::spawn(async move {
+            let _in_progress = in_progress;
             let mut pause = Duration::from_millis(50);
             let mut answered = false;
             while Instant::now() + pause < deadline {

@@ -78,6 +78,14 @@ pub enum IdempotencyError {
         /// What `Retry-After` advises.
         retry_after: Duration,
     },
+    /// The process is stopping and takes no new keyed requests (see
+    /// [`Idempotency::drain`](crate::Idempotency::drain)). 503 with `Retry-After`; the
+    /// handler did not run.
+    #[error("the server is stopping; retry with the same key")]
+    ShuttingDown {
+        /// What `Retry-After` advises.
+        retry_after: Duration,
+    },
     /// The handler panicked. 500; the key was released, so a retry runs the handler again.
     #[error("the handler panicked")]
     HandlerPanicked,
@@ -116,6 +124,7 @@ impl IdempotencyError {
             Self::FingerprintMismatch => ("key-reused", "Idempotency-Key reused"),
             Self::StoreUnavailable { .. } => ("store-unavailable", "Idempotency store unavailable"),
             Self::Overloaded { .. } => ("overloaded", "Server busy"),
+            Self::ShuttingDown { .. } => ("shutting-down", "Server stopping"),
             Self::HandlerPanicked => ("handler-panicked", "Internal server error"),
             Self::NotConfigured => ("not-configured", "Internal server error"),
         }
@@ -136,7 +145,8 @@ impl IdempotencyError {
         match self {
             Self::InFlight { retry_after }
             | Self::StoreUnavailable { retry_after, .. }
-            | Self::Overloaded { retry_after } => Some(*retry_after),
+            | Self::Overloaded { retry_after }
+            | Self::ShuttingDown { retry_after } => Some(*retry_after),
             _ => None,
         }
     }
@@ -152,7 +162,7 @@ impl ResponseError for IdempotencyError {
             Self::RequestBodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::InFlight { .. } => StatusCode::CONFLICT,
             Self::FingerprintMismatch => StatusCode::UNPROCESSABLE_ENTITY,
-            Self::StoreUnavailable { .. } | Self::Overloaded { .. } => {
+            Self::StoreUnavailable { .. } | Self::Overloaded { .. } | Self::ShuttingDown { .. } => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
             Self::HandlerPanicked | Self::NotConfigured => StatusCode::INTERNAL_SERVER_ERROR,

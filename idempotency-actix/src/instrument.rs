@@ -70,11 +70,14 @@ pub enum Outcome {
     FailOpen,
     /// 503: the worker was at its cap of keyed work; the handler did not run.
     Overloaded,
+    /// 503: the process was draining its keyed work before it stops
+    /// ([`Idempotency::drain`](crate::Idempotency::drain)); the handler did not run.
+    ShuttingDown,
 }
 
 impl Outcome {
     /// Every outcome, for dashboards and tests.
-    pub const ALL: [Self; 13] = [
+    pub const ALL: [Self; 14] = [
         Self::Executed,
         Self::Replayed,
         Self::Conflict,
@@ -88,11 +91,12 @@ impl Outcome {
         Self::StoreError,
         Self::FailOpen,
         Self::Overloaded,
+        Self::ShuttingDown,
     ];
 
     /// The label value: `executed`, `replayed`, `conflict`, `mismatch`, `invalid_key`,
     /// `missing_key`, `no_key`, `missing_scope`, `body_unreadable`, `too_large`,
-    /// `store_error`, `fail_open` or `overloaded`.
+    /// `store_error`, `fail_open`, `overloaded` or `shutting_down`.
     pub const fn as_str(self) -> &'static str {
         match self {
             Self::Executed => "executed",
@@ -108,6 +112,7 @@ impl Outcome {
             Self::StoreError => "store_error",
             Self::FailOpen => "fail_open",
             Self::Overloaded => "overloaded",
+            Self::ShuttingDown => "shutting_down",
         }
     }
 
@@ -123,6 +128,7 @@ impl Outcome {
             IdempotencyError::FingerprintMismatch => Self::Mismatch,
             IdempotencyError::StoreUnavailable { .. } => Self::StoreError,
             IdempotencyError::Overloaded { .. } => Self::Overloaded,
+            IdempotencyError::ShuttingDown { .. } => Self::ShuttingDown,
             // A panic is the outcome of an executed request; a route layer without an
             // `Idempotency` above it has no request record to count in (it logs an error).
             IdempotencyError::HandlerPanicked | IdempotencyError::NotConfigured => return None,

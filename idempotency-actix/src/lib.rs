@@ -76,6 +76,7 @@
 //! | keyed request body over the limit (1 MiB) | 413 problem; the handler does not run |
 //! | response body over the stored limit (1 MiB) | sent whole; the record completes without a body, so a retry never re-runs; the replay has the stored status and headers, an empty body and `Idempotent-Body-Omitted: true` |
 //! | the worker at its cap of keyed work (1024 in flight, 256 detached) | 503 problem with `Retry-After`; the handler does not run |
+//! | the process draining before it stops ([`Idempotency::drain`]) | 503 problem with `Retry-After`; the handler does not run |
 //! | store unreachable, failing, or slower than the store timeout (2 s) | 503 problem with `Retry-After` (fail closed); [`FailMode::Open`] runs the handler unprotected and logs a warning |
 //! | `GET`, `HEAD`, `OPTIONS`, `TRACE`, or unprotected routes | untouched, no store traffic |
 //!
@@ -198,6 +199,10 @@
 //!   [`DEFAULT_MAX_DETACHED`] of them without their client ([`Idempotency::max_in_flight`],
 //!   [`Idempotency::max_detached`]); beyond that new keyed requests get 503 with
 //!   `Retry-After` at once, and nothing already running is cancelled.
+//! * Actix's graceful stop does not wait for a keyed request whose client left (it has no
+//!   connection), and its workers drop what they still run once they stop: drain first
+//!   ([`Idempotency::drain`]), then stop the server, so that such a handler finishes and
+//!   its response is committed.
 //! * A keyed request whose [`KeyScope`] cannot be determined is refused (400), never stored
 //!   in a key space shared with other principals.
 //! * Records of another version of this crate are never taken over: an in-flight one is in
@@ -231,6 +236,7 @@ mod scope;
 mod store;
 #[cfg(feature = "postgres")]
 mod transaction;
+mod work_in_progress;
 mod workload;
 
 pub use body::IdempotentBody;

@@ -9,6 +9,8 @@
 use std::cell::Cell;
 use std::rc::Rc;
 
+use crate::work_in_progress::InProgress;
+
 /// The default cap on keyed requests one worker processes at once, per
 /// [`Idempotency`](crate::Idempotency): 1024.
 pub const DEFAULT_MAX_IN_FLIGHT: usize = 1024;
@@ -61,6 +63,7 @@ impl Workload {
         Some(Rc::new(WorkSlot {
             workload: Rc::clone(self),
             detached: Cell::new(false),
+            _in_progress: InProgress::start(),
         }))
     }
 }
@@ -70,6 +73,8 @@ impl Workload {
 pub(crate) struct WorkSlot {
     workload: Rc<Workload>,
     detached: Cell<bool>,
+    /// Counted for the whole process too, for a graceful shutdown to wait for.
+    _in_progress: InProgress,
 }
 
 impl WorkSlot {

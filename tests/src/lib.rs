@@ -11,10 +11,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use idempotency_actix::{RedisPool, RedisStore};
 
 mod flood;
+mod gated_routes;
 mod test_redis;
 mod valkey;
 
 pub use flood::FloodServer;
+pub use gated_routes::gated_routes;
 pub use valkey::{valkey_server, valkey_url};
 
 /// What to do when the test Redis does not answer, printed whenever a test cannot reach it

@@ -707,6 +707,48 @@ async fn a_graceful_stop_waits_for_a_request_longer_than_thirty_seconds() {
     assert_graceful_stop("TERM", 32_000).await;
 }
 
+/// A keyed request whose client reset the connection while its handler ran, then SIGTERM:
+/// Actix's stop does not wait for it (it has no connection left), the server does, so its
+/// handler ends and its response is committed, and a server started afterwards replays it
+/// without running the handler. (Exiting once Actix had stopped cut the handler short and
+/// left the key locked: the retry got 409.)
+#[actix_rt::test]
+async fn a_graceful_stop_finishes_a_request_whose_client_left() {
+    use std::io::Write;
+
+    let order = json!({ "item": "lamp", "qty": 3 });
+    let (mut server, prefix) = start_on_redis("e2e-sig-client-left", &[]).await;
+    let key = new_key();
+    let path = "/orders?delay_ms=2000";
+    let mut socket = std::net::TcpStream::connect(server.addr()).unwrap();
+    let body = order.to_string();
+    write!(
+        socket,
+        "POST {path} HTTP/1.1\r\nHost: test\r\nIdempotency-Key: {key}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    record_under(&prefix).await;
+    // A zero linger time makes closing the socket send a reset: Actix drops the request's
+    // future, and its run goes on on a task of its own.
+    socket2::SockRef::from(&socket)
+        .set_linger(Some(Duration::ZERO))
+        .unwrap();
+    drop(socket);
+    server.signal("TERM");
+    let status = server.wait_for_exit().expect("the server stops");
+    assert_eq!(status.code(), Some(0), "{}", server.stderr());
+
+    let client = client();
+    let (after, _) = start_on_redis_with_prefix(&prefix, &[]).await;
+    let retry = post_json(&client, &after.url(path), Some(&key), &order).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert!(retry.is_replay(), "the run was not committed: {retry:?}");
+    assert_eq!(retry.json()["item"], "lamp", "{retry:?}");
+    assert_eq!(count(&client, &after, "orders").await, 0);
+}
+
 /// A second signal during the graceful stop stops the server at once, with the exit status
 /// of a process killed by that signal; the request it dropped keeps its key locked.
 #[actix_rt::test]

@@ -9,19 +9,9 @@
 use std::time::Duration;
 
 use actix_web::http::StatusCode;
-use actix_web::{App, HttpResponse, HttpServer, web};
-use idempotency_actix::{Idempotency, IdempotentRoute, KeyScope, RedisStore};
-use idempotency_actix_tests::{Gate, PrivateRedis, RawExchange, Reply, RunCounter};
-
-async fn work(runs: web::Data<RunCounter>, gate: web::Data<Gate>) -> HttpResponse {
-    let seq = runs.record();
-    gate.wait().await;
-    HttpResponse::Created().body(format!("work {seq}"))
-}
-
-async fn quick() -> HttpResponse {
-    HttpResponse::Created().body("quick")
-}
+use actix_web::{App, HttpServer};
+use idempotency_actix::{Idempotency, KeyScope, RedisStore};
+use idempotency_actix_tests::{Gate, PrivateRedis, RawExchange, Reply, RunCounter, gated_routes};
 
 /// A one-worker server for `/work` and `/quick`, with `limits` on its `Idempotency`.
 ///
@@ -44,19 +34,8 @@ fn start(
     let server = HttpServer::new(move || {
         let idempotency = Idempotency::redis(pool.clone()).scope(KeyScope::global());
         App::new()
-            .app_data(web::Data::new(runs.clone()))
-            .app_data(web::Data::new(gate.clone()))
             .wrap(limits(idempotency))
-            .service(
-                web::resource("/work")
-                    .wrap(IdempotentRoute::new())
-                    .route(web::post().to(work)),
-            )
-            .service(
-                web::resource("/quick")
-                    .wrap(IdempotentRoute::new())
-                    .route(web::post().to(quick)),
-            )
+            .configure(gated_routes(&runs, &gate))
     })
     .workers(1)
     .h1_allow_half_closed(false)

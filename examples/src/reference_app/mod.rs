@@ -46,7 +46,8 @@ pub use self::routes::{
 /// How long each write waits for its replicas with `IDEMPOTENCY_REPLICAS` set.
 pub const REPLICA_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
 
-/// How long a graceful stop waits for the requests in progress before it drops them: the
+/// How long a graceful stop waits for the requests in progress before it drops them (and a
+/// drain for the keyed work before the stop): the
 /// longest handler the server has (`POST /orders?delay_ms=60000`) plus 30 s for the store
 /// and the response.
 pub const SHUTDOWN_TIMEOUT: std::time::Duration =
@@ -184,8 +185,9 @@ pub struct Running {
 /// Call it inside an Actix system (`#[actix_web::main]`, `actix_web::rt::System`), then
 /// await or spawn [`Running::server`]. The server handles no signals itself (Actix's own
 /// handling would drop the requests in progress on SIGINT): its owner stops it through
-/// [`Server::handle`], and a graceful stop lets requests in progress finish, and commit, for
-/// up to [`SHUTDOWN_TIMEOUT`]. With Redis (and idempotency on) it checks the
+/// [`Server::handle`] after draining the keyed work (`Idempotency::drain`, which a stop
+/// does not wait for when a client left), and a graceful stop lets requests in progress
+/// finish, and commit, for up to [`SHUTDOWN_TIMEOUT`]. With Redis (and idempotency on) it checks the
 /// connection once and warns on stderr when Redis does not answer; the server starts anyway
 /// and answers protected requests with 503 until Redis is up. With PostgreSQL it migrates
 /// the store's table and creates table `ledger` (both if missing), and deletes expired

@@ -326,6 +326,61 @@ impl Idempotency {
     pub fn lost_records() -> u64 {
         crate::lost_record::total()
     }
+
+    /// Drains this process's keyed work before it stops: from now on every keyed request
+    /// is refused with a 503 problem ([`IdempotencyError::ShuttingDown`], with
+    /// `Retry-After`), in every app and worker, and this waits until no keyed work is in
+    /// progress, or until `timeout`. Returns how many pieces of keyed work were still in
+    /// progress then: 0 once drained. There is no way back: call it when the process is
+    /// about to stop, then stop the server.
+    ///
+    /// Keyed work is a keyed request from the moment a layer takes it until its response is
+    /// committed or its key released, whether or not its client is still there, a commit
+    /// retried in the background, and a `begin` that did not answer being abandoned.
+    ///
+    /// Why: Actix's graceful stop waits only for requests whose connection is open, then
+    /// its worker threads end and drop what they still run. A keyed request whose client
+    /// left runs on without a connection (its handler to its end, its response committed
+    /// for the retry), so a stop without a drain cuts that handler short (a payment half
+    /// made) and leaves its key locked (409) until its lease ends. Refusing new keyed
+    /// requests meanwhile is what lets the drain end: they are retried, with their keys,
+    /// on another instance. Requests without a key, and routes that are not protected, are
+    /// served as before.
+    ///
+    /// Listen for the stop signals yourself (`HttpServer::disable_signals`): Actix's own
+    /// handling starts its stop at once. Await it on the Actix runtime.
+    ///
+    /// [`IdempotencyError::ShuttingDown`]: crate::IdempotencyError::ShuttingDown
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    ///
+    /// use actix_web::{App, HttpServer, rt};
+    /// use idempotency_actix::Idempotency;
+    ///
+    /// #[actix_web::main]
+    /// async fn main() -> std::io::Result<()> {
+    ///     let server = HttpServer::new(|| App::new().wrap(Idempotency::memory()))
+    ///         .disable_signals()
+    ///         .bind("127.0.0.1:8080")?
+    ///         .run();
+    ///     let handle = server.handle();
+    ///     rt::spawn(async move {
+    ///         let _ = rt::signal::ctrl_c().await;
+    ///         let left = Idempotency::drain(Duration::from_secs(30)).await;
+    ///         if left > 0 {
+    ///             eprintln!("stopping with {left} keyed requests still running");
+    ///         }
+    ///         handle.stop(true).await; // then Actix's graceful stop
+    ///     });
+    ///     server.await
+    /// }
+    /// ```
+    pub async fn drain(timeout: Duration) -> usize {
+        crate::work_in_progress::drain(timeout).await
+    }
 }
 
 impl std::fmt::Debug for Idempotency {
