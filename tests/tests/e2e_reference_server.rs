@@ -889,6 +889,10 @@ async fn the_middlewares_log_reaches_stderr() {
         if env.0 == "REDIS_URL" {
             // By default, lines below WARN (written before this one) are left out.
             assert!(!server.stderr().contains("DEBUG"), "{}", server.stderr());
+            // The start-up check says why Redis does not answer (it said "Timed out in
+            // bb8" before).
+            let warning = line_on_stderr(&server, "warning: Redis at REDIS_URL").await;
+            assert!(warning.contains("Connection refused"), "{warning}");
         }
     }
 }

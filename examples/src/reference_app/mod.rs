@@ -328,31 +328,33 @@ pub async fn start(config: &ServerConfig) -> Result<Running, StartError> {
 /// How often the PostgreSQL store's expired records are deleted.
 const EXPIRY_PERIOD: std::time::Duration = std::time::Duration::from_secs(60);
 
-/// Warns on stderr when Redis does not answer within 2 s (the pool's connection timeout).
+/// Warns on stderr when Redis does not answer within 2 s, with why (a refused connection,
+/// a wrong password): the pool's own `get` would only say that it timed out.
 async fn warn_if_unreachable(pool: &RedisPool) {
-    if let Err(error) = pool.get().await {
-        eprintln!(
-            "warning: Redis at REDIS_URL does not answer ({error}); protected requests get 503 until it does"
-        );
-    }
+    warn_unless_connected("Redis at REDIS_URL", pool.dedicated_connection()).await;
 }
 
 /// Warns on stderr when the cluster does not answer within 2 s.
 async fn warn_if_cluster_unreachable(client: &RedisClusterClient) {
-    let connected = actix_web::rt::time::timeout(
-        std::time::Duration::from_secs(2),
+    warn_unless_connected(
+        "Redis Cluster at REDIS_CLUSTER_URLS",
         client.get_async_connection(),
     )
     .await;
-    match connected {
-        Ok(Ok(_)) => {}
-        Ok(Err(error)) => eprintln!(
-            "warning: Redis Cluster at REDIS_CLUSTER_URLS does not answer ({error}); protected requests get 503 until it does"
-        ),
-        Err(_) => eprintln!(
-            "warning: Redis Cluster at REDIS_CLUSTER_URLS does not answer within 2 s; protected requests get 503 until it does"
-        ),
-    }
+}
+
+/// Warns on stderr, naming `what`, when `connecting` fails or takes over 2 s.
+async fn warn_unless_connected<T, E: std::fmt::Display>(
+    what: &str,
+    connecting: impl std::future::Future<Output = Result<T, E>>,
+) {
+    let why =
+        match actix_web::rt::time::timeout(std::time::Duration::from_secs(2), connecting).await {
+            Ok(Ok(_)) => return,
+            Ok(Err(error)) => error.to_string(),
+            Err(_) => "no answer within 2 s".to_owned(),
+        };
+    eprintln!("warning: {what} does not answer ({why}); protected requests get 503 until it does");
 }
 
 fn summary(config: &ServerConfig, store: &Store) -> String {
