@@ -525,7 +525,19 @@ async fn a_response_over_the_stored_limit_is_sent_whole_and_never_rerun() {
 
 #[actix_rt::test]
 async fn idempotency_off_leaves_every_route_unprotected() {
-    let (server, prefix) = start_on_redis("e2e-off", &[("IDEMPOTENCY", "off")]).await;
+    // The settings of the middleware are accepted (`off` alone switches it off) and
+    // ignored, as the start-up line says.
+    let env = [
+        ("IDEMPOTENCY", "off"),
+        ("IDEMPOTENCY_METHODS", "POST"),
+        ("REPLAY_CACHE", "on"),
+    ];
+    let (server, prefix) = start_on_redis("e2e-off", &env).await;
+    let summary = line_on_stderr(&server, "idempotency off").await;
+    assert!(
+        summary.ends_with("ignored: REPLAY_CACHE, IDEMPOTENCY_METHODS, IDEMPOTENCY_PREFIX"),
+        "{summary}"
+    );
     let client = client();
     let order = json!({ "item": "book", "qty": 1 });
     let payment = json!({ "amount": 1 });

@@ -20,7 +20,7 @@ pub const PROTECTABLE_METHODS: [Method; 4] =
 /// | `DATABASE_URL` | PostgreSQL store (schema migrated at start) and the `/ledger` routes | unset |
 /// | `REDIS_CLUSTER_URLS` | comma-separated seed node URLs: Redis Cluster store (not with `REDIS_URL`) | unset |
 /// | `IDEMPOTENCY_REPLICAS` | N: replicated writes, each write waits for N replicas (strict, 500 ms); needs a Redis store | unset: off |
-/// | `IDEMPOTENCY` | `on`, or `off` for no middleware at all (the benchmark baseline) | `on` |
+/// | `IDEMPOTENCY` | `on`, or `off` for no middleware at all (the benchmark baseline; the middleware's other variables are then ignored) | `on` |
 /// | `IDEMPOTENCY_METHODS` | comma-separated methods whose untagged routes are protected too, e.g. `POST,PATCH`; not `POST` with `DATABASE_URL` (it would claim the transactional `POST /ledger` outside its transaction) | none |
 /// | `IDEMPOTENCY_PREFIX` | prefix of every storage key, to keep apps or test runs apart on one Redis | the crate's (`idempotency:`) |
 /// | `WORKERS` | number of Actix workers | Actix's default (one per core) |

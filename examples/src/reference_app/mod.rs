@@ -359,7 +359,24 @@ async fn warn_unless_connected<T, E: std::fmt::Display>(
 
 fn summary(config: &ServerConfig, store: &Store) -> String {
     if !config.idempotency {
-        return "idempotency off (no middleware)".to_owned();
+        // Accepted, so that `IDEMPOTENCY=off` alone switches the middleware off, but said.
+        let ignored: Vec<&str> = [
+            ("REPLAY_CACHE", config.replay_cache),
+            ("IDEMPOTENCY_METHODS", !config.protect_methods.is_empty()),
+            ("IDEMPOTENCY_REPLICAS", config.replicas.is_some()),
+            ("IDEMPOTENCY_PREFIX", config.key_prefix.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(variable, set)| set.then_some(variable))
+        .collect();
+        return if ignored.is_empty() {
+            "idempotency off (no middleware)".to_owned()
+        } else {
+            format!(
+                "idempotency off (no middleware); ignored: {}",
+                ignored.join(", ")
+            )
+        };
     }
     let methods = if config.protect_methods.is_empty() {
         "tagged routes only".to_owned()
