@@ -16,8 +16,11 @@ use crate::store::{Deletion, IdempotencyStore, RecordSnapshot, StoreError};
 ///
 /// Deleting a completed record makes the next request with its key run the handler again.
 /// Deleting an in-flight record is refused ([`Deletion::InFlight`]) unless forced: its
-/// handler may still be running, and a retry would run it a second time (its own commit
-/// then fails the fencing check and its response is not stored). Instances with a
+/// handler may still be running, and forcing loses that run's response for good. Its commit
+/// finds the record gone and stores nothing (it is reported as a lost record,
+/// [`Idempotency::lost_records`](crate::Idempotency::lost_records)), so every later retry
+/// with the key runs the handler again, even one sent after the client got its response.
+/// Force only a record whose request is known to be dead. Instances with a
 /// [`ReplayCache`](crate::ReplayCache) keep replaying a deleted completed record they have
 /// cached until its TTL runs out.
 ///

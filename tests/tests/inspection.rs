@@ -1,8 +1,9 @@
 //! Inspection (issue 11 item 4): look up and delete one record by (scope, key), on every
 //! store. Each test runs once per backend (memory, Redis, PostgreSQL, Redis Cluster), like
 //! the acceptance suite; the last one goes through a real app and shows what deleting a record
-//! does for the next request. PostgreSQL-specific: a transactional route's claim, which lives inside its
-//! transaction, shows as in flight and cannot be deleted.
+//! does for the next request. (That a transactional route's claim on PostgreSQL, which lives
+//! inside its transaction, shows as in flight and cannot be deleted is tested in
+//! `transactional.rs`.)
 
 #![allow(clippy::unwrap_used)]
 
