@@ -319,3 +319,51 @@ async fn an_unreachable_server_is_a_store_error() {
     );
     assert!(store.migrate().await.is_err());
 }
+
+/// Inspection looks the key's advisory lock up (in `pg_locks`) instead of taking it:
+/// taking it, however briefly, made a first `begin` of the key at that moment answer in
+/// flight (a 409 to a request no other had claimed). Many rounds of a `begin` of a fresh key
+/// racing lookups of it.
+#[actix_web::test]
+async fn lookups_never_make_a_first_begin_answer_in_flight() {
+    use idempotency_actix::Inspector;
+
+    let database = TestDatabase::create().await;
+    let store = database.store().await;
+    let inspector = Inspector::new(store.clone()).key_prefix("pg:");
+    for round in 0..1500 {
+        let name = format!("looked-up-{round}");
+        let token = LeaseToken::generate();
+        let lookups = futures_util::future::join_all((0..3).map(|_| inspector.lookup(b"", &name)));
+        let (begun, looked) =
+            futures_util::future::join(store.begin(&key(&name), &print(), &token, LEASE), lookups)
+                .await;
+        assert_eq!(begun.unwrap(), BeginOutcome::Acquired, "round {round}");
+        for found in looked {
+            found.unwrap();
+        }
+    }
+}
+
+/// A transaction that holds a key's advisory lock (a transactional route's claim, its row
+/// not yet committed) shows in a lookup as a record in flight without an expiry, although
+/// the lookup no longer takes the lock itself.
+#[actix_web::test]
+async fn a_lookup_sees_a_key_whose_lock_another_transaction_holds_in_flight() {
+    use idempotency_actix::{Inspector, RecordState};
+
+    let database = TestDatabase::create().await;
+    let inspector = Inspector::new(database.store().await).key_prefix("pg:");
+    assert!(inspector.lookup(b"", "k").await.unwrap().is_none());
+    // The lock of `k`, as `a_token_holds_its_key_while_another_statement_holds_the_lock` pins it.
+    let holder = database.connection().await;
+    holder
+        .batch_execute("BEGIN; SELECT pg_advisory_xact_lock(6440539836243116760)")
+        .await
+        .unwrap();
+    let found = inspector.lookup(b"", "k").await.unwrap().unwrap();
+    assert_eq!(found.state, RecordState::InFlight);
+    assert_eq!(found.expires_in, None);
+    holder.batch_execute("ROLLBACK").await.unwrap();
+    assert!(inspector.lookup(b"", "k").await.unwrap().is_none());
+}

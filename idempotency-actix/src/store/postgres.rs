@@ -265,10 +265,19 @@ impl Statements {
             ),
             // Inspection: $1 key, $2 lock id. Whether the advisory lock was free (taken: a
             // transactional route's transaction is working on the key, its row not yet
-            // committed), and the live row with its remaining time in milliseconds.
+            // committed), and the live row with its remaining time in milliseconds. The lock
+            // is looked up in `pg_locks`, not taken: taking it, however briefly, made a
+            // `begin` or a transactional claim of the key at that moment answer 409.
             inspect: format!(
                 "WITH lock AS MATERIALIZED (
-                     SELECT pg_try_advisory_xact_lock($2) AS held
+                     SELECT NOT EXISTS (
+                         SELECT 1 FROM pg_locks
+                         WHERE locktype = 'advisory' AND granted AND objsubid = 1
+                           AND database = (SELECT oid FROM pg_database
+                                           WHERE datname = current_database())
+                           AND classid = (($2 >> 32) & 4294967295)::oid
+                           AND objid = ($2 & 4294967295)::oid
+                     ) AS held
                  )
                  SELECT lock.held, r.state::text, r.response,
                         (extract(epoch FROM r.expires_at - clock_timestamp()) * 1000)::bigint
