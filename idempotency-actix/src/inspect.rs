@@ -1,5 +1,7 @@
 //! [`Inspector`]: look up or delete one record by (scope, key), for support and operations.
 
+use std::time::Duration;
+
 use crate::key::{IdempotencyKey, KeyError};
 use crate::scope::StorageKey;
 use crate::store::{Deletion, IdempotencyStore, RecordSnapshot, StoreError};
@@ -47,6 +49,7 @@ use crate::store::{Deletion, IdempotencyStore, RecordSnapshot, StoreError};
 pub struct Inspector<S> {
     store: S,
     prefix: String,
+    timeout: Duration,
 }
 
 /// Why an [`Inspector`] could not answer.
@@ -67,6 +70,7 @@ impl<S: IdempotencyStore> Inspector<S> {
         Self {
             store,
             prefix: "idempotency:".to_owned(),
+            timeout: Duration::from_secs(2),
         }
     }
 
@@ -74,6 +78,27 @@ impl<S: IdempotencyStore> Inspector<S> {
     #[must_use]
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
+        self
+    }
+
+    /// How long each lookup or deletion may take before it fails with
+    /// [`StoreError::Timeout`] (2 s by default, as the middleware's store timeout), so that a
+    /// store that does not answer never hangs a support tool. A deletion that timed out may
+    /// still have landed: look the record up again.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// use idempotency_actix::{Inspector, MemoryStore};
+    ///
+    /// let inspector = Inspector::new(MemoryStore::new()).timeout(Duration::from_secs(5));
+    /// # let _ = inspector;
+    /// ```
+    #[must_use]
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
         self
     }
 
@@ -141,7 +166,7 @@ impl<S: IdempotencyStore> Inspector<S> {
         with_body: bool,
     ) -> Result<Option<RecordSnapshot>, InspectionError> {
         let key = self.storage_key(scope, key)?;
-        Ok(self.store.inspect(&key, with_body).await?)
+        Ok(self.within(self.store.inspect(&key, with_body)).await?)
     }
 
     async fn remove(
@@ -151,6 +176,15 @@ impl<S: IdempotencyStore> Inspector<S> {
         force: bool,
     ) -> Result<Deletion, InspectionError> {
         let key = self.storage_key(scope, key)?;
-        Ok(self.store.delete(&key, force).await?)
+        Ok(self.within(self.store.delete(&key, force)).await?)
+    }
+
+    async fn within<T>(
+        &self,
+        operation: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        actix_rt::time::timeout(self.timeout, operation)
+            .await
+            .unwrap_or(Err(StoreError::Timeout(self.timeout)))
     }
 }

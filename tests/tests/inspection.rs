@@ -308,3 +308,31 @@ inspection_suite!(
         idempotency_actix_tests::cluster::RedisCluster::shared().client()
     )
 );
+
+/// A store that does not answer fails a lookup or a deletion at the inspector's timeout
+/// instead of hanging the support tool that called it (a private Redis, paused).
+#[actix_web::test]
+async fn a_store_that_does_not_answer_fails_at_the_timeout() {
+    use idempotency_actix::{RedisStore, StoreError};
+
+    let server = idempotency_actix_tests::PrivateRedis::start().await;
+    let store = RedisStore::new(RedisStore::pool(&server.url()).unwrap());
+    let inspector = Inspector::new(store).timeout(Duration::from_millis(300));
+    // Answers while Redis does (and opens the store's connection).
+    assert!(inspector.lookup(b"", "k").await.unwrap().is_none());
+    let _: () = ::redis::cmd("CLIENT")
+        .arg(&["PAUSE", "5000", "ALL"])
+        .query_async(&mut server.connection().await)
+        .await
+        .unwrap();
+    let looked = inspector.lookup(b"", "k").await;
+    assert!(
+        matches!(looked, Err(InspectionError::Store(StoreError::Timeout(limit))) if limit == Duration::from_millis(300)),
+        "{looked:?}"
+    );
+    let deleted = inspector.force_delete(b"", "k").await;
+    assert!(
+        matches!(deleted, Err(InspectionError::Store(StoreError::Timeout(_)))),
+        "{deleted:?}"
+    );
+}
