@@ -63,6 +63,7 @@ use std::task::Poll;
 use actix_web::dev::ServerHandle;
 use futures_util::future::Either;
 use idempotency_actix::Idempotency;
+use idempotency_actix_examples::StopSignals;
 use idempotency_actix_examples::reference_app::{self, SHUTDOWN_TIMEOUT, ServerConfig};
 
 /// mimalloc, as production Rust services commonly run: the benchmark's baseline and every
@@ -174,58 +175,4 @@ fn forced_stop(name: &str, number: u8) -> ExitCode {
          and their keys stay locked until their leases end"
     );
     ExitCode::from(128 + number)
-}
-
-/// The signals that stop the server: SIGINT (Ctrl-C) and SIGTERM.
-#[cfg(unix)]
-struct StopSignals {
-    interrupt: actix_web::rt::signal::unix::Signal,
-    terminate: actix_web::rt::signal::unix::Signal,
-}
-
-#[cfg(unix)]
-impl StopSignals {
-    /// Starts listening: from now on these signals no longer end the process by default.
-    fn listen() -> std::io::Result<Self> {
-        use actix_web::rt::signal::unix::{SignalKind, signal};
-        Ok(Self {
-            interrupt: signal(SignalKind::interrupt())?,
-            terminate: signal(SignalKind::terminate())?,
-        })
-    }
-
-    /// The next signal received: its name and number.
-    async fn next(&mut self) -> (&'static str, u8) {
-        std::future::poll_fn(|cx| {
-            if self.interrupt.poll_recv(cx).is_ready() {
-                Poll::Ready(("SIGINT", 2))
-            } else if self.terminate.poll_recv(cx).is_ready() {
-                Poll::Ready(("SIGTERM", 15))
-            } else {
-                Poll::Pending
-            }
-        })
-        .await
-    }
-}
-
-/// The signal that stops the server where there is no SIGTERM: Ctrl-C.
-#[cfg(not(unix))]
-struct StopSignals;
-
-#[cfg(not(unix))]
-impl StopSignals {
-    /// Listening starts with the first wait.
-    fn listen() -> std::io::Result<Self> {
-        Ok(Self)
-    }
-
-    /// The next Ctrl-C: its name, and the number of SIGINT.
-    async fn next(&mut self) -> (&'static str, u8) {
-        // An error means it cannot be listened for: then it never comes.
-        if actix_web::rt::signal::ctrl_c().await.is_err() {
-            std::future::pending::<()>().await;
-        }
-        ("Ctrl-C", 2)
-    }
 }
