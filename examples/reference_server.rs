@@ -155,8 +155,10 @@ async fn stop_on_signals(mut signals: StopSignals, server: ServerHandle) -> Exit
     };
     if drained > 0 {
         eprintln!(
-            "reference_server: {drained} keyed requests still in progress after {} s are \
-             dropped; their keys stay locked until their leases end",
+            "reference_server: {drained} pieces of keyed work still in progress after {} s; \
+             stopping: the requests with an open connection get Actix's graceful stop, the \
+             others are dropped (their keys stay locked until their leases end, and a \
+             request whose commit had not landed runs again on retry)",
             SHUTDOWN_TIMEOUT.as_secs()
         );
     }

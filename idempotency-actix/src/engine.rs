@@ -34,7 +34,7 @@ use crate::replay_cache::ReplayCache;
 use crate::run_to_completion::{RunToCompletion, panic_message};
 use crate::scope::{KeyScope, StorageKey};
 use crate::store::{BeginOutcome, DynStore, LeaseToken, StoreError};
-use crate::work_in_progress::InProgress;
+use crate::work_in_progress::{self, InProgress};
 use crate::workload::{ClientAttached, WorkLimits, WorkSlot, Workload};
 
 /// The transaction a transactional route's claim comes with.
@@ -293,7 +293,7 @@ impl Engine {
         };
         let (storage_key, token) = (&pending.storage_key, &pending.token);
         let (begun, transaction) = self
-            .begin_or_claim_transaction(storage_key, &fingerprint, token, &policy)
+            .begin_or_claim_transaction(storage_key, &fingerprint, token, &policy, &pending.armed)
             .await;
         pending.armed.set(false);
         if begun
@@ -306,6 +306,20 @@ impl Engine {
             self.abandon_in_background(&pending);
         }
         match begun {
+            // Draining before the process stops (`Idempotency::drain`): a request that would
+            // run its handler gives the key back and is refused, while replays and 409s are
+            // answered as ever. Checked after `begin`, with this request's work already
+            // counted, so a drain that starts meanwhile either is seen here or waits for it.
+            Ok(BeginOutcome::Acquired) if work_in_progress::draining() => {
+                tracing::debug!("idempotency: draining before the process stops; answering 503");
+                match transaction {
+                    // Its claim lives in the transaction: rolled back as it is dropped.
+                    Some(transaction) => drop(transaction),
+                    None => self.release(storage_key, token).await,
+                }
+                let retry_after = self.settings.retry_after;
+                Ok(self.refuse(req, IdempotencyError::ShuttingDown { retry_after }))
+            }
             Ok(BeginOutcome::Acquired) => {
                 tracing::debug!(key = storage_key.as_str(), "idempotency: executing");
                 instrument::decided(&req.extensions(), Outcome::Executed);
@@ -425,6 +439,7 @@ impl Engine {
         fingerprint: &Fingerprint,
         token: &LeaseToken,
         policy: &Policy,
+        armed: &Cell<bool>,
     ) -> (Result<BeginOutcome, StoreError>, Option<Transaction>) {
         if policy.transactional {
             #[cfg(feature = "postgres")]
@@ -433,6 +448,7 @@ impl Engine {
                 fingerprint,
                 token,
                 policy,
+                armed,
             ))
             .await;
             #[cfg(not(feature = "postgres"))]
@@ -445,20 +461,23 @@ impl Engine {
             );
         }
         let begun = self
-            .begin_or_wait(storage_key, fingerprint, token, policy)
+            .begin_or_wait(storage_key, fingerprint, token, policy, armed)
             .await;
         (begun, None)
     }
 
     /// `begin`, repeated while the key is in flight and the policy allows waiting; answered
     /// from the replay cache when it holds the record, and a completed record found in the
-    /// store is cached.
+    /// store is cached. `armed` (the guard that abandons the token if this future is
+    /// dropped) is disarmed while it waits between two `begin`s, which both answered: no
+    /// `begin` of the token is outstanding then.
     async fn begin_or_wait(
         &self,
         storage_key: &StorageKey,
         fingerprint: &Fingerprint,
         token: &LeaseToken,
         policy: &Policy,
+        armed: &Cell<bool>,
     ) -> Result<BeginOutcome, StoreError> {
         let cache = self.settings.replay_cache.as_ref();
         if let Some(cached) = cache.and_then(|cache| cache.lookup(storage_key, fingerprint)) {
@@ -480,7 +499,9 @@ impl Engine {
                 (Ok((BeginOutcome::InFlight, _)), Some(deadline))
                     if Instant::now() + pause < deadline =>
                 {
+                    armed.set(false);
                     actix_rt::time::sleep(pause).await;
+                    armed.set(true);
                     pause = (pause * 2).min(Duration::from_millis(250));
                 }
                 (Ok((BeginOutcome::Completed(response), Some(remaining))), _) => {
@@ -716,9 +737,10 @@ impl Engine {
         };
         let timeout = self.settings.store_timeout;
         let deadline = Instant::now() + pending.lease;
-        let in_progress = InProgress::start();
+        // Not counted as work in progress for a drain: it may retry for a whole lease while
+        // another record holds the key, and a late `begin` it failed to cover only locks
+        // the key for a lease, with no handler run.
         actix_rt::spawn(async move {
-            let _in_progress = in_progress;
             let mut pause = Duration::from_millis(50);
             let mut answered = false;
             while Instant::now() + pause < deadline {

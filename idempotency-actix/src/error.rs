@@ -78,9 +78,9 @@ pub enum IdempotencyError {
         /// What `Retry-After` advises.
         retry_after: Duration,
     },
-    /// The process is stopping and takes no new keyed requests (see
-    /// [`Idempotency::drain`](crate::Idempotency::drain)). 503 with `Retry-After`; the
-    /// handler did not run.
+    /// The process is stopping and runs no handler for a new key (see
+    /// [`Idempotency::drain`](crate::Idempotency::drain)). 503 with `Retry-After` and
+    /// `Connection: close`; the handler did not run, and the key is free for the retry.
     #[error("the server is stopping; retry with the same key")]
     ShuttingDown {
         /// What `Retry-After` advises.
@@ -186,6 +186,10 @@ impl ResponseError for IdempotencyError {
         ));
         if let Some(retry_after) = self.retry_after() {
             response.insert_header((header::RETRY_AFTER, retry_after_seconds(retry_after)));
+        }
+        if matches!(self, Self::ShuttingDown { .. }) {
+            // So that the retry opens a connection, which a load balancer sends elsewhere.
+            response.force_close();
         }
         // Serializing a struct of strings and an integer cannot fail.
         response.body(serde_json::to_vec(&problem).unwrap_or_default())

@@ -70,7 +70,7 @@ pub enum Outcome {
     FailOpen,
     /// 503: the worker was at its cap of keyed work; the handler did not run.
     Overloaded,
-    /// 503: the process was draining its keyed work before it stops
+    /// 503: a new key while the process drained its keyed work before it stopped
     /// ([`Idempotency::drain`](crate::Idempotency::drain)); the handler did not run.
     ShuttingDown,
 }

@@ -76,7 +76,7 @@
 //! | keyed request body over the limit (1 MiB) | 413 problem; the handler does not run |
 //! | response body over the stored limit (1 MiB) | sent whole; the record completes without a body, so a retry never re-runs; the replay has the stored status and headers, an empty body and `Idempotent-Body-Omitted: true` |
 //! | the worker at its cap of keyed work (1024 in flight, 256 detached) | 503 problem with `Retry-After`; the handler does not run |
-//! | the process draining before it stops ([`Idempotency::drain`]) | 503 problem with `Retry-After`; the handler does not run |
+//! | a new key while the process drains before it stops ([`Idempotency::drain`]) | 503 problem with `Retry-After` and `Connection: close`; the handler does not run |
 //! | store unreachable, failing, or slower than the store timeout (2 s) | 503 problem with `Retry-After` (fail closed); [`FailMode::Open`] runs the handler unprotected and logs a warning |
 //! | `GET`, `HEAD`, `OPTIONS`, `TRACE`, or unprotected routes | untouched, no store traffic |
 //!

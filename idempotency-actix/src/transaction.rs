@@ -11,7 +11,7 @@
 //! free. A crash at any point leaves both or neither: the database rolls back the
 //! transaction of a connection that died.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::future::{Ready, ready};
 use std::panic::AssertUnwindSafe;
 use std::rc::Rc;
@@ -205,6 +205,7 @@ impl Engine {
         fingerprint: &Fingerprint,
         token: &LeaseToken,
         policy: &Policy,
+        armed: &Cell<bool>,
     ) -> (Result<BeginOutcome, StoreError>, Option<OpenTransaction>) {
         let store = match self.postgres() {
             Ok(store) => store,
@@ -220,7 +221,10 @@ impl Engine {
                 Ok((BeginOutcome::InFlight, _))
                     if deadline.is_some_and(|d| Instant::now() + pause < d) =>
                 {
+                    // No claim of the token is outstanding while it waits (see `begin_or_wait`).
+                    armed.set(false);
                     actix_rt::time::sleep(pause).await;
+                    armed.set(true);
                     pause = (pause * 2).min(Duration::from_millis(250));
                 }
                 Ok((outcome, transaction)) => return (Ok(outcome), transaction),

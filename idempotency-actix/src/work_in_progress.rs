@@ -3,11 +3,11 @@
 //! Actix's graceful stop waits for the requests whose connections are still open, and then
 //! its worker threads end, dropping whatever they still run. A keyed request whose client
 //! left goes on without a connection (its handler runs to its end, a streamed body is read
-//! on, a failed commit is retried, a `begin` that did not answer is abandoned), so that stop
+//! on, a failed commit is retried), so that stop
 //! cuts it short: a handler half done, its key locked until the lease ends. Each piece of
 //! keyed work holds an [`InProgress`] until it is done, counted for the whole process, so
-//! that a shutdown can [`drain`] it first: refuse new keyed requests, and wait for those in
-//! progress, before it stops the server.
+//! that a shutdown can [`drain`] it first: run no handler for a new key any more, and wait
+//! for the work in progress, before it stops the server.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -31,14 +31,14 @@ pub(crate) struct InProgress(());
 
 impl InProgress {
     pub(crate) fn start() -> Self {
-        IN_PROGRESS.fetch_add(1, Ordering::AcqRel);
+        IN_PROGRESS.fetch_add(1, Ordering::SeqCst);
         Self(())
     }
 }
 
 impl Drop for InProgress {
     fn drop(&mut self) {
-        if IN_PROGRESS.fetch_sub(1, Ordering::AcqRel) == 1 {
+        if IN_PROGRESS.fetch_sub(1, Ordering::SeqCst) == 1 {
             // Taken under the lock that a waiter holds while it checks the count and
             // registers, so no waiter registers after this look and misses the zero.
             let waiting = std::mem::take(&mut *waiting());
@@ -58,20 +58,21 @@ fn waiting() -> std::sync::MutexGuard<'static, Vec<Waker>> {
 
 /// How much keyed work is in progress now.
 fn count() -> usize {
-    IN_PROGRESS.load(Ordering::Acquire)
+    IN_PROGRESS.load(Ordering::SeqCst)
 }
 
-/// Whether new keyed requests are refused, the process draining its keyed work.
+/// Whether the process is draining its keyed work: no handler runs for a new key.
+///
+/// Sequentially consistent with [`drain`]'s store and count, as a request's own count
+/// before it asks: either the request sees the flag, or the drain sees the request.
 pub(crate) fn draining() -> bool {
-    DRAINING.load(Ordering::Relaxed)
+    DRAINING.load(Ordering::SeqCst)
 }
 
-/// Refuses new keyed requests from now on, and waits until none is in progress or
-/// `timeout` has passed: how many were still in progress then (0 once drained).
+/// Runs no handler for a new key from now on, and waits until no keyed work is in
+/// progress or `timeout` has passed: how much was still in progress then (0 once drained).
 pub(crate) async fn drain(timeout: Duration) -> usize {
-    DRAINING.store(true, Ordering::Relaxed);
-    // A request admitted just before the flag was seen holds its `InProgress` already, so
-    // the wait includes it.
+    DRAINING.store(true, Ordering::SeqCst);
     match actix_rt::time::timeout(timeout, Finished::default()).await {
         Ok(()) => 0,
         Err(_elapsed) => count(),

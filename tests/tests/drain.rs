@@ -1,8 +1,9 @@
-//! `Idempotency::drain` before a stop: new keyed requests get a 503 problem
-//! (`shutting-down`, with `Retry-After`), requests without a key are still served, and the
-//! wait ends only once the keyed work in progress, that of a client who left included, has
-//! finished and committed; a drain that times out says how much was left. Real sockets, an
-//! in-process server on the in-memory store.
+//! `Idempotency::drain` before a stop: no handler runs for a new key any more (a 503
+//! problem, `shutting-down`, with `Retry-After` and `Connection: close`), while replays and
+//! 409s are answered as ever and requests without a key are served; the wait ends only once
+//! the keyed work in progress, that of a client who left included, has finished and
+//! committed; a drain that times out says how much was left. Real sockets, an in-process
+//! server on the in-memory store.
 //!
 //! One test in a binary of its own: a drain is for the whole process and for good.
 
@@ -24,7 +25,7 @@ async fn post(client: &awc::Client, addr: std::net::SocketAddr, key: Option<&str
 }
 
 #[actix_rt::test]
-async fn drain_refuses_new_keyed_requests_and_waits_for_work_whose_client_left() {
+async fn drain_runs_no_new_handler_replays_as_ever_and_waits_for_work_whose_client_left() {
     let store = MemoryStore::new();
     let (runs, gate) = (RunCounter::default(), Gate::default());
     let server = {
@@ -47,23 +48,28 @@ async fn drain_refuses_new_keyed_requests_and_waits_for_work_whose_client_left()
     let server = actix_rt::spawn(server);
     let client = awc::Client::default();
 
+    // A completed key, replayed during the drain.
+    let done = post(&client, addr, Some("done")).await;
+    assert_eq!(done.status, StatusCode::CREATED);
     // A slow keyed request whose client hangs up while its handler runs.
     let hung_up = RawExchange::post(addr, "/work", &[("Idempotency-Key", "left")]);
     runs.wait_for(1).await;
     drop(hung_up);
 
+    assert!(!Idempotency::is_draining());
     let draining = actix_rt::spawn(Idempotency::drain(Duration::from_secs(30)));
     // Until it starts, keyed requests still run.
     let mut refused = None;
     for attempt in 0..500 {
-        let reply = post(&client, addr, Some(&format!("probe-{attempt}"))).await;
+        let key = format!("probe-{attempt}");
+        let reply = post(&client, addr, Some(&key)).await;
         if reply.status != StatusCode::CREATED {
-            refused = Some(reply);
+            refused = Some((key, reply));
             break;
         }
         actix_rt::time::sleep(Duration::from_millis(10)).await;
     }
-    let refused = refused.expect("keyed requests were never refused");
+    let (refused_key, refused) = refused.expect("keyed requests were never refused");
     assert_eq!(
         refused.status,
         StatusCode::SERVICE_UNAVAILABLE,
@@ -78,7 +84,20 @@ async fn drain_refuses_new_keyed_requests_and_waits_for_work_whose_client_left()
         refused.json()["type"],
         "tag:idempotency-actix,2026:shutting-down"
     );
-    // A retry of the request that is still running is refused too; no second run.
+    // So that the retry opens a connection, which a load balancer sends elsewhere.
+    assert_eq!(refused.header("connection"), Some("close"), "{refused:?}");
+    assert!(Idempotency::is_draining());
+    // The refused key was given back: its retry, elsewhere or after the stop, runs.
+    let record = Inspector::new(store.clone())
+        .lookup(b"", &refused_key)
+        .await
+        .unwrap();
+    assert!(record.is_none(), "{record:?}");
+    // A completed key is still replayed.
+    let replay = post(&client, addr, Some("done")).await;
+    assert_eq!(replay.status, StatusCode::CREATED, "{replay:?}");
+    assert!(replay.is_replay(), "{replay:?}");
+    // A retry of the request that is still running gets the usual 409; no second run.
     let retry = Reply::read(
         client
             .post(format!("http://{addr}/work"))
@@ -89,7 +108,7 @@ async fn drain_refuses_new_keyed_requests_and_waits_for_work_whose_client_left()
     )
     .await
     .unwrap();
-    assert_eq!(retry.status, StatusCode::SERVICE_UNAVAILABLE, "{retry:?}");
+    assert_eq!(retry.status, StatusCode::CONFLICT, "{retry:?}");
     // Requests without a key are served as before.
     let keyless = post(&client, addr, None).await;
     assert_eq!(keyless.status, StatusCode::CREATED);

@@ -541,3 +541,72 @@ async fn a_run_whose_client_left_is_counted_and_holds_the_in_flight_gauge() {
     assert_eq!(requests(route, Outcome::Executed), 1, "counted once");
     assert_eq!(runs.get(), 1);
 }
+
+/// A retry that waits for its key's run (`wait_for_completion`) and whose client leaves
+/// between two `begin`s has nothing to abandon: both answered, neither created anything. It
+/// used to start the background abandon of its token, which retried until the key was free
+/// (a lease at most) and held a drain (`Idempotency::drain`) as long.
+#[actix_web::test]
+async fn a_waiting_retry_whose_client_leaves_abandons_nothing() {
+    let _turn = one_at_a_time();
+    snapshotter();
+    let (runs, gate) = (RunCounter::default(), Gate::default());
+    let server = actix_test::start({
+        let (runs, gate) = (runs.clone(), gate.clone());
+        move || {
+            let (runs, gate) = (runs.clone(), gate.clone());
+            let waiting = IdempotencyPolicy::default().wait_for_completion(Duration::from_secs(10));
+            App::new()
+                .wrap(Idempotency::new(MemoryStore::new()).policy(waiting))
+                .service(
+                    web::resource("/m/waits")
+                        .wrap(IdempotentRoute::new())
+                        .route(web::post().to(move || {
+                            let (runs, gate) = (runs.clone(), gate.clone());
+                            async move {
+                                runs.record();
+                                gate.wait().await;
+                                HttpResponse::Created().body("made")
+                            }
+                        })),
+                )
+        }
+    });
+    let abandons = || {
+        counter(
+            "idempotency_background_retries_total",
+            &[("operation", "release")],
+        )
+    };
+    let before = abandons();
+    let first = send(&server, "/m/waits", Some("k"), "{}");
+    let retry_leaves = async {
+        runs.wait_for(1).await;
+        let mut socket = std::net::TcpStream::connect(server.addr()).unwrap();
+        std::io::Write::write_all(
+            &mut socket,
+            b"POST /m/waits HTTP/1.1\r\nHost: test\r\nIdempotency-Key: k\r\n\
+              Content-Length: 2\r\n\r\n{}",
+        )
+        .unwrap();
+        // The retry waits (the in-memory store answers each `begin` at once, so it is
+        // between two of them whenever it is dropped), then its client resets.
+        actix_rt::time::sleep(Duration::from_millis(200)).await;
+        socket2::SockRef::from(&socket)
+            .set_linger(Some(Duration::ZERO))
+            .unwrap();
+        drop(socket);
+        // A first background attempt comes 50 ms after the drop.
+        actix_rt::time::sleep(Duration::from_millis(300)).await;
+        gate.open();
+    };
+    let (first, ()) = futures_util::future::join(first, retry_leaves).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    actix_rt::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        abandons() - before,
+        0,
+        "the waiting retry abandoned its token"
+    );
+    assert_eq!(runs.get(), 1);
+}

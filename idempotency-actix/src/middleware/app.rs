@@ -327,37 +327,46 @@ impl Idempotency {
         crate::lost_record::total()
     }
 
-    /// Drains this process's keyed work before it stops: from now on every keyed request
-    /// is refused with a 503 problem ([`IdempotencyError::ShuttingDown`], with
-    /// `Retry-After`), in every app and worker, and this waits until no keyed work is in
-    /// progress, or until `timeout`. Returns how many pieces of keyed work were still in
-    /// progress then: 0 once drained. There is no way back: call it when the process is
-    /// about to stop, then stop the server.
+    /// Drains this process's keyed work before it stops: from now on no handler runs for a
+    /// new key, in any app or worker (such a request gives the key back and gets a 503
+    /// problem, [`IdempotencyError::ShuttingDown`], with `Retry-After` and
+    /// `Connection: close`, so that its retry reaches another instance), while replays,
+    /// 409s and 422s are answered as ever; and this waits until no keyed work is in
+    /// progress, or until `timeout`. Returns how much keyed work was still in progress
+    /// then: 0 once drained. There is no way back: call it when the process is about to
+    /// stop, then stop the server.
     ///
     /// Keyed work is a keyed request from the moment a layer takes it until its response is
-    /// committed or its key released, whether or not its client is still there, a commit
-    /// retried in the background, and a `begin` that did not answer being abandoned.
+    /// committed or its key released, whether or not its client is still there, and a
+    /// commit retried in the background. (Not the background abandon of a `begin` that did
+    /// not answer: it may retry for a whole lease, and what it guards against, a late
+    /// `begin`, only locks a key for a lease.)
     ///
     /// Why: Actix's graceful stop waits only for requests whose connection is open, then
     /// its worker threads end and drop what they still run. A keyed request whose client
     /// left runs on without a connection (its handler to its end, its response committed
     /// for the retry), so a stop without a drain cuts that handler short (a payment half
-    /// made) and leaves its key locked (409) until its lease ends. Refusing new keyed
-    /// requests meanwhile is what lets the drain end: they are retried, with their keys,
-    /// on another instance. Requests without a key, and routes that are not protected, are
-    /// served as before.
+    /// made) and leaves its key locked (409) until its lease ends. Refusing to start new
+    /// handlers meanwhile is what lets the drain end. Requests without a key, and routes
+    /// that are not protected, are served as before.
     ///
-    /// Listen for the stop signals yourself (`HttpServer::disable_signals`): Actix's own
-    /// handling starts its stop at once. Await it on the Actix runtime.
+    /// Listen for SIGTERM (what Kubernetes, systemd and Docker send) and SIGINT yourself,
+    /// with Actix's handling off (`HttpServer::disable_signals`): Actix's own starts its
+    /// stop at once. Fail the readiness probe while draining
+    /// ([`is_draining`](Self::is_draining)), and give the deployment's grace period room
+    /// for the drain and the stop after it. Await it on the Actix runtime.
     ///
     /// [`IdempotencyError::ShuttingDown`]: crate::IdempotencyError::ShuttingDown
     ///
     /// # Examples
     ///
     /// ```no_run
+    /// use std::pin::pin;
     /// use std::time::Duration;
     ///
+    /// use actix_web::rt::signal::unix::{SignalKind, signal};
     /// use actix_web::{App, HttpServer, rt};
+    /// use futures_util::future::select;
     /// use idempotency_actix::Idempotency;
     ///
     /// #[actix_web::main]
@@ -367,11 +376,13 @@ impl Idempotency {
     ///         .bind("127.0.0.1:8080")?
     ///         .run();
     ///     let handle = server.handle();
+    ///     let mut terminate = signal(SignalKind::terminate())?;
+    ///     let mut interrupt = signal(SignalKind::interrupt())?;
     ///     rt::spawn(async move {
-    ///         let _ = rt::signal::ctrl_c().await;
-    ///         let left = Idempotency::drain(Duration::from_secs(30)).await;
+    ///         select(pin!(terminate.recv()), pin!(interrupt.recv())).await;
+    ///         let left = Idempotency::drain(Duration::from_secs(20)).await;
     ///         if left > 0 {
-    ///             eprintln!("stopping with {left} keyed requests still running");
+    ///             eprintln!("stopping with {left} pieces of keyed work in progress");
     ///         }
     ///         handle.stop(true).await; // then Actix's graceful stop
     ///     });
@@ -380,6 +391,28 @@ impl Idempotency {
     /// ```
     pub async fn drain(timeout: Duration) -> usize {
         crate::work_in_progress::drain(timeout).await
+    }
+
+    /// Whether [`drain`](Self::drain) has been called in this process: for a readiness
+    /// probe to fail, so that the load balancer sends new requests elsewhere.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::{HttpResponse, get};
+    /// use idempotency_actix::Idempotency;
+    ///
+    /// #[get("/ready")]
+    /// async fn ready() -> HttpResponse {
+    ///     if Idempotency::is_draining() {
+    ///         HttpResponse::ServiceUnavailable().finish()
+    ///     } else {
+    ///         HttpResponse::Ok().finish()
+    ///     }
+    /// }
+    /// ```
+    pub fn is_draining() -> bool {
+        crate::work_in_progress::draining()
     }
 }
 

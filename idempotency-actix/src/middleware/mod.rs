@@ -14,7 +14,6 @@ use crate::built_in_box::built_in_box;
 use crate::engine::{Engine, Response, refuse, with_handler_body};
 use crate::error::IdempotencyError;
 use crate::policy::Policy;
-use crate::work_in_progress;
 use crate::workload::ClientAttached;
 
 mod app;
@@ -103,12 +102,6 @@ where
         }));
     }
     let slot = if keyed {
-        if work_in_progress::draining() {
-            tracing::debug!("idempotency: draining before the process stops; answering 503");
-            let retry_after = engine.settings.retry_after;
-            let error = IdempotencyError::ShuttingDown { retry_after };
-            return answer::<S, B>(refuse(req.into_parts().0, &error));
-        }
         let Some(slot) = engine.workload.admit() else {
             tracing::debug!("idempotency: worker at its keyed-work cap; answering 503");
             let retry_after = engine.settings.retry_after;
