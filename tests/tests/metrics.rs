@@ -469,6 +469,24 @@ async fn replay_cache_evictions_are_counted() {
     panic!("no replay cache eviction was counted");
 }
 
+/// A protected resource at `pattern` that counts its runs, then waits at `gate`.
+fn gated(
+    pattern: &str,
+    runs: RunCounter,
+    gate: Gate,
+) -> impl actix_web::dev::HttpServiceFactory + use<> {
+    web::resource(pattern)
+        .wrap(IdempotentRoute::new())
+        .route(web::post().to(move || {
+            let (runs, gate) = (runs.clone(), gate.clone());
+            async move {
+                runs.record();
+                gate.wait().await;
+                HttpResponse::Created().body("made")
+            }
+        }))
+}
+
 #[actix_web::test]
 async fn a_run_whose_client_left_is_counted_and_holds_the_in_flight_gauge() {
     let _turn = one_at_a_time();
@@ -480,16 +498,7 @@ async fn a_run_whose_client_left_is_counted_and_holds_the_in_flight_gauge() {
             let (runs, gate) = (runs.clone(), gate.clone());
             App::new()
                 .wrap(Idempotency::new(MemoryStore::new()))
-                .service(web::resource("/m/left").wrap(IdempotentRoute::new()).route(
-                    web::post().to(move || {
-                        let (runs, gate) = (runs.clone(), gate.clone());
-                        async move {
-                            runs.record();
-                            gate.wait().await;
-                            HttpResponse::Created().body("made")
-                        }
-                    }),
-                ))
+                .service(gated("/m/left", runs, gate))
         }
     });
     let route = "/m/left";
@@ -558,18 +567,7 @@ async fn a_waiting_retry_whose_client_leaves_abandons_nothing() {
             let waiting = IdempotencyPolicy::default().wait_for_completion(Duration::from_secs(10));
             App::new()
                 .wrap(Idempotency::new(MemoryStore::new()).policy(waiting))
-                .service(
-                    web::resource("/m/waits")
-                        .wrap(IdempotentRoute::new())
-                        .route(web::post().to(move || {
-                            let (runs, gate) = (runs.clone(), gate.clone());
-                            async move {
-                                runs.record();
-                                gate.wait().await;
-                                HttpResponse::Created().body("made")
-                            }
-                        })),
-                )
+                .service(gated("/m/waits", runs, gate))
         }
     });
     let abandons = || {
