@@ -109,8 +109,9 @@ impl SharedConnection {
         &self.pool
     }
 
-    /// Sends `request`; if the connection turns out dead, replaces it and sends once more
-    /// (every request of the protocol is safe to send twice).
+    /// Sends `request`; if the connection turns out dead (see
+    /// [`protocol::connection_is_dead`]), replaces it and sends once more (every request of
+    /// the protocol is safe to send twice).
     pub(super) async fn send(&self, request: &Exchange) -> Result<Reply, StoreError> {
         let Generation {
             mut connection,
@@ -118,13 +119,8 @@ impl SharedConnection {
         } = self.connection().await?;
         match request.send(&mut connection).await {
             Ok(value) => Ok(value),
-            // A multiplexed connection whose socket died stays dead, and bb8-redis never
-            // reports it broken. A timeout is not a dead connection (the reply may still
-            // come): no retry.
-            Err(error)
-                if !error.is_timeout()
-                    && (error.is_unrecoverable_error() || error.is_io_error()) =>
-            {
+            // bb8-redis never reports a multiplexed connection broken.
+            Err(error) if protocol::connection_is_dead(&error) => {
                 tracing::debug!(%error, "idempotency: Redis connection lost; reconnecting");
                 let mut connection = self.replace(number).await?;
                 request

@@ -460,6 +460,20 @@ pub(crate) fn held(reply: Value) -> Result<bool, StoreError> {
     }
 }
 
+/// Whether `error` means the connection can no longer serve the store, so that it is
+/// replaced and the request sent once more (every request of the protocol is safe to send
+/// twice): its socket died (a multiplexed connection whose socket died stays dead), or the
+/// server it reaches is no longer a primary (`READONLY`: demoted in a failover that points
+/// the address at the new primary, while the old one stays up as its replica; nothing else
+/// would ever close the connection). A timeout is not a dead connection: the reply may
+/// still come.
+pub(crate) fn connection_is_dead(error: &redis::RedisError) -> bool {
+    !error.is_timeout()
+        && (error.is_unrecoverable_error()
+            || error.is_io_error()
+            || error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly))
+}
+
 /// What a Redis error means for the store: a key of another type (a record of this crate's
 /// hash format, before 0.2, or a key another program wrote under the prefix) is a record
 /// this version cannot read, never a free key.

@@ -33,26 +33,34 @@ impl<C: Carrier> Spares<C> {
         }
     }
 
-    /// Sends `exchange` on an idle connection, or on a new one from `open`. The connection
-    /// is kept for later exchanges unless it failed or enough are kept.
+    /// Sends `exchange` on an idle connection, or on a new one from `open`. An idle one
+    /// that turns out dead (Redis restarted or failed over since it was last used; see
+    /// [`protocol::connection_is_dead`]) is dropped, and the exchange sent once more on a
+    /// new one (every exchange of the protocol is safe to send twice). The connection is
+    /// kept for later exchanges unless it failed or enough are kept.
     pub(crate) async fn send<Open, Opened>(
         &self,
         exchange: &Exchange,
         open: Open,
     ) -> Result<Reply, StoreError>
     where
-        Open: FnOnce() -> Opened,
+        Open: Fn() -> Opened,
         Opened: Future<Output = Result<C, StoreError>>,
     {
         let idle = self.lock().pop();
-        let mut connection = match idle {
-            Some(connection) => connection,
-            None => open().await?,
+        let (mut connection, reused) = match idle {
+            Some(connection) => (connection, true),
+            None => (open().await?, false),
         };
-        let reply = exchange.send(&mut connection).await;
+        let mut reply = exchange.send(&mut connection).await;
+        if reused && reply.as_ref().is_err_and(protocol::connection_is_dead) {
+            connection = open().await?;
+            reply = exchange.send(&mut connection).await;
+        }
+        // One that timed out is not kept either: it may still be blocked in a `WAIT`.
         let broken = reply
             .as_ref()
-            .is_err_and(|error| error.is_io_error() || error.is_unrecoverable_error());
+            .is_err_and(|error| error.is_timeout() || protocol::connection_is_dead(error));
         if !broken {
             let mut idle = self.lock();
             if idle.len() < MAX_IDLE {
