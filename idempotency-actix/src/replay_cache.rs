@@ -21,7 +21,8 @@ use crate::store::BeginOutcome;
 /// What it trades:
 ///
 /// * memory in every instance, bounded by `max_bytes` (bodies, headers and keys; the least
-///   useful entries are evicted first);
+///   useful entries are evicted first, in batches: between two, the entries just cached
+///   may hold up to about as much again);
 /// * a record deleted from the store by hand (an operator, `DEL` in Redis) stays replayable
 ///   from the caches that hold it until its TTL runs out. (Records expire by their TTL
 ///   everywhere; the TTL of a Redis record is computed from the clock of the instance that
@@ -67,6 +68,11 @@ struct Entry {
 /// What an entry costs besides its key, headers and body (its allocations and the cache's
 /// own bookkeeping, roughly).
 const ENTRY_OVERHEAD: usize = 160;
+
+/// An entry that weighs at least `max_bytes / HEAVY_SHARE` is evicted for at once, rather
+/// than in the cache's next batch: the batch may wait for dozens of writes, so only light
+/// entries wait, and the cache holds at most about twice its bound meanwhile.
+const HEAVY_SHARE: u64 = 64;
 
 impl Entry {
     fn weight(&self, key: &str) -> u32 {
@@ -150,8 +156,14 @@ impl ReplayCache {
             response,
             remaining,
         };
-        self.entries
-            .insert(key.as_str().to_owned(), Arc::new(entry));
+        let key = key.as_str().to_owned();
+        let heavy = u64::from(entry.weight(&key)) >= self.max_bytes / HEAVY_SHARE;
+        self.entries.insert(key, Arc::new(entry));
+        if heavy {
+            // The cache evicts in batches, after some writes: without this, a run of large
+            // bodies held dozens of them beyond the bound (67 MiB in a 4 MiB cache).
+            self.entries.run_pending_tasks();
+        }
     }
 }
 
@@ -186,6 +198,38 @@ mod tests {
             headers: Vec::new(),
             body: Some(Bytes::from_static(body)),
         }
+    }
+
+    /// What the entries held now weigh, those the cache has yet to evict included.
+    fn held_bytes(cache: &ReplayCache) -> u64 {
+        cache
+            .entries
+            .iter()
+            .map(|(key, entry)| u64::from(entry.weight(&key)))
+            .sum()
+    }
+
+    #[test]
+    fn a_run_of_large_bodies_stays_within_about_twice_the_bound() {
+        let max_bytes = 4 << 20;
+        let cache = ReplayCache::with_max_bytes(max_bytes);
+        let print = Fingerprint::from_bytes([1; 32]);
+        let body = Bytes::from(vec![b'x'; 1 << 20]);
+        let mut most = 0;
+        for i in 0..300 {
+            let large = StoredResponse {
+                body: Some(body.clone()),
+                ..response(b"")
+            };
+            cache.insert(
+                &key(&format!("k{i}")),
+                print,
+                large,
+                Duration::from_secs(60),
+            );
+            most = most.max(held_bytes(&cache));
+        }
+        assert!(most <= 2 * max_bytes, "held {most} bytes at most");
     }
 
     #[test]
