@@ -371,14 +371,18 @@ fn spawn_redis_server<S: AsRef<std::ffi::OsStr>>(
     port: u16,
     extra_args: &[S],
 ) -> std::process::Child {
+    let dir = private_redis_dir(port);
+    std::fs::create_dir_all(&dir)
+        .unwrap_or_else(|error| panic!("cannot create {}: {error}", dir.display()));
     std::process::Command::new(server)
         .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
         .args(["--save", "", "--appendonly", "no"])
         // A replica loads its primary's data from the socket, and whatever a server might
-        // still write goes to the temporary directory, never into the checkout.
+        // still write (`DEBUG RELOAD`'s dump) goes to a directory of its own, never into the
+        // checkout nor where another server, of another version, would load it at start.
         .args(["--repl-diskless-load", "on-empty-db"])
         .arg("--dir")
-        .arg(std::env::temp_dir())
+        .arg(&dir)
         // DEBUG SLEEP simulates a stalled server in the fault-injection tests.
         .args(["--enable-debug-command", "yes"])
         .args(extra_args)
@@ -392,6 +396,11 @@ fn spawn_redis_server<S: AsRef<std::ffi::OsStr>>(
         })
 }
 
+/// The working directory of the private server on `port`, removed when it is dropped.
+fn private_redis_dir(port: u16) -> PathBuf {
+    std::env::temp_dir().join(format!("idempotency-actix-test-redis-{port}"))
+}
+
 /// Commands of test bookkeeping and connection set-up, left out of the counts.
 const BOOKKEEPING: [&str; 4] = ["info", "config", "hello", "client"];
 
@@ -399,6 +408,7 @@ impl Drop for PrivateRedis {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(private_redis_dir(self.port));
     }
 }
 
