@@ -313,8 +313,9 @@ impl Engine {
             Ok(BeginOutcome::Acquired) if work_in_progress::draining() => {
                 tracing::debug!("idempotency: draining before the process stops; answering 503");
                 match transaction {
-                    // Its claim lives in the transaction: rolled back as it is dropped.
-                    Some(transaction) => drop(transaction),
+                    // Its claim lives in the transaction: rolled back as it is dropped, at
+                    // the end of this arm.
+                    Some(_rolled_back) => {}
                     None => self.release(storage_key, token).await,
                 }
                 let retry_after = self.settings.retry_after;
