@@ -794,6 +794,36 @@ async fn a_second_signal_stops_at_once() {
         .assert_problem(StatusCode::CONFLICT);
 }
 
+/// A second signal while Actix's stop waits for a request still running (one without a key,
+/// so the drain before it had nothing to wait for) stops the server at once too.
+#[actix_rt::test]
+async fn a_second_signal_during_actixs_stop_stops_at_once() {
+    let client = client();
+    let order = json!({ "item": "kettle", "qty": 1 });
+    let (mut server, _prefix) = start_on_redis("e2e-sig-twice-unkeyed", &[]).await;
+    let path = "/orders?delay_ms=20000";
+    let (reply, ()) =
+        futures_util::future::join(client.post(server.url(path)).send_json(&order), async {
+            // The request has reached the handler: its run is counted in `/stats`.
+            let mut started = 0;
+            for _ in 0..500 {
+                started = count(&client, &server, "orders").await;
+                if started == 1 {
+                    break;
+                }
+                actix_rt::time::sleep(Duration::from_millis(10)).await;
+            }
+            assert_eq!(started, 1, "the handler never started");
+            server.signal("TERM");
+            line_on_stderr(&server, "stopping once").await;
+            server.signal("TERM");
+        })
+        .await;
+    assert!(reply.is_err(), "the request was not dropped: {reply:?}");
+    let status = server.wait_for_exit().expect("the server stops at once");
+    assert_eq!(status.code(), Some(143), "{}", server.stderr());
+}
+
 /// Runs the reference server with `env` until it exits by itself, as it does when it refuses
 /// its configuration or cannot start: its exit code and what it wrote on stderr. Panics when
 /// it starts instead (still running after 30 s), printed on stdout, or panicked.
