@@ -367,3 +367,29 @@ async fn a_lookup_sees_a_key_whose_lock_another_transaction_holds_in_flight() {
     holder.batch_execute("ROLLBACK").await.unwrap();
     assert!(inspector.lookup(b"", "k").await.unwrap().is_none());
 }
+
+/// Deletion by hand looks the key's advisory lock up too, instead of taking it: a first
+/// `begin` racing deletions of its key is never answered in flight.
+#[actix_web::test]
+async fn deletions_never_make_a_first_begin_answer_in_flight() {
+    use idempotency_actix::Inspector;
+
+    let database = TestDatabase::create().await;
+    let store = database.store().await;
+    let inspector = Inspector::new(store.clone()).key_prefix("pg:");
+    for round in 0..1500 {
+        let name = format!("deleted-{round}");
+        let token = LeaseToken::generate();
+        let deletions =
+            futures_util::future::join_all((0..3).map(|_| inspector.delete(b"", &name)));
+        let (begun, deleted) = futures_util::future::join(
+            store.begin(&key(&name), &print(), &token, LEASE),
+            deletions,
+        )
+        .await;
+        assert_eq!(begun.unwrap(), BeginOutcome::Acquired, "round {round}");
+        for deletion in deleted {
+            deletion.unwrap();
+        }
+    }
+}

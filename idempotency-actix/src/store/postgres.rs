@@ -285,12 +285,21 @@ impl Statements {
                    ON r.key = $1 AND r.expires_at > clock_timestamp() AND r.state <> 'a'"
             ),
             // Deletion by hand: $1 key, $2 force, $3 lock id. Deletes the live row if it is
-            // completed or `force`; answers whether the lock was free, whether a row was
-            // deleted, and the live row's state before the statement. An abandoned token's
-            // marker is no record: left alone and not reported.
+            // completed or `force`; answers whether the key's lock was free (looked up in
+            // `pg_locks`, as by `inspect`, not taken: a transactional claim's row, not yet
+            // committed, is in flight), whether a row was deleted, and the live row's state
+            // before the statement. An abandoned token's marker is no record: left alone and
+            // not reported.
             delete: format!(
                 "WITH lock AS MATERIALIZED (
-                     SELECT pg_try_advisory_xact_lock($3) AS held
+                     SELECT NOT EXISTS (
+                         SELECT 1 FROM pg_locks
+                         WHERE locktype = 'advisory' AND granted AND objsubid = 1
+                           AND database = (SELECT oid FROM pg_database
+                                           WHERE datname = current_database())
+                           AND classid = (($3 >> 32) & 4294967295)::oid
+                           AND objid = ($3 & 4294967295)::oid
+                     ) AS held
                  ), deleted AS (
                      DELETE FROM {t}
                      WHERE key = $1 AND expires_at > clock_timestamp() AND state <> 'a'
