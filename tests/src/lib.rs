@@ -106,6 +106,20 @@ pub async fn keys_under(
     }
 }
 
+/// Closes `socket` with a reset (RST) rather than a plain close, as a client that gives up
+/// does: Actix then drops the request's future at once (after a plain close it lets the
+/// future finish).
+///
+/// # Panics
+///
+/// When the socket refuses a zero linger time.
+pub fn reset(socket: std::net::TcpStream) {
+    // A zero linger time makes closing the socket send a reset.
+    socket2::SockRef::from(&socket)
+        .set_linger(Some(std::time::Duration::ZERO))
+        .expect("a zero linger time");
+}
+
 /// Counts how many times a handler ran; clones share the count.
 #[derive(Debug, Clone, Default)]
 pub struct RunCounter(Arc<AtomicUsize>);

@@ -19,7 +19,8 @@ use actix_web::web::Bytes;
 use futures_util::future::join_all;
 use idempotency_actix_tests::cluster::RedisCluster;
 use idempotency_actix_tests::{
-    RawExchange, ReferenceServer, Reply, keys_under, redis_connection, redis_url, unique_prefix,
+    RawExchange, ReferenceServer, Reply, keys_under, redis_connection, redis_url, reset,
+    unique_prefix,
 };
 use serde_json::{Value, json};
 
@@ -742,12 +743,8 @@ async fn a_graceful_stop_finishes_a_request_whose_client_left() {
     )
     .unwrap();
     record_under(&prefix).await;
-    // A zero linger time makes closing the socket send a reset: Actix drops the request's
-    // future, and its run goes on on a task of its own.
-    socket2::SockRef::from(&socket)
-        .set_linger(Some(Duration::ZERO))
-        .unwrap();
-    drop(socket);
+    // Actix drops the request's future, and its run goes on on a task of its own.
+    reset(socket);
     server.signal("TERM");
     let status = server.wait_for_exit().expect("the server stops");
     assert_eq!(status.code(), Some(0), "{}", server.stderr());

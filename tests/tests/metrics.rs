@@ -17,7 +17,7 @@ use actix_web::{App, HttpResponse, web};
 use idempotency_actix::{
     FailMode, Idempotency, IdempotencyPolicy, IdempotentRoute, MemoryStore, Outcome, RedisStore,
 };
-use idempotency_actix_tests::{Gate, Reply, RunCounter};
+use idempotency_actix_tests::{Gate, Reply, RunCounter, reset};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 
 /// Held by each test for its whole run.
@@ -469,39 +469,40 @@ async fn replay_cache_evictions_are_counted() {
     panic!("no replay cache eviction was counted");
 }
 
-/// A protected resource at `pattern` that counts its runs, then waits at `gate`.
-fn gated(
-    pattern: &str,
-    runs: RunCounter,
-    gate: Gate,
-) -> impl actix_web::dev::HttpServiceFactory + use<> {
-    web::resource(pattern)
-        .wrap(IdempotentRoute::new())
-        .route(web::post().to(move || {
+/// A server with one protected resource at `pattern`, under the `Idempotency` that
+/// `idempotency` makes per worker, that counts its runs, then waits at the gate.
+fn start_gated(
+    pattern: &'static str,
+    idempotency: fn() -> Idempotency,
+) -> (actix_test::TestServer, RunCounter, Gate) {
+    let (runs, gate) = (RunCounter::default(), Gate::default());
+    let server = actix_test::start({
+        let (runs, gate) = (runs.clone(), gate.clone());
+        move || {
             let (runs, gate) = (runs.clone(), gate.clone());
-            async move {
-                runs.record();
-                gate.wait().await;
-                HttpResponse::Created().body("made")
-            }
-        }))
+            App::new().wrap(idempotency()).service(
+                web::resource(pattern)
+                    .wrap(IdempotentRoute::new())
+                    .route(web::post().to(move || {
+                        let (runs, gate) = (runs.clone(), gate.clone());
+                        async move {
+                            runs.record();
+                            gate.wait().await;
+                            HttpResponse::Created().body("made")
+                        }
+                    })),
+            )
+        }
+    });
+    (server, runs, gate)
 }
 
 #[actix_web::test]
 async fn a_run_whose_client_left_is_counted_and_holds_the_in_flight_gauge() {
     let _turn = one_at_a_time();
     snapshotter();
-    let (runs, gate) = (RunCounter::default(), Gate::default());
-    let server = actix_test::start({
-        let (runs, gate) = (runs.clone(), gate.clone());
-        move || {
-            let (runs, gate) = (runs.clone(), gate.clone());
-            App::new()
-                .wrap(Idempotency::new(MemoryStore::new()))
-                .service(gated("/m/left", runs, gate))
-        }
-    });
     let route = "/m/left";
+    let (server, runs, gate) = start_gated(route, || Idempotency::new(MemoryStore::new()));
 
     // The client gives up while the handler runs; Actix drops the request's future and the
     // run goes on by itself.
@@ -513,11 +514,7 @@ async fn a_run_whose_client_left_is_counted_and_holds_the_in_flight_gauge() {
     )
     .unwrap();
     runs.wait_for(1).await;
-    // A zero linger time makes closing the socket send a reset.
-    socket2::SockRef::from(&socket)
-        .set_linger(Some(Duration::ZERO))
-        .unwrap();
-    drop(socket);
+    reset(socket);
     let mut counted = 0;
     for _ in 0..500 {
         counted = requests(route, Outcome::Executed);
@@ -559,16 +556,9 @@ async fn a_run_whose_client_left_is_counted_and_holds_the_in_flight_gauge() {
 async fn a_waiting_retry_whose_client_leaves_abandons_nothing() {
     let _turn = one_at_a_time();
     snapshotter();
-    let (runs, gate) = (RunCounter::default(), Gate::default());
-    let server = actix_test::start({
-        let (runs, gate) = (runs.clone(), gate.clone());
-        move || {
-            let (runs, gate) = (runs.clone(), gate.clone());
-            let waiting = IdempotencyPolicy::default().wait_for_completion(Duration::from_secs(10));
-            App::new()
-                .wrap(Idempotency::new(MemoryStore::new()).policy(waiting))
-                .service(gated("/m/waits", runs, gate))
-        }
+    let (server, runs, gate) = start_gated("/m/waits", || {
+        let waiting = IdempotencyPolicy::default().wait_for_completion(Duration::from_secs(10));
+        Idempotency::new(MemoryStore::new()).policy(waiting)
     });
     let abandons = || {
         counter(
@@ -590,10 +580,7 @@ async fn a_waiting_retry_whose_client_leaves_abandons_nothing() {
         // The retry waits (the in-memory store answers each `begin` at once, so it is
         // between two of them whenever it is dropped), then its client resets.
         actix_rt::time::sleep(Duration::from_millis(200)).await;
-        socket2::SockRef::from(&socket)
-            .set_linger(Some(Duration::ZERO))
-            .unwrap();
-        drop(socket);
+        reset(socket);
         // A first background attempt comes 50 ms after the drop.
         actix_rt::time::sleep(Duration::from_millis(300)).await;
         gate.open();

@@ -11,8 +11,8 @@ use std::time::Duration;
 use actix_web::http::{Method, StatusCode};
 use actix_web::web::Bytes;
 use idempotency_actix::{
-    BeginOutcome, Fingerprint, IdempotencyKey, IdempotencyStore, LeaseToken, PostgresStore,
-    StorageKey, StoredResponse,
+    BeginOutcome, Fingerprint, IdempotencyKey, IdempotencyStore, Inspector, LeaseToken,
+    PostgresStore, StorageKey, StoredResponse,
 };
 use idempotency_actix_tests::TestDatabase;
 
@@ -320,29 +320,44 @@ async fn an_unreachable_server_is_a_store_error() {
     assert!(store.migrate().await.is_err());
 }
 
-/// Inspection looks the key's advisory lock up (in `pg_locks`) instead of taking it:
-/// taking it, however briefly, made a first `begin` of the key at that moment answer in
-/// flight (a 409 to a request no other had claimed). Many rounds of a `begin` of a fresh key
-/// racing lookups of it.
-#[actix_web::test]
-async fn lookups_never_make_a_first_begin_answer_in_flight() {
-    use idempotency_actix::Inspector;
-
+/// Runs 1 500 rounds of a `begin` of a fresh key racing three `inspect` calls on it (each
+/// a lookup, or a deletion) through an `Inspector`, and checks that every `begin` acquired.
+async fn first_begins_acquire_while_inspected<F, Fut, T>(inspect: F)
+where
+    F: Fn(Inspector<PostgresStore>, String) -> Fut,
+    Fut: std::future::Future<Output = Result<T, idempotency_actix::InspectionError>>,
+    T: std::fmt::Debug,
+{
     let database = TestDatabase::create().await;
     let store = database.store().await;
     let inspector = Inspector::new(store.clone()).key_prefix("pg:");
     for round in 0..1500 {
-        let name = format!("looked-up-{round}");
+        let name = format!("inspected-{round}");
         let token = LeaseToken::generate();
-        let lookups = futures_util::future::join_all((0..3).map(|_| inspector.lookup(b"", &name)));
-        let (begun, looked) =
-            futures_util::future::join(store.begin(&key(&name), &print(), &token, LEASE), lookups)
-                .await;
+        let inspections = futures_util::future::join_all(
+            (0..3).map(|_| inspect(inspector.clone(), name.clone())),
+        );
+        let (begun, inspected) = futures_util::future::join(
+            store.begin(&key(&name), &print(), &token, LEASE),
+            inspections,
+        )
+        .await;
         assert_eq!(begun.unwrap(), BeginOutcome::Acquired, "round {round}");
-        for found in looked {
-            found.unwrap();
+        for answer in inspected {
+            answer.unwrap();
         }
     }
+}
+
+/// Inspection looks the key's advisory lock up (in `pg_locks`) instead of taking it:
+/// taking it, however briefly, made a first `begin` of the key at that moment answer in
+/// flight (a 409 to a request no other had claimed).
+#[actix_web::test]
+async fn lookups_never_make_a_first_begin_answer_in_flight() {
+    first_begins_acquire_while_inspected(|inspector, name| async move {
+        inspector.lookup(b"", &name).await
+    })
+    .await;
 }
 
 /// A transaction that holds a key's advisory lock (a transactional route's claim, its row
@@ -350,7 +365,7 @@ async fn lookups_never_make_a_first_begin_answer_in_flight() {
 /// the lookup no longer takes the lock itself.
 #[actix_web::test]
 async fn a_lookup_sees_a_key_whose_lock_another_transaction_holds_in_flight() {
-    use idempotency_actix::{Inspector, RecordState};
+    use idempotency_actix::RecordState;
 
     let database = TestDatabase::create().await;
     let inspector = Inspector::new(database.store().await).key_prefix("pg:");
@@ -372,24 +387,8 @@ async fn a_lookup_sees_a_key_whose_lock_another_transaction_holds_in_flight() {
 /// `begin` racing deletions of its key is never answered in flight.
 #[actix_web::test]
 async fn deletions_never_make_a_first_begin_answer_in_flight() {
-    use idempotency_actix::Inspector;
-
-    let database = TestDatabase::create().await;
-    let store = database.store().await;
-    let inspector = Inspector::new(store.clone()).key_prefix("pg:");
-    for round in 0..1500 {
-        let name = format!("deleted-{round}");
-        let token = LeaseToken::generate();
-        let deletions =
-            futures_util::future::join_all((0..3).map(|_| inspector.delete(b"", &name)));
-        let (begun, deleted) = futures_util::future::join(
-            store.begin(&key(&name), &print(), &token, LEASE),
-            deletions,
-        )
-        .await;
-        assert_eq!(begun.unwrap(), BeginOutcome::Acquired, "round {round}");
-        for deletion in deleted {
-            deletion.unwrap();
-        }
-    }
+    first_begins_acquire_while_inspected(|inspector, name| async move {
+        inspector.delete(b"", &name).await
+    })
+    .await;
 }

@@ -16,7 +16,7 @@ use idempotency_actix::{
     StoredResponse,
 };
 use idempotency_actix_tests::{
-    Gate, PrivateRedis, RawExchange, RunCounter, redis_pool, unique_prefix,
+    Gate, PrivateRedis, RawExchange, RunCounter, redis_pool, reset, unique_prefix,
 };
 
 #[derive(serde::Deserialize)]
@@ -372,13 +372,12 @@ async fn a_client_that_leaves_gets_the_replay_on_retry(leaving: Leaving) {
     .unwrap();
     runs.wait_for(1).await;
     match leaving {
-        Leaving::Closes => socket.shutdown(std::net::Shutdown::Both).unwrap(),
-        // A zero linger time makes closing the socket send a reset.
-        Leaving::Resets => socket2::SockRef::from(&socket)
-            .set_linger(Some(Duration::ZERO))
-            .unwrap(),
+        Leaving::Closes => {
+            socket.shutdown(std::net::Shutdown::Both).unwrap();
+            drop(socket);
+        }
+        Leaving::Resets => reset(socket),
     }
-    drop(socket);
 
     // The handler keeps running after the disconnect, and commits.
     actix_rt::time::sleep(Duration::from_millis(900)).await;

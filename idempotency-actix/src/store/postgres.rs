@@ -133,6 +133,22 @@ impl Statements {
             .collect::<Vec<_>>()
             .join(".");
         let index = format!("\"{}_expires_at\"", parts[parts.len() - 1]);
+        // Whether no transaction holds the advisory lock whose id is parameter `$n`, looked
+        // up in `pg_locks` rather than taken: taking it, however briefly, made a `begin` or
+        // a transactional claim of the key at that moment answer 409.
+        let lock_free = |n: u8| {
+            format!(
+                "SELECT NOT EXISTS (
+                     SELECT 1 FROM pg_locks
+                     WHERE locktype = 'advisory' AND granted AND objsubid = 1
+                       AND database = (SELECT oid FROM pg_database
+                                       WHERE datname = current_database())
+                       AND classid = ((${n} >> 32) & 4294967295)::oid
+                       AND objid = (${n} & 4294967295)::oid
+                 ) AS held"
+            )
+        };
+        let (lock_free_2, lock_free_3) = (lock_free(2), lock_free(3));
         Ok(Self {
             table: table.to_owned(),
             // Serialized by an advisory lock: `CREATE … IF NOT EXISTS` run by two instances
@@ -265,42 +281,22 @@ impl Statements {
             ),
             // Inspection: $1 key, $2 lock id. Whether the advisory lock was free (taken: a
             // transactional route's transaction is working on the key, its row not yet
-            // committed), and the live row with its remaining time in milliseconds. The lock
-            // is looked up in `pg_locks`, not taken: taking it, however briefly, made a
-            // `begin` or a transactional claim of the key at that moment answer 409.
+            // committed; looked up, not taken), and the live row with its remaining time in
+            // milliseconds.
             inspect: format!(
-                "WITH lock AS MATERIALIZED (
-                     SELECT NOT EXISTS (
-                         SELECT 1 FROM pg_locks
-                         WHERE locktype = 'advisory' AND granted AND objsubid = 1
-                           AND database = (SELECT oid FROM pg_database
-                                           WHERE datname = current_database())
-                           AND classid = (($2 >> 32) & 4294967295)::oid
-                           AND objid = ($2 & 4294967295)::oid
-                     ) AS held
-                 )
+                "WITH lock AS MATERIALIZED ({lock_free_2})
                  SELECT lock.held, r.state::text, r.response,
                         (extract(epoch FROM r.expires_at - clock_timestamp()) * 1000)::bigint
                  FROM lock LEFT JOIN {t} r
                    ON r.key = $1 AND r.expires_at > clock_timestamp() AND r.state <> 'a'"
             ),
             // Deletion by hand: $1 key, $2 force, $3 lock id. Deletes the live row if it is
-            // completed or `force`; answers whether the key's lock was free (looked up in
-            // `pg_locks`, as by `inspect`, not taken: a transactional claim's row, not yet
-            // committed, is in flight), whether a row was deleted, and the live row's state
-            // before the statement. An abandoned token's marker is no record: left alone and
-            // not reported.
+            // completed or `force`; answers whether the key's lock was free (looked up, not
+            // taken: a transactional claim's row, not yet committed, is in flight), whether a
+            // row was deleted, and the live row's state before the statement. An abandoned
+            // token's marker is no record: left alone and not reported.
             delete: format!(
-                "WITH lock AS MATERIALIZED (
-                     SELECT NOT EXISTS (
-                         SELECT 1 FROM pg_locks
-                         WHERE locktype = 'advisory' AND granted AND objsubid = 1
-                           AND database = (SELECT oid FROM pg_database
-                                           WHERE datname = current_database())
-                           AND classid = (($3 >> 32) & 4294967295)::oid
-                           AND objid = ($3 & 4294967295)::oid
-                     ) AS held
-                 ), deleted AS (
+                "WITH lock AS MATERIALIZED ({lock_free_3}), deleted AS (
                      DELETE FROM {t}
                      WHERE key = $1 AND expires_at > clock_timestamp() AND state <> 'a'
                        AND (state = 'c' OR $2)
