@@ -68,12 +68,15 @@ fn start_private_redis() -> String {
 /// Starts `server` (a `redis-server` or `valkey-server` binary) for this test process on a
 /// free loopback port, and answers its URL.
 ///
-/// The watchdog shell is never waited for: it outlives this process by design, to stop the
-/// server after it.
+/// A watchdog shell runs the server and waits on a pipe whose other end this process holds
+/// until it exits, however it exits; it then stops the server and removes its directory. The
+/// server and the shell write only to a log file in that directory, never to the test's
+/// output, so a test runner that waits for a test's output to close (nextest) is not kept
+/// waiting for them after the test.
 ///
 /// # Panics
 ///
-/// When the server does not answer within 10 s.
+/// When the server does not answer within 10 s (with what it logged).
 #[expect(
     clippy::zombie_processes,
     reason = "the watchdog outlives the test process"
@@ -84,20 +87,35 @@ pub(crate) fn start_private_server(server: &Path) -> String {
         .expect("a free loopback port")
         .port();
     let name = server.display();
-    // The watchdog runs the server and stops it once the test process is gone. The path is
-    // given as the shell's first argument, so it needs no quoting.
+    let dir = std::env::temp_dir().join(format!(
+        "idempotency-actix-test-server-{}-{port}",
+        std::process::id()
+    ));
+    std::fs::create_dir_all(&dir)
+        .unwrap_or_else(|error| panic!("cannot create {}: {error}", dir.display()));
+    let log_path = dir.join("server.log");
+    let log = std::fs::File::create(&log_path)
+        .unwrap_or_else(|error| panic!("cannot create {}: {error}", log_path.display()));
+    let log_too = log
+        .try_clone()
+        .unwrap_or_else(|error| panic!("cannot share {}: {error}", log_path.display()));
+    // The binary and the directory are the shell's `$0` and `$1`, so they need no quoting.
     let script = format!(
-        "\"$0\" --port {port} --bind 127.0.0.1 --save '' --appendonly no & server=$!; \
-         while kill -0 {parent} 2>/dev/null; do sleep 0.5; done; kill $server",
-        parent = std::process::id(),
+        "\"$0\" --port {port} --bind 127.0.0.1 --save '' --appendonly no --dir \"$1\" & \
+         server=$!; read -r _; kill $server; wait $server; rm -rf \"$1\""
     );
-    Command::new("sh")
+    let mut watchdog = Command::new("sh")
         .args(["-c", &script])
         .arg(server)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
+        .arg(&dir)
+        .stdin(Stdio::piped())
+        .stdout(log)
+        .stderr(log_too)
         .spawn()
         .unwrap_or_else(|error| panic!("cannot start a private {name}: {error}"));
+    // Held until the process exits: the end of the watchdog's input. (Rust opens pipes
+    // close-on-exec, so no other child inherits it.)
+    std::mem::forget(watchdog.stdin.take());
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
     let deadline = Instant::now() + Duration::from_secs(10);
     while Instant::now() < deadline {
@@ -107,5 +125,6 @@ pub(crate) fn start_private_server(server: &Path) -> String {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    panic!("the private {name} on port {port} did not answer within 10 s");
+    let logged = std::fs::read_to_string(&log_path).unwrap_or_default();
+    panic!("the private {name} on port {port} did not answer within 10 s; it logged:\n{logged}");
 }
