@@ -26,8 +26,10 @@ type Chunk = Option<Result<Bytes, Box<dyn StdError>>>;
 /// of unknown size) or before the last chunk is delivered (for a body of known size), so a
 /// client that has the whole response and retries always gets the replay. A body that grows
 /// past `limit` is committed without a body at once and then only forwarded, so an endless
-/// stream ends its record (and its lease renewals) there. A body that fails or panics is
-/// committed without a body, and the client's response ends with the error.
+/// stream ends its record (and its lease renewals) there. A body that fails or panics, or
+/// one of known size that ends before that size, is committed without a body, and the
+/// client's response ends with the error. Of a body of known size that runs past its size,
+/// what the client gets (that size) is stored.
 ///
 /// If the client goes away first, the rest of the body is read on a task of its own, up to
 /// the limit, and committed the same way. A body that then produces nothing for `idle` (the
@@ -120,22 +122,37 @@ where
             };
             match chunk {
                 Some(Ok(bytes)) => {
-                    if recording.captured.len() + bytes.len() > recording.limit {
+                    // Of a body of known size the client gets no more than that size (Actix
+                    // writes no more), so no more is stored.
+                    let kept = match recording.remaining {
+                        Some(remaining) => bytes
+                            .len()
+                            .min(usize::try_from(remaining).unwrap_or(usize::MAX)),
+                        None => bytes.len(),
+                    };
+                    if recording.captured.len() + kept > recording.limit {
                         self.commit(None, Some(Ok(bytes)));
                         continue;
                     }
-                    recording.captured.extend_from_slice(&bytes);
-                    let last = recording.remaining.map(|remaining| {
-                        let remaining = remaining.saturating_sub(bytes.len() as u64);
-                        recording.remaining = Some(remaining);
-                        remaining == 0
-                    });
-                    if last == Some(true) {
-                        let captured = std::mem::take(&mut recording.captured).freeze();
-                        self.commit(Some(captured), Some(Ok(bytes)));
-                        continue;
+                    recording.captured.extend_from_slice(&bytes[..kept]);
+                    if let Some(remaining) = &mut recording.remaining {
+                        *remaining -= kept as u64;
+                        if *remaining == 0 {
+                            let captured = std::mem::take(&mut recording.captured).freeze();
+                            self.commit(Some(captured), Some(Ok(bytes)));
+                            continue;
+                        }
                     }
                     return Poll::Ready(Some(Ok(bytes)));
+                }
+                // A body of known size that ends before that size is a response cut short
+                // (Actix closes the connection): stored without a body, as after an error,
+                // never as a complete shorter one.
+                None if recording.remaining.is_some_and(|remaining| remaining > 0) => {
+                    tracing::error!(
+                        "idempotency: the response body ended before its declared size; its record completes without a body"
+                    );
+                    self.commit(None, None);
                 }
                 None => {
                     let captured = std::mem::take(&mut recording.captured).freeze();

@@ -11,7 +11,8 @@ use crate::gathered_hasher::GatheredHasher;
 /// A blake3 digest of the parts of a request that a retry must repeat exactly.
 ///
 /// By default it covers the method, the path, the query string and a blake3 digest of the
-/// body; [`FingerprintParts::header`] adds request headers. A retry with the same key but a
+/// body as sent (a compressed body's bytes, not what they decode to: a retry must repeat
+/// them); [`FingerprintParts::header`] adds request headers. A retry with the same key but a
 /// different fingerprint is answered 422 (the draft's "key reused with another payload").
 ///
 /// # Examples

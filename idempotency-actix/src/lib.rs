@@ -68,7 +68,7 @@
 //! | malformed key (empty, over 255 characters, not printable ASCII, bad sf-string or parameter, a `;` after a bare key, repeated header, a list `k1, k2`) | 400 problem |
 //! | first request with a key | the handler runs once; its response is returned as produced |
 //! | retry after completion, same request | stored status, headers and body plus `Idempotent-Replayed: true` |
-//! | retry with the same key, another method, path, query or body | 422 problem |
+//! | retry with the same key, another method, path, query or body (its bytes as sent, compressed or not) | 422 problem |
 //! | retry while the first is still running | 409 problem with `Retry-After` |
 //! | handler answers 1xx (not a final response) | passed through as Actix sends it; never stored, key released |
 //! | handler answers 204 or 304 | stored and replayed without a body or `Content-Length` |

@@ -58,6 +58,22 @@ async fn endless(runs: web::Data<RunCounter>) -> HttpResponse {
     HttpResponse::Ok().streaming(chunks)
 }
 
+/// Declares `?declared=N` bytes and produces `DIGITS` (10 bytes), then ends: a proxied or
+/// file body cut short (N > 10), or a wrong length given to `SizedStream` (N < 10).
+async fn mis_sized(runs: web::Data<RunCounter>, declared: web::Query<Declared>) -> HttpResponse {
+    runs.record();
+    let chunks =
+        futures_util::stream::iter([Ok::<_, actix_web::Error>(Bytes::from_static(DIGITS))]);
+    HttpResponse::Ok().body(SizedStream::new(declared.declared, chunks))
+}
+
+const DIGITS: &[u8] = b"0123456789";
+
+#[derive(serde::Deserialize)]
+struct Declared {
+    declared: u64,
+}
+
 /// `FIRST`; once the gate is open, a chunk every 20 ms for 200 ms (so that Actix, writing
 /// them, finds its client gone and drops the body); then nothing, forever.
 async fn stalled(runs: web::Data<RunCounter>, gate: web::Data<Gate>) -> HttpResponse {
@@ -102,6 +118,11 @@ fn start(test: &str, runs: &RunCounter, gate: &Gate) -> actix_test::TestServer {
                         IdempotencyPolicy::default().max_stored_body(4096),
                     ))
                     .route(web::post().to(endless)),
+            )
+            .service(
+                web::resource("/mis-sized")
+                    .wrap(IdempotentRoute::new())
+                    .route(web::post().to(mis_sized)),
             )
             .service(
                 web::resource("/stalled")
@@ -263,4 +284,86 @@ async fn a_stalled_stream_whose_client_left_completes_its_record_without_a_body(
         "true"
     );
     assert_eq!(runs.get(), 1);
+}
+
+#[actix_rt::test]
+async fn a_body_that_ends_before_its_declared_size_is_stored_without_a_body() {
+    let (runs, gate) = (RunCounter::default(), Gate::default());
+    let server = start("stream-short", &runs, &gate);
+    let client = awc::Client::default();
+    let request = || {
+        client
+            .post(server.url("/mis-sized?declared=100"))
+            .insert_header(("idempotency-key", "short"))
+    };
+
+    // The client gets the head (`Content-Length: 100`) and 10 bytes, then the connection
+    // closes. (Read off the socket: awc takes such a body as complete.)
+    let first = raw_exchange(
+        server.addr(),
+        "POST /mis-sized?declared=100 HTTP/1.1\r\nHost: test\r\nIdempotency-Key: short\r\n\
+         Content-Length: 0\r\n\r\n",
+    );
+    let (head, body) = first.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(
+        head.to_ascii_lowercase().contains("content-length: 100"),
+        "{head}"
+    );
+    assert_eq!(
+        body, "0123456789",
+        "the connection closes after the 10 bytes"
+    );
+
+    // The retry learns the outcome without running the handler again, and is told that the
+    // body is not stored, rather than given the 10 bytes as if they were the whole body.
+    let mut retry = once_not_in_flight(&request).await;
+    assert_eq!(retry.status(), 200);
+    assert_eq!(retry.headers().get("idempotent-replayed").unwrap(), "true");
+    assert_eq!(
+        retry.headers().get("idempotent-body-omitted").unwrap(),
+        "true"
+    );
+    assert_eq!(retry.body().await.unwrap(), "");
+    assert_eq!(runs.get(), 1);
+}
+
+#[actix_rt::test]
+async fn a_body_that_runs_past_its_declared_size_is_replayed_as_it_was_sent() {
+    let (runs, gate) = (RunCounter::default(), Gate::default());
+    let server = start("stream-long", &runs, &gate);
+    let client = awc::Client::default();
+    let request = || {
+        client
+            .post(server.url("/mis-sized?declared=4"))
+            .insert_header(("idempotency-key", "long"))
+    };
+
+    let mut first = request().send().await.unwrap();
+    assert_eq!(first.status(), 200);
+    let sent = first.body().await.unwrap();
+    assert_eq!(sent, DIGITS[..4]);
+
+    let mut replay = once_not_in_flight(&request).await;
+    assert_eq!(replay.status(), 200);
+    assert_eq!(replay.headers().get("idempotent-replayed").unwrap(), "true");
+    assert_eq!(replay.headers().get("content-length").unwrap(), "4");
+    assert_eq!(replay.body().await.unwrap(), sent);
+    assert_eq!(runs.get(), 1);
+}
+
+/// Writes `request` on a new connection to `addr` and reads until the server closes it (at
+/// most 10 s): what a client gets, byte for byte.
+fn raw_exchange(addr: std::net::SocketAddr, request: &str) -> String {
+    use std::io::{Read, Write};
+    let mut socket = std::net::TcpStream::connect(addr).unwrap();
+    socket
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    socket.write_all(request.as_bytes()).unwrap();
+    let mut received = Vec::new();
+    socket
+        .read_to_end(&mut received)
+        .expect("the server closes the connection within 10 s");
+    String::from_utf8(received).unwrap()
 }
