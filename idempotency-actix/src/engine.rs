@@ -142,8 +142,13 @@ pub(crate) struct HeldLock {
     pub(crate) fingerprint: Fingerprint,
     pub(crate) token: LeaseToken,
     pub(crate) body_len: usize,
+    /// The lease the lock is to hold; a route layer may change it (see `applied_lease`).
     pub(crate) lease: Cell<Duration>,
+    /// When the store last set the record's expiry, by `begin` or a renewal...
     pub(crate) renewed_at: Cell<Instant>,
+    /// ...and to how far: the record expires `applied_lease` after `renewed_at`. It differs
+    /// from `lease` from the moment a route layer changes that until a renewal applies it.
+    applied_lease: Cell<Duration>,
     pub(crate) route_policy: RefCell<Option<IdempotencyPolicy>>,
     /// Whether the loss of this lock's record has been reported (once per request).
     lost_reported: Cell<bool>,
@@ -334,6 +339,7 @@ impl Engine {
                     body_len,
                     lease: Cell::new(policy.lease),
                     renewed_at: Cell::new(Instant::now()),
+                    applied_lease: Cell::new(policy.lease),
                     route_policy: RefCell::new(None),
                     lost_reported: Cell::new(false),
                     store: Rc::clone(&self.store),
@@ -845,7 +851,7 @@ async fn keep_renewing(lock: &HeldLock) {
     loop {
         let lease = lock.lease.get();
         actix_rt::time::sleep((lease / 3).min(RENEWAL_TICK)).await;
-        if lock.renewed_at.get().elapsed() < lock.lease.get() / 3 {
+        if !lock.renewal_due() {
             continue;
         }
         match lock.renew().await {
@@ -878,7 +884,7 @@ async fn keep_committing(lock: Rc<HeldLock>, stored: StoredResponse, ttl: Durati
     let mut attempts = 0_u32;
     while Instant::now() + pause < deadline {
         actix_rt::time::sleep(pause).await;
-        if renewing && lock.renewed_at.get().elapsed() >= lock.lease.get() / 3 {
+        if renewing && lock.renewal_due() {
             match lock.renew().await {
                 Ok(true) => {}
                 Ok(false) => renewing = false,
@@ -941,14 +947,23 @@ impl HeldLock {
 
     /// Extends the lease to its current length, bounded by the store timeout.
     pub(crate) async fn renew(&self) -> Result<bool, StoreError> {
-        let renewal = self
-            .store
-            .renew(&self.storage_key, &self.token, self.lease.get());
+        let lease = self.lease.get();
+        let renewal = self.store.renew(&self.storage_key, &self.token, lease);
         let renewed = within(StoreOperation::Renew, self.store_timeout, renewal).await;
         if let Ok(true) = renewed {
             self.renewed_at.set(Instant::now());
+            self.applied_lease.set(lease);
         }
         renewed
+    }
+
+    /// Whether the lease is to be renewed now: a third of the lease the store holds has
+    /// passed, or the lease was changed and the store does not hold the new one yet (a route
+    /// layer's renewal failed: the record still expires by the old one, however long the
+    /// new one is).
+    fn renewal_due(&self) -> bool {
+        let applied = self.applied_lease.get();
+        self.lease.get() != applied || self.renewed_at.get().elapsed() >= applied / 3
     }
 }
 

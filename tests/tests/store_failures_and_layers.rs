@@ -535,6 +535,92 @@ async fn a_shorter_route_lease_is_renewed_in_time_under_an_app_layer() {
     assert_eq!(runs.get(), 1);
 }
 
+/// The memory store, whose first `renew` fails as a store that times out does.
+#[derive(Clone)]
+struct FirstRenewalFails {
+    inner: MemoryStore,
+    renewals: std::rc::Rc<std::cell::Cell<u32>>,
+}
+
+impl IdempotencyStore for FirstRenewalFails {
+    async fn begin(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        token: &LeaseToken,
+        lease: Duration,
+    ) -> Result<BeginOutcome, StoreError> {
+        self.inner.begin(key, fingerprint, token, lease).await
+    }
+    async fn renew(
+        &self,
+        key: &StorageKey,
+        token: &LeaseToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        let earlier = self.renewals.replace(self.renewals.get() + 1);
+        if earlier == 0 {
+            return Err(StoreError::Timeout(Duration::from_secs(2)));
+        }
+        self.inner.renew(key, token, lease).await
+    }
+    async fn commit(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        token: &LeaseToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner
+            .commit(key, fingerprint, token, response, ttl)
+            .await
+    }
+    async fn release(&self, key: &StorageKey, token: &LeaseToken) -> Result<bool, StoreError> {
+        self.inner.release(key, token).await
+    }
+}
+
+#[actix_web::test]
+async fn a_longer_route_lease_that_fails_to_apply_is_applied_at_the_next_renewal() {
+    let store = MemoryStore::builder().build();
+    let runs = RunCounter::default();
+    let server = {
+        let (store, runs) = (store.clone(), runs.clone());
+        actix_test::start(move || {
+            let store = FirstRenewalFails {
+                inner: store.clone(),
+                renewals: std::rc::Rc::default(),
+            };
+            App::new()
+                .app_data(web::Data::new(runs.clone()))
+                .wrap(
+                    Idempotency::new(store)
+                        .protect_methods([Method::POST])
+                        .policy(IdempotencyPolicy::default().lease(Duration::from_secs(1))),
+                )
+                .service(
+                    web::resource("/orders")
+                        .wrap(IdempotentRoute::with_policy(
+                            IdempotencyPolicy::default().lease(Duration::from_secs(60)),
+                        ))
+                        .route(web::post().to(very_slow_create)),
+                )
+        })
+    };
+    // The route's renewal to 60 s fails, so the record still expires 1 s after `begin`,
+    // while the handler runs for 2 s: the duplicate comes after that second.
+    let (first, duplicate) =
+        futures_util::future::join(send(&server, Method::POST, "/orders", Some("k")), async {
+            actix_rt::time::sleep(Duration::from_millis(1500)).await;
+            send(&server, Method::POST, "/orders", Some("k")).await
+        })
+        .await;
+    assert_eq!(first.0, StatusCode::CREATED);
+    assert_eq!(duplicate.0, StatusCode::CONFLICT, "the duplicate ran");
+    assert_eq!(runs.get(), 1);
+}
+
 #[actix_web::test]
 async fn a_record_of_another_version_is_never_taken_over() {
     let (server, prefix, runs) = start_on_redis(

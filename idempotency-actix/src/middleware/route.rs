@@ -155,7 +155,7 @@ where
                 let service = Rc::clone(&self.service);
                 IdempotencyFuture::processing(Box::pin(async move {
                     if let Err(error) = lock.renew().await {
-                        tracing::warn!(%error, "idempotency: could not apply the route's lease");
+                        tracing::warn!(%error, "idempotency: could not apply the route's lease; retried at the next renewal tick");
                     }
                     service.call(req).await.map(with_handler_body)
                 }))
