@@ -165,3 +165,45 @@ async fn a_store_full_of_in_flight_records_answers_503_and_recovers() {
     let new_key = server.post("/orders", "after-recovery").await;
     assert_eq!(new_key.status, StatusCode::CREATED);
 }
+
+#[actix_web::test]
+async fn new_keys_refused_by_a_store_full_of_in_flight_records_evict_no_completed_record() {
+    let store = MemoryStore::builder()
+        .max_bytes(64 * 1024)
+        .shards(1)
+        .build();
+    let server = server_on(&store);
+    for i in 0..10 {
+        let paid = server.post("/orders", &format!("paid-{i}")).await;
+        assert_eq!(paid.status, StatusCode::CREATED);
+    }
+    let mut held = Vec::new();
+    loop {
+        match server.start_slow(&format!("held-{}", held.len())).await {
+            Ok(reply) => held.push(reply),
+            Err(refused) => {
+                assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+                break;
+            }
+        }
+        assert!(held.len() < 1_000, "a 64 KiB store never filled");
+    }
+    // A flood of new keys while the in-flight half is full: each is refused and runs
+    // nothing, and leaves nothing behind that would take a completed record's room.
+    for i in 0..300 {
+        let refused = server.post("/orders", &format!("flood-{i}")).await;
+        assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE, "flood-{i}");
+    }
+    // Time for what a refusal might leave in the background (an abandon starts after 50 ms).
+    actix_rt::time::sleep(Duration::from_millis(500)).await;
+    server.gate.open();
+    for reply in held {
+        assert_eq!(reply.await.unwrap().status, StatusCode::CREATED);
+    }
+    let runs = server.runs.get();
+    for i in 0..10 {
+        let retry = server.post("/orders", &format!("paid-{i}")).await;
+        assert!(retry.is_replay(), "paid-{i}: {retry:?}");
+    }
+    assert_eq!(server.runs.get(), runs, "a completed payment ran again");
+}

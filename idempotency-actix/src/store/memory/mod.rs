@@ -183,9 +183,11 @@ impl MemoryStore {
         result
     }
 
+    /// The refusal of a new record that does not fit: nothing was written (so the engine
+    /// abandons no token, whose marker would take room from completed records).
     fn full(&self) -> StoreError {
         let share = self.inner.max_bytes / self.inner.shards.len();
-        StoreError::Unavailable(
+        StoreError::Refused(
             format!(
                 "the memory store is full of in-flight records (a shard's share is {share} of \
                  {} bytes)",

@@ -113,7 +113,7 @@ async fn in_flight_records_are_never_evicted_and_a_full_store_recovers() {
         }
         assert!(held.len() < 100, "a 4 000-byte store never fills");
     };
-    assert!(matches!(refused, StoreError::Unavailable(_)), "{refused}");
+    assert!(matches!(refused, StoreError::Refused(_)), "{refused}");
     assert!(held.len() >= 2);
     for (i, _) in held.iter().enumerate() {
         assert_eq!(
