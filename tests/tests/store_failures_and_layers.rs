@@ -302,16 +302,18 @@ impl IdempotencyStore for BrokenStore {
     }
 }
 
-/// A store whose `begin` answers only after `delay`, as a Redis under `DEBUG SLEEP` does,
-/// and whose `commit` only after `commit_delay`.
-#[derive(Clone)]
-struct SlowStore {
+/// The memory store, with faults: its `begin` answers only after `delay`, as a Redis under
+/// `DEBUG SLEEP` does, its `commit` only after `commit_delay`, and its first
+/// `failed_renewals` renewals fail as a store that times out does.
+#[derive(Clone, Default)]
+struct FaultyStore {
     inner: MemoryStore,
     delay: Duration,
     commit_delay: Duration,
+    failed_renewals: std::sync::Arc<std::sync::atomic::AtomicU32>,
 }
 
-impl IdempotencyStore for SlowStore {
+impl IdempotencyStore for FaultyStore {
     async fn begin(
         &self,
         key: &StorageKey,
@@ -328,6 +330,14 @@ impl IdempotencyStore for SlowStore {
         token: &LeaseToken,
         lease: Duration,
     ) -> Result<bool, StoreError> {
+        let failing = self.failed_renewals.fetch_update(
+            std::sync::atomic::Ordering::SeqCst,
+            std::sync::atomic::Ordering::SeqCst,
+            |left| left.checked_sub(1),
+        );
+        if failing.is_ok() {
+            return Err(StoreError::Timeout(Duration::from_secs(2)));
+        }
         self.inner.renew(key, token, lease).await
     }
     async fn commit(
@@ -423,10 +433,9 @@ async fn an_unreachable_redis_is_503_and_a_slow_store_times_out() {
     // The `begin` answers after 2 s, well within the client's own timeout (5 s): waited for,
     // it would acquire and the handler would run (201). The 503 shows the store timeout
     // (200 ms) cut it short.
-    let slow = SlowStore {
-        inner: MemoryStore::new(),
+    let slow = FaultyStore {
         delay: Duration::from_secs(2),
-        commit_delay: Duration::ZERO,
+        ..FaultyStore::default()
     };
     let server = start_with(&runs, move || {
         Idempotency::new(slow.clone()).store_timeout(Duration::from_millis(200))
@@ -450,10 +459,9 @@ async fn create_empty(runs: web::Data<RunCounter>) -> HttpResponse {
 #[actix_web::test]
 async fn an_empty_response_under_both_layers_is_committed_before_it_is_sent() {
     let runs = RunCounter::default();
-    let store = SlowStore {
-        inner: MemoryStore::new(),
-        delay: Duration::ZERO,
+    let store = FaultyStore {
         commit_delay: Duration::from_millis(300),
+        ..FaultyStore::default()
     };
     let server = {
         let runs = runs.clone();
@@ -535,52 +543,6 @@ async fn a_shorter_route_lease_is_renewed_in_time_under_an_app_layer() {
     assert_eq!(runs.get(), 1);
 }
 
-/// The memory store, whose first `renew` fails as a store that times out does.
-#[derive(Clone)]
-struct FirstRenewalFails {
-    inner: MemoryStore,
-    renewals: std::rc::Rc<std::cell::Cell<u32>>,
-}
-
-impl IdempotencyStore for FirstRenewalFails {
-    async fn begin(
-        &self,
-        key: &StorageKey,
-        fingerprint: &Fingerprint,
-        token: &LeaseToken,
-        lease: Duration,
-    ) -> Result<BeginOutcome, StoreError> {
-        self.inner.begin(key, fingerprint, token, lease).await
-    }
-    async fn renew(
-        &self,
-        key: &StorageKey,
-        token: &LeaseToken,
-        lease: Duration,
-    ) -> Result<bool, StoreError> {
-        let earlier = self.renewals.replace(self.renewals.get() + 1);
-        if earlier == 0 {
-            return Err(StoreError::Timeout(Duration::from_secs(2)));
-        }
-        self.inner.renew(key, token, lease).await
-    }
-    async fn commit(
-        &self,
-        key: &StorageKey,
-        fingerprint: &Fingerprint,
-        token: &LeaseToken,
-        response: &StoredResponse,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        self.inner
-            .commit(key, fingerprint, token, response, ttl)
-            .await
-    }
-    async fn release(&self, key: &StorageKey, token: &LeaseToken) -> Result<bool, StoreError> {
-        self.inner.release(key, token).await
-    }
-}
-
 #[actix_web::test]
 async fn a_longer_route_lease_that_fails_to_apply_is_applied_at_the_next_renewal() {
     let store = MemoryStore::builder().build();
@@ -588,9 +550,10 @@ async fn a_longer_route_lease_that_fails_to_apply_is_applied_at_the_next_renewal
     let server = {
         let (store, runs) = (store.clone(), runs.clone());
         actix_test::start(move || {
-            let store = FirstRenewalFails {
+            let store = FaultyStore {
                 inner: store.clone(),
-                renewals: std::rc::Rc::default(),
+                failed_renewals: std::sync::Arc::new(1.into()),
+                ..FaultyStore::default()
             };
             App::new()
                 .app_data(web::Data::new(runs.clone()))
