@@ -98,6 +98,11 @@ where
             if let Some((commit, _)) = &mut self.committing {
                 ready!(commit.as_mut().poll(cx));
                 let (_, chunk) = self.committing.take().unwrap_or_else(|| unreachable!());
+                // The record is complete: what is left of the body is only forwarded, and
+                // holds no share of the worker's keyed work (nor a drain) any longer.
+                if let Some(client) = self.client.take() {
+                    client.finish();
+                }
                 return Poll::Ready(chunk);
             }
             let Some(body) = &mut self.body else {

@@ -95,6 +95,16 @@ async fn stalled(runs: web::Data<RunCounter>, gate: web::Data<Gate>) -> HttpResp
 }
 
 fn start(test: &str, runs: &RunCounter, gate: &Gate) -> actix_test::TestServer {
+    start_with(test, runs, gate, |idempotency| idempotency)
+}
+
+/// [`start`], with `settings` applied to the app's `Idempotency`.
+fn start_with(
+    test: &str,
+    runs: &RunCounter,
+    gate: &Gate,
+    settings: fn(Idempotency) -> Idempotency,
+) -> actix_test::TestServer {
     let pool = RedisStore::pool(&redis_url()).unwrap();
     let prefix = unique_prefix(test);
     let (runs, gate) = (runs.clone(), gate.clone());
@@ -102,11 +112,11 @@ fn start(test: &str, runs: &RunCounter, gate: &Gate) -> actix_test::TestServer {
         App::new()
             .app_data(web::Data::new(runs.clone()))
             .app_data(web::Data::new(gate.clone()))
-            .wrap(
+            .wrap(settings(
                 Idempotency::redis(pool.clone())
                     .key_prefix(prefix.clone())
                     .scope(KeyScope::global()),
-            )
+            ))
             .service(
                 web::resource("/progress")
                     .wrap(IdempotentRoute::new())
@@ -219,6 +229,40 @@ async fn an_endless_stream_completes_its_record_without_a_body_once_over_the_lim
         "the stream still flows"
     );
     assert_eq!(runs.get(), 1);
+}
+
+#[actix_rt::test]
+async fn a_stream_whose_record_is_complete_holds_no_share_of_the_keyed_work() {
+    let (runs, gate) = (RunCounter::default(), Gate::default());
+    let server = start_with("stream-slot", &runs, &gate, |idempotency| {
+        idempotency.max_in_flight(1)
+    });
+    let client = awc::Client::default();
+    let keyed = |path: &str, key: &str| {
+        client
+            .post(server.url(path))
+            .insert_header(("idempotency-key", key.to_owned()))
+    };
+
+    let mut feed = keyed("/endless", "feed").send().await.unwrap();
+    let mut received = 0;
+    while received <= 8192 {
+        received += next_chunk(&mut feed).await.len();
+    }
+    // The feed's record is complete (without a body) and the feed still flows: with room
+    // for one keyed request, the next one is served, as is the feed's replay.
+    gate.open();
+    let mut other = keyed("/progress", "other").send().await.unwrap();
+    assert_eq!(other.status(), 200, "{:?}", other.headers());
+    assert_eq!(other.body().await.unwrap(), [FIRST, LAST].concat());
+    let replay = keyed("/endless", "feed").send().await.unwrap();
+    assert_eq!(replay.status(), 200);
+    assert_eq!(replay.headers().get("idempotent-replayed").unwrap(), "true");
+    assert!(
+        !next_chunk(&mut feed).await.is_empty(),
+        "the feed still flows"
+    );
+    assert_eq!(runs.get(), 2);
 }
 
 #[actix_rt::test]
