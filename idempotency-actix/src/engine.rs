@@ -502,12 +502,14 @@ impl Engine {
                         .begin(storage_key, fingerprint, token, policy.lease),
                 )
                 .await;
-            match (begun, deadline) {
-                (Ok((BeginOutcome::InFlight, _)), Some(deadline))
-                    if Instant::now() + pause < deadline =>
-                {
+            let wait = match &begun {
+                Ok((BeginOutcome::InFlight, _)) => wait_for_next_begin(deadline, pause),
+                _ => None,
+            };
+            match (begun, wait) {
+                (Ok((BeginOutcome::InFlight, _)), Some(wait)) => {
                     armed.set(false);
-                    actix_rt::time::sleep(pause).await;
+                    actix_rt::time::sleep(wait).await;
                     armed.set(true);
                     pause = (pause * 2).min(Duration::from_millis(250));
                 }
@@ -936,6 +938,15 @@ impl Drop for AbortOnDrop {
 
 /// How often a running request checks whether its lease is due for renewal.
 const RENEWAL_TICK: Duration = Duration::from_millis(100);
+
+/// How long a request that waits for its key's run (`wait_for_completion`) sleeps before it
+/// asks again: `pause`, or what is left until `deadline` if that is less, so that its last
+/// `begin` is sent at the bound itself; `None` once the bound has passed (409 then), or
+/// when it does not wait at all (no `deadline`).
+pub(crate) fn wait_for_next_begin(deadline: Option<Instant>, pause: Duration) -> Option<Duration> {
+    let left = deadline?.checked_duration_since(Instant::now())?;
+    (!left.is_zero()).then(|| pause.min(left))
+}
 
 impl HeldLock {
     /// Reports the loss of this lock's record, once however many steps notice it.

@@ -25,7 +25,8 @@ use futures_util::{FutureExt, StreamExt};
 
 use crate::body::IdempotentBody;
 use crate::engine::{
-    Engine, Handled, HeldLock, Response, claim_with_lock, refuse, with_handler_body,
+    Engine, Handled, HeldLock, Response, claim_with_lock, refuse, wait_for_next_begin,
+    with_handler_body,
 };
 use crate::error::IdempotencyError;
 use crate::fingerprint::Fingerprint;
@@ -217,18 +218,21 @@ impl Engine {
         let mut pause = Duration::from_millis(20);
         loop {
             let claim = store.claim_in_transaction(storage_key, fingerprint, token, policy.lease);
-            match self.bounded(StoreOperation::Begin, claim).await {
-                Ok((BeginOutcome::InFlight, _))
-                    if deadline.is_some_and(|d| Instant::now() + pause < d) =>
-                {
+            let claimed = self.bounded(StoreOperation::Begin, claim).await;
+            let wait = match &claimed {
+                Ok((BeginOutcome::InFlight, _)) => wait_for_next_begin(deadline, pause),
+                _ => None,
+            };
+            match (claimed, wait) {
+                (Ok((BeginOutcome::InFlight, _)), Some(wait)) => {
                     // No claim of the token is outstanding while it waits (see `begin_or_wait`).
                     armed.set(false);
-                    actix_rt::time::sleep(pause).await;
+                    actix_rt::time::sleep(wait).await;
                     armed.set(true);
                     pause = (pause * 2).min(Duration::from_millis(250));
                 }
-                Ok((outcome, transaction)) => return (Ok(outcome), transaction),
-                Err(error) => return (Err(error), None),
+                (Ok((outcome, transaction)), _) => return (Ok(outcome), transaction),
+                (Err(error), _) => return (Err(error), None),
             }
         }
     }

@@ -342,6 +342,25 @@ async fn waiting_is_bounded_then_409() {
     assert!(begins >= 3, "the retry did not wait: {begins} begins");
 }
 
+#[actix_web::test]
+async fn a_waiting_retry_asks_once_more_at_its_bound() {
+    // The retry asks after 20, 40, 80, 160, then 250 ms pauses: at about 800 ms, then not a
+    // whole pause later but at its bound (1 s), by when the first request (850 ms) is done.
+    let (first, waiting, runs, _) =
+        a_retry_while_the_first_runs("wait_to_bound", 850, IdempotentRoute::new, |i| {
+            i.policy(IdempotencyPolicy::default().wait_for_completion(Duration::from_secs(1)))
+        })
+        .await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(
+        waiting.status,
+        StatusCode::CREATED,
+        "the retry gave up early"
+    );
+    assert!(waiting.replayed);
+    assert_eq!(runs, 1);
+}
+
 /// How a client leaves while its handler runs.
 #[derive(Clone, Copy, Debug)]
 enum Leaving {
