@@ -567,6 +567,10 @@ impl Engine {
                 self.release(storage_key, token).await;
                 Err(error)
             }
+            Handled::FailedStored { error, stored, ttl } => {
+                self.commit(&lock, stored, ttl).await;
+                Err(error)
+            }
             Handled::NotStored(response) => {
                 tracing::debug!(
                     key = storage_key.as_str(),
@@ -628,16 +632,18 @@ impl Engine {
         // `call` inside the caught future: a service that panics in `call` itself, before it
         // returns its future (a `wrap_fn` layer), is caught too.
         let called = async move { service.call(req).await };
-        let response = match AssertUnwindSafe(called).catch_unwind().await {
-            Err(_panic) => return Handled::Panicked,
-            Ok(Err(error)) => return Handled::Failed(error),
-            Ok(Ok(response)) => response,
+        let Ok(result) = AssertUnwindSafe(called).catch_unwind().await else {
+            return Handled::Panicked;
         };
         // An app layer that took the request before routing learns the route's policy only
         // now, from what the route layer left in the shared lock.
         let policy = match lock.route_policy.borrow().as_ref() {
             Some(route) => route.apply_to(&policy),
             None => policy,
+        };
+        let response = match result {
+            Ok(response) => response,
+            Err(error) => return self.failed(error, &policy),
         };
         if !policy.stores_status(response.status()) {
             return Handled::NotStored(with_handler_body(response));
@@ -698,6 +704,32 @@ impl Engine {
             response: ServiceResponse::new(request, response),
             stored,
             ttl,
+        }
+    }
+
+    /// What an error of the inner service comes to: the key is released, unless the policy
+    /// stores responses of its status (`store_errors`), as Actix renders it for the client
+    /// (a layer inside this one that fails after the handler ran, say).
+    fn failed<B>(&self, error: actix_web::Error, policy: &Policy) -> Handled<B> {
+        if !policy.stores_status(error.as_response_error().status_code()) {
+            return Handled::Failed(error);
+        }
+        let rendered = error.error_response();
+        let status = rendered.status();
+        let headers = self.settings.replayed_headers.select(rendered.headers());
+        let body = rendered
+            .into_body()
+            .try_into_bytes()
+            .ok()
+            .filter(|body| body.len() <= policy.max_stored_body);
+        Handled::FailedStored {
+            error,
+            stored: StoredResponse {
+                status,
+                headers,
+                body,
+            },
+            ttl: policy.ttl,
         }
     }
 
@@ -816,8 +848,15 @@ impl Drop for PendingBegin {
 pub(crate) enum Handled<B> {
     /// The handler panicked.
     Panicked,
-    /// The inner service answered an error.
+    /// The inner service answered an error whose status the policy does not store.
     Failed(actix_web::Error),
+    /// The inner service answered an error whose status the policy stores: `stored` is that
+    /// error as Actix renders it for the client.
+    FailedStored {
+        error: actix_web::Error,
+        stored: StoredResponse,
+        ttl: Duration,
+    },
     /// A response the policy does not store (status >= 400 by default).
     NotStored(Response<B>),
     /// A response to store whose body is known: committed before it is returned.

@@ -192,7 +192,9 @@ impl IdempotencyPolicy {
         self
     }
 
-    /// Responses of this route with status >= 400 are stored and replayed too.
+    /// Responses of this route with status >= 400 are stored and replayed too, an error of
+    /// a layer inside this one (its `Err`, as Actix renders it) included. On a transactional
+    /// route such an error still rolls the transaction back and stores nothing.
     #[must_use]
     pub const fn store_errors(mut self) -> Self {
         self.store_errors = Some(true);

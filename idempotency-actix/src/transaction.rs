@@ -291,7 +291,9 @@ impl Engine {
                 self.roll_back(transaction).await;
                 return Err(IdempotencyError::HandlerPanicked.into());
             }
-            Handled::Failed(error) => {
+            // An error rolls the handler's writes back, stored or not: nothing it did stays,
+            // so a retry runs it afresh.
+            Handled::Failed(error) | Handled::FailedStored { error, .. } => {
                 self.roll_back(transaction).await;
                 return Err(error);
             }

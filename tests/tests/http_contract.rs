@@ -169,6 +169,24 @@ fn start(backend: Backend, test: &str, configure: fn(Idempotency) -> Idempotency
                         .route(web::post().to(create)),
                 )
                 .service(
+                    // A layer under the middleware that fails after the handler ran (a
+                    // receipt that could not be signed, say).
+                    web::resource("/stored-errors-after-the-handler")
+                        .wrap_fn(|req, service| {
+                            let handled = service.call(req);
+                            async move {
+                                handled.await?;
+                                Err::<actix_web::dev::ServiceResponse, _>(
+                                    actix_web::error::ErrorBadGateway("receipt not signed"),
+                                )
+                            }
+                        })
+                        .wrap(IdempotentRoute::with_policy(
+                            IdempotencyPolicy::default().store_errors(),
+                        ))
+                        .route(web::post().to(create)),
+                )
+                .service(
                     web::resource("/panic")
                         .wrap(IdempotentRoute::new())
                         .route(web::post().to(panics)),
@@ -476,6 +494,22 @@ async fn a_route_can_store_error_responses(backend: Backend) {
     assert_eq!(h.runs.get(), 1);
 }
 
+async fn a_route_that_stores_errors_stores_an_inner_layers_error(backend: Backend) {
+    let h = start(backend, "store_inner_errors", |i| i);
+    let key = h.key("e");
+    let first = h
+        .post("/stored-errors-after-the-handler", Some(&key), "{}")
+        .await;
+    assert_eq!(first.status, StatusCode::BAD_GATEWAY);
+    let retry = h
+        .post("/stored-errors-after-the-handler", Some(&key), "{}")
+        .await;
+    assert_eq!(retry.status, StatusCode::BAD_GATEWAY);
+    assert!(retry.is_replay(), "the handler ran again: {retry:?}");
+    assert_eq!(retry.body, first.body);
+    assert_eq!(h.runs.get(), 1);
+}
+
 async fn a_panicking_handler_is_500_and_releases_the_key(backend: Backend) {
     let h = start(backend, "panic", |i| i);
     let key = h.key("p");
@@ -717,6 +751,7 @@ every_backend!(
     fifty_concurrent_duplicates_run_the_handler_once,
     error_responses_release_the_key,
     a_route_can_store_error_responses,
+    a_route_that_stores_errors_stores_an_inner_layers_error,
     a_panicking_handler_is_500_and_releases_the_key,
     a_layer_panicking_in_call_is_500_and_releases_the_key,
     an_oversized_request_body_is_413_without_running,
