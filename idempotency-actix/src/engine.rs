@@ -328,6 +328,7 @@ impl Engine {
             }
             Ok(BeginOutcome::Acquired) => {
                 tracing::debug!(key = storage_key.as_str(), "idempotency: executing");
+                warn_if_renewals_can_outlast(policy.lease, self.settings.store_timeout);
                 instrument::decided(&req.extensions(), Outcome::Executed);
                 req.set_payload(Payload::from(body));
                 // Held by the run, which may outlive this future (its client left).
@@ -977,6 +978,26 @@ impl Drop for AbortOnDrop {
 
 /// How often a running request checks whether its lease is due for renewal.
 const RENEWAL_TICK: Duration = Duration::from_millis(100);
+
+/// Logs, once per process, a lease that a renewal may outlast: renewals start a third of
+/// the way through the lease and may take up to the store timeout, so a lease under one and
+/// a half times the store timeout can lapse while its renewal is still on its way, slow but
+/// successful, and let a duplicate run the handler.
+pub(crate) fn warn_if_renewals_can_outlast(lease: Duration, store_timeout: Duration) {
+    if lease.as_nanos() * 2 >= store_timeout.as_nanos() * 3 {
+        return;
+    }
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED.call_once(|| {
+        tracing::warn!(
+            lease_ms = lease.as_millis(),
+            store_timeout_ms = store_timeout.as_millis(),
+            "idempotency: a lease under 1.5 times the store timeout can lapse while its renewal, \
+             slow but within the timeout, is on its way, and let a duplicate run the handler: \
+             lengthen the lease or shorten the store timeout"
+        );
+    });
+}
 
 /// How long a request that waits for its key's run (`wait_for_completion`) sleeps before it
 /// asks again: `pause`, or what is left until `deadline` if that is less, so that its last

@@ -1,7 +1,7 @@
 //! What the middleware logs (DESIGN §9, issues 3 and 5): a route layer without an App-level
 //! `Idempotency` says what to add, fail-open warns, key values never reach the log, a
 //! transaction taken on a route that is not transactional names the fix, and an app that
-//! chose no key scope is warned once per process.
+//! chose no key scope, or a lease that a renewal may outlast, is warned once per process.
 
 #![allow(clippy::unwrap_used)]
 
@@ -332,6 +332,32 @@ async fn a_keyless_request_calls_its_route_s_inner_layers_in_the_request_span() 
         .unwrap();
     assert_eq!(response.status(), StatusCode::CREATED);
     assert_logged_in_request_span("inner-layer-event-8b41", "/keyless-spanned");
+}
+
+#[actix_web::test]
+async fn a_lease_a_renewal_may_outlast_is_a_warning() {
+    log();
+    // A 1 s lease against the default store timeout (2 s): a renewal sent at a third of
+    // the lease may land after it.
+    let server = memory_server(|| {
+        web::resource("/short-lease")
+            .wrap(IdempotentRoute::with_policy(
+                idempotency_actix::IdempotencyPolicy::default()
+                    .lease(std::time::Duration::from_secs(1)),
+            ))
+            .route(web::post().to(create))
+    });
+    assert_eq!(
+        post(&server, "/short-lease", "k").await,
+        StatusCode::CREATED
+    );
+    let logged = logged();
+    let line = logged
+        .lines()
+        .find(|line| line.contains("a lease under 1.5 times the store timeout"))
+        .unwrap_or_else(|| panic!("no warning of the short lease: {logged}"));
+    assert!(line.contains("WARN"), "{line}");
+    assert!(line.contains("store_timeout_ms=2000"), "{line}");
 }
 
 #[actix_web::test]

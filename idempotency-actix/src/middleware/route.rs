@@ -149,6 +149,10 @@ where
                 }
                 lock.route_policy
                     .replace(Some(IdempotencyPolicy::clone(&self.policy)));
+                crate::engine::warn_if_renewals_can_outlast(
+                    policy.lease,
+                    engine.settings.store_timeout,
+                );
                 if lock.lease.replace(policy.lease) == policy.lease {
                     return pass_through(&*self.service, req);
                 }
