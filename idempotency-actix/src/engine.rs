@@ -165,12 +165,18 @@ pub(crate) fn with_handler_body<B>(response: ServiceResponse<B>) -> Response<B> 
 
 pub(crate) fn refuse<B>(request: HttpRequest, error: &IdempotencyError) -> Response<B> {
     instrument::refused(&request, error);
-    let response = error.error_response();
+    let mut response = error.error_response();
+    response.extensions_mut().insert(Refusal);
     ServiceResponse::new(
         request,
         response.map_body(|_, body| IdempotentBody::produced(body)),
     )
 }
+
+/// Marks a response that a layer of this crate answered instead of the handler (a route
+/// layer's refusal under an app layer's lock): never stored, whatever the policy, as the
+/// handler did not run.
+struct Refusal;
 
 impl Engine {
     /// Processes a protected request under `policy`, calling `service` at most once, in
@@ -646,7 +652,9 @@ impl Engine {
             Ok(response) => response,
             Err(error) => return self.failed(error, &policy),
         };
-        if !policy.stores_status(response.status()) {
+        if !policy.stores_status(response.status())
+            || response.response().extensions().contains::<Refusal>()
+        {
             return Handled::NotStored(with_handler_body(response));
         }
 

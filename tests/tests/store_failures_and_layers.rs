@@ -585,6 +585,47 @@ async fn a_longer_route_lease_that_fails_to_apply_is_applied_at_the_next_renewal
 }
 
 #[actix_web::test]
+async fn a_route_refusal_under_an_app_layer_that_stores_errors_is_not_stored() {
+    let runs = RunCounter::default();
+    let server = {
+        let runs = runs.clone();
+        actix_test::start(move || {
+            App::new()
+                .app_data(web::Data::new(runs.clone()))
+                .wrap(
+                    Idempotency::new(MemoryStore::new())
+                        .protect_methods([Method::POST])
+                        .policy(IdempotencyPolicy::default().store_errors()),
+                )
+                .service(
+                    web::resource("/orders")
+                        .wrap(IdempotentRoute::with_policy(
+                            IdempotencyPolicy::default().max_request_body(4),
+                        ))
+                        .route(web::post().to(create)),
+                )
+        })
+    };
+    // The route refuses the body over its limit (413) while the app layer holds the key:
+    // the handler did not run, so nothing is stored and the key stays free.
+    let too_large = || {
+        server
+            .post("/orders")
+            .insert_header(("idempotency-key", "k"))
+            .send_body("0123456789")
+    };
+    let refused = too_large().await.unwrap();
+    assert_eq!(refused.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    let again = too_large().await.unwrap();
+    assert_eq!(again.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    assert!(
+        again.headers().get("idempotent-replayed").is_none(),
+        "the refusal was replayed"
+    );
+    assert_eq!(runs.get(), 0);
+}
+
+#[actix_web::test]
 async fn a_record_of_another_version_is_never_taken_over() {
     let (server, prefix, runs) = start_on_redis(
         "other_version",
