@@ -22,7 +22,8 @@
 //! * `IDEMPOTENCY_REPLICAS=N`: replicated writes on either Redis store: each write (the lock,
 //!   the commit) waits up to 500 ms for N replicas, strictly (fewer → the step fails).
 //! * `IDEMPOTENCY` [`on`] or `off`: `off` installs no middleware at all (benchmark baseline);
-//!   the middleware's other variables are then ignored, as the start-up line says.
+//!   the middleware's other variables are then ignored, as the start-up line says (a
+//!   malformed value is still refused).
 //! * `IDEMPOTENCY_METHODS`: e.g. `POST,PATCH`; also protect untagged routes of those methods.
 //!   Not `POST` with `DATABASE_URL`: the app-level layer would claim the transactional
 //!   `POST /ledger` before routing, outside its transaction, and every one would answer 500.

@@ -269,3 +269,24 @@ fn two_store_variables_are_an_invalid_configuration() {
         assert!(output.stdout.is_empty());
     }
 }
+
+#[test]
+fn a_database_that_cannot_be_used_stops_the_start_and_says_why() {
+    let admin = idempotency_actix_tests::postgres_admin_url();
+    let (server, _) = admin.rsplit_once('/').unwrap();
+    let missing = format!(
+        "{server}/idempotency_actix_missing_{}",
+        uuid::Uuid::new_v4().simple()
+    );
+    let output = ReferenceServer::command()
+        .env("DATABASE_URL", &missing)
+        .env("BIND", "127.0.0.1:0")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("DATABASE_URL"), "{stderr}");
+    assert!(stderr.contains("does not exist"), "{stderr}");
+    assert!(output.stdout.is_empty());
+}

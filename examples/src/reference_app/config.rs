@@ -20,7 +20,7 @@ pub const PROTECTABLE_METHODS: [Method; 4] =
 /// | `DATABASE_URL` | PostgreSQL store (schema migrated at start) and the `/ledger` routes | unset |
 /// | `REDIS_CLUSTER_URLS` | comma-separated seed node URLs: Redis Cluster store (not with `REDIS_URL`) | unset |
 /// | `IDEMPOTENCY_REPLICAS` | N: replicated writes, each write waits for N replicas (strict, 500 ms); needs a Redis store | unset: off |
-/// | `IDEMPOTENCY` | `on`, or `off` for no middleware at all (the benchmark baseline; the middleware's other variables are then ignored) | `on` |
+/// | `IDEMPOTENCY` | `on`, or `off` for no middleware at all (the benchmark baseline; the middleware's other variables are then ignored, though a malformed value is still refused) | `on` |
 /// | `IDEMPOTENCY_METHODS` | comma-separated methods whose untagged routes are protected too, e.g. `POST,PATCH`; not `POST` with `DATABASE_URL` (it would claim the transactional `POST /ledger` outside its transaction) | none |
 /// | `IDEMPOTENCY_PREFIX` | prefix of every storage key, to keep apps or test runs apart on one Redis | the crate's (`idempotency:`) |
 /// | `WORKERS` | number of Actix workers | Actix's default (one per core) |
@@ -187,18 +187,6 @@ impl ServerConfig {
             }
             config.redis_cluster_urls = Some(seeds);
         }
-        const REPLICAS: &str =
-            "a positive number of replicas, with REDIS_URL or REDIS_CLUSTER_URLS";
-        if let Some(value) = var("IDEMPOTENCY_REPLICAS", REPLICAS)? {
-            let replicas = value
-                .parse()
-                .map_err(|_| invalid("IDEMPOTENCY_REPLICAS", &value, REPLICAS))?;
-            if config.redis_url.is_none() && config.redis_cluster_urls.is_none() {
-                return Err(invalid("IDEMPOTENCY_REPLICAS", &value, REPLICAS));
-            }
-            config.replicas = Some(replicas);
-        }
-
         const SWITCH: &str = "on or off";
         let switch = |variable: &'static str, default: bool| -> Result<bool, ConfigError> {
             match var(variable, SWITCH)? {
@@ -211,11 +199,26 @@ impl ServerConfig {
             }
         };
         config.idempotency = switch("IDEMPOTENCY", true)?;
+        // With the middleware off, its variables are read (a malformed value is still an
+        // error) but nothing is asked of the store they would need: they are ignored.
+        const REPLICAS: &str =
+            "a positive number of replicas, with REDIS_URL or REDIS_CLUSTER_URLS";
+        if let Some(value) = var("IDEMPOTENCY_REPLICAS", REPLICAS)? {
+            let replicas = value
+                .parse()
+                .map_err(|_| invalid("IDEMPOTENCY_REPLICAS", &value, REPLICAS))?;
+            let redis = config.redis_url.is_some() || config.redis_cluster_urls.is_some();
+            if config.idempotency && !redis {
+                return Err(invalid("IDEMPOTENCY_REPLICAS", &value, REPLICAS));
+            }
+            config.replicas = Some(replicas);
+        }
+
         config.replay_cache = switch("REPLAY_CACHE", false)?;
         let memory_store = config.redis_url.is_none()
             && config.redis_cluster_urls.is_none()
             && config.database_url.is_none();
-        if config.replay_cache && memory_store {
+        if config.idempotency && config.replay_cache && memory_store {
             // The cache only keeps what a store's replay reports a remaining ttl for; the
             // in-memory store answers from the process already and reports none.
             return Err(invalid(
@@ -353,6 +356,22 @@ mod tests {
         assert_eq!(config.workers.map(NonZeroUsize::get), Some(2));
         assert!(config.replay_cache);
         assert_eq!(config.log_level, LevelFilter::DEBUG);
+    }
+
+    #[test]
+    fn with_the_middleware_off_its_variables_need_no_store() {
+        let config = parse(&[
+            ("IDEMPOTENCY", "off"),
+            ("REPLAY_CACHE", "on"),
+            ("IDEMPOTENCY_REPLICAS", "1"),
+        ])
+        .expect("ignored, not refused");
+        assert!(!config.idempotency);
+        assert!(config.replay_cache);
+        assert_eq!(config.replicas.map(NonZeroU32::get), Some(1));
+        // A malformed value is still refused.
+        let error = parse(&[("IDEMPOTENCY", "off"), ("REPLAY_CACHE", "yes")]).expect_err("yes");
+        assert_eq!(error.variable, "REPLAY_CACHE");
     }
 
     #[test]

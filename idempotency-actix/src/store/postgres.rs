@@ -385,7 +385,7 @@ impl PostgresStore {
         Ok(bb8::Pool::builder()
             .max_size(16)
             .test_on_check_out(false)
-            .connection_timeout(Duration::from_secs(2))
+            .connection_timeout(CONNECT_TIMEOUT)
             .build_unchecked(manager))
     }
 
@@ -399,9 +399,27 @@ impl PostgresStore {
     ///
     /// # Errors
     ///
-    /// When the database cannot be reached or refuses the statements.
+    /// When the database cannot be reached within 2 s ([`StoreError::Timeout`]) or refuses
+    /// the connection (why is in the error: a database that does not exist, a refused
+    /// login) or the statements.
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        let connection = self.pool.get().await.map_err(unavailable)?;
+        // A connection of its own rather than the pool's: a pool that cannot connect tells
+        // only that it timed out, where a connection tells why.
+        let connecting = self.pool.dedicated_connection();
+        let connection = actix_rt::time::timeout(CONNECT_TIMEOUT, connecting)
+            .await
+            .map_err(|_| StoreError::Timeout(CONNECT_TIMEOUT))?
+            .map_err(|error| {
+                // The server's own words are in the error's source ("db error" alone says
+                // nothing), so they go into the message.
+                let mut why = error.to_string();
+                let mut source = std::error::Error::source(&error);
+                while let Some(cause) = source {
+                    why = format!("{why}: {cause}");
+                    source = cause.source();
+                }
+                StoreError::Unavailable(why.into())
+            })?;
         connection
             .batch_execute(&self.sql.migrate)
             .await
@@ -767,6 +785,10 @@ fn millis(duration: Duration) -> i64 {
         .unwrap_or(i64::MAX)
         .max(1)
 }
+
+/// How long a connection may take to open: a pool's checkout waits as long, and so does
+/// [`PostgresStore::migrate`] for its own.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
 fn unavailable(error: impl std::error::Error + Send + Sync + 'static) -> StoreError {
     StoreError::Unavailable(Box::new(error))
