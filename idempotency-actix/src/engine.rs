@@ -356,6 +356,7 @@ impl Engine {
                 // the client disconnects and Actix drops this future: the run then goes on
                 // on a task of its own (see `RunToCompletion`).
                 let engine = Rc::clone(&self);
+                let held = Rc::clone(&lock);
                 let run = RunToCompletion::new(move || async move {
                     let _in_flight = in_flight;
                     #[cfg(feature = "postgres")]
@@ -373,23 +374,25 @@ impl Engine {
                     }
                     #[cfg(not(feature = "postgres"))]
                     let _ = transaction; // never one without the feature
-                    engine
-                        .run_and_commit(policy, lock, req, service, slot)
-                        .await
+                    let ran = engine.run_and_commit(policy, lock, req, service, slot);
+                    match AssertUnwindSafe(ran).catch_unwind().await {
+                        Ok(handled) => handled,
+                        // A panic outside the handler's own catch (a response body's `size`,
+                        // say), caught inside the run so that it is handled also on the task
+                        // a run goes on with once its client has left.
+                        Err(panic) => {
+                            let (key, token) = (&held.storage_key, &held.token);
+                            engine
+                                .released_after_panic(key, token, panic.as_ref())
+                                .await
+                        }
+                    }
                 });
                 match run.await {
                     Ok(handled) => handled,
                     Err(panic) => {
-                        // A panic the run's own catch did not see (a response body's `size`,
-                        // say): nothing was committed, so the key is released for a retry, as
-                        // after a handler's panic.
-                        let message = panic_message(panic.as_ref());
-                        tracing::error!(
-                            panic = message,
-                            "idempotency: the request panicked; key released"
-                        );
-                        self.release(storage_key, token).await;
-                        Err(IdempotencyError::HandlerPanicked.into())
+                        self.released_after_panic(storage_key, token, panic.as_ref())
+                            .await
                     }
                 }
             }
@@ -529,6 +532,22 @@ impl Engine {
                 (begun, _) => return begun.map(|(outcome, _)| outcome),
             }
         }
+    }
+
+    /// After a panic the run's own catch did not see: nothing was committed, so the key is
+    /// released for a retry, as after a handler's panic, and the client gets a 500 problem.
+    async fn released_after_panic<B>(
+        &self,
+        storage_key: &StorageKey,
+        token: &LeaseToken,
+        panic: &(dyn std::any::Any + Send),
+    ) -> Result<Response<B>, actix_web::Error> {
+        tracing::error!(
+            panic = panic_message(panic),
+            "idempotency: the request panicked; key released"
+        );
+        self.release(storage_key, token).await;
+        Err(IdempotencyError::HandlerPanicked.into())
     }
 
     fn refuse<B>(&self, req: ServiceRequest, error: IdempotencyError) -> Response<B> {

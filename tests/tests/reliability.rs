@@ -420,6 +420,77 @@ async fn a_client_that_resets_the_connection_gets_the_replay_on_retry() {
     a_client_that_leaves_gets_the_replay_on_retry(Leaving::Resets).await;
 }
 
+/// A body whose `size` panics from its second call on: the first is Actix's, as the
+/// handler's response is built (inside the handler's own catch), the second the
+/// middleware's, after the handler ran.
+struct SizePanicsOnSecondCall(std::cell::Cell<u32>);
+
+impl actix_web::body::MessageBody for SizePanicsOnSecondCall {
+    type Error = std::convert::Infallible;
+
+    fn size(&self) -> actix_web::body::BodySize {
+        let calls = self.0.get() + 1;
+        self.0.set(calls);
+        assert!(calls < 2, "a response body's size panicked on purpose");
+        actix_web::body::BodySize::Stream
+    }
+
+    fn poll_next(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Bytes, Self::Error>>> {
+        std::task::Poll::Ready(None)
+    }
+}
+
+async fn slow_with_a_panicking_body(
+    runs: web::Data<RunCounter>,
+) -> HttpResponse<SizePanicsOnSecondCall> {
+    runs.record();
+    actix_rt::time::sleep(Duration::from_millis(300)).await;
+    HttpResponse::Ok()
+        .message_body(SizePanicsOnSecondCall(std::cell::Cell::new(0)))
+        .unwrap()
+}
+
+#[actix_web::test]
+async fn a_run_whose_client_left_and_that_panics_after_the_handler_releases_the_key() {
+    let runs = RunCounter::default();
+    let server = {
+        let runs = runs.clone();
+        actix_test::start(move || {
+            App::new()
+                .app_data(web::Data::new(runs.clone()))
+                .wrap(
+                    Idempotency::new(idempotency_actix::MemoryStore::new())
+                        .scope(KeyScope::global()),
+                )
+                .service(
+                    web::resource("/panicky")
+                        .wrap(IdempotentRoute::new())
+                        .route(web::post().to(slow_with_a_panicking_body)),
+                )
+        })
+    };
+    let mut socket = std::net::TcpStream::connect(server.addr()).unwrap();
+    write!(
+        socket,
+        "POST /panicky HTTP/1.1\r\nHost: test\r\nIdempotency-Key: gone\r\n\
+         Content-Length: 2\r\n\r\n{{}}"
+    )
+    .unwrap();
+    runs.wait_for(1).await;
+    reset(socket);
+
+    // The run goes on without its client and panics once the handler is done: nothing was
+    // committed, so the key is released, as when the client stays (not locked for a lease).
+    actix_rt::time::sleep(Duration::from_millis(600)).await;
+    let client = awc::Client::default();
+    let retry = post(&client, &server.url("/panicky"), "gone").await;
+    assert_eq!(retry.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(runs.get(), 2);
+}
+
 #[actix_web::test]
 async fn redis_stopped_is_503_fail_closed_and_the_app_recovers_when_it_returns() {
     let mut redis = PrivateRedis::start().await;
