@@ -8,8 +8,12 @@
 
 use std::time::Duration;
 
-use actix_web::http::StatusCode;
-use idempotency_actix::{Idempotency, RedisStore, ReplicatedWrites};
+use actix_web::http::{Method, StatusCode};
+use actix_web::web::Bytes;
+use idempotency_actix::{
+    BeginOutcome, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, LeaseToken,
+    RedisStore, ReplicatedWrites, StorageKey, StoredResponse,
+};
 use idempotency_actix_tests::keyed_app::{KeyedApp, RunsByKey};
 use idempotency_actix_tests::{PrivateRedis, keys_under, unique_prefix};
 
@@ -94,4 +98,81 @@ async fn or_warn_goes_on_while_the_replica_is_down() {
     assert!(replay.is_replay());
     assert_eq!(replay.body, first.body);
     assert_eq!(runs.of("key"), 1);
+}
+
+#[actix_web::test]
+async fn on_valkey_a_retried_commit_is_not_replicated_until_the_replica_has_it() {
+    let primary = PrivateRedis::start_valkey(&[]).await;
+    let replica = PrivateRedis::start_replica_of(&primary).await;
+    let store = RedisStore::new(RedisStore::pool(&primary.url()).unwrap())
+        .replicated_writes(ReplicatedWrites::new(1, Duration::from_millis(300)));
+    let prefix = unique_prefix("retried-commit");
+    let key = |name: &str| {
+        StorageKey::new(
+            &prefix,
+            b"",
+            &IdempotencyKey::parse(name.as_bytes()).unwrap(),
+        )
+    };
+    let print = Fingerprint::compute(&Method::POST, "/orders", "", b"{}", []);
+    let lease = Duration::from_secs(30);
+    let tokens = [
+        LeaseToken::generate(),
+        LeaseToken::generate(),
+        LeaseToken::generate(),
+    ];
+    // Two begins at once: the store keeps two spare connections for its replicated writes.
+    let (first, second) = futures_util::future::join(
+        store.begin(&key("k1"), &print, &tokens[0], lease),
+        store.begin(&key("k2"), &print, &tokens[1], lease),
+    )
+    .await;
+    assert_eq!(first.unwrap(), BeginOutcome::Acquired);
+    assert_eq!(second.unwrap(), BeginOutcome::Acquired);
+
+    // The replica stalls for 2 s, still connected: it falls behind.
+    let mut stalled = replica.connection().await;
+    let stall = actix_rt::spawn(async move {
+        let _: redis::RedisResult<()> = redis::cmd("DEBUG")
+            .arg("SLEEP")
+            .arg(2)
+            .query_async(&mut stalled)
+            .await;
+    });
+    actix_rt::time::sleep(Duration::from_millis(200)).await;
+    let response = StoredResponse::new(
+        StatusCode::CREATED,
+        Vec::new(),
+        Some(Bytes::from_static(b"paid")),
+    );
+    let ttl = Duration::from_secs(60);
+    let paid = key("k1");
+    let commit = || store.commit(&paid, &print, &tokens[0], &response, ttl);
+    assert!(
+        commit().await.is_err(),
+        "the replica has not acknowledged the commit"
+    );
+
+    // The engine retries it in the background while other requests use the spares: the
+    // retry finds the record completed and writes nothing, and is on a connection that
+    // wrote nothing either. It is not replicated as long as the replica is behind.
+    let (_, retried) =
+        futures_util::future::join(store.begin(&key("k3"), &print, &tokens[2], lease), commit())
+            .await;
+    assert!(
+        retried.is_err(),
+        "reported replicated while the replica stalled: {retried:?}"
+    );
+    // Once the replica catches up, a retry is replicated (its first may still find it
+    // behind).
+    stall.await.unwrap();
+    let mut replicated = false;
+    for _ in 0..20 {
+        if commit().await.is_ok_and(|held| held) {
+            replicated = true;
+            break;
+        }
+        actix_rt::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(replicated, "the retries never saw the record replicated");
 }

@@ -395,12 +395,32 @@ pub(crate) fn written(reply: Value) -> Result<bool, StoreError> {
 
 /// Decodes the reply to [`read`] after a commit by [`CommitBy::ConditionalSet`] that wrote
 /// nothing: whether the record is completed by `token`, so that the commit is done.
-pub(crate) fn completed_by(reply: Value, token: &LeaseToken) -> Result<bool, StoreError> {
+pub(crate) fn completed_by(
+    reply: Value,
+    token: &LeaseToken,
+) -> Result<Option<Vec<u8>>, StoreError> {
     match reply {
-        Value::Nil => Ok(false),
-        Value::BulkString(found) => Ok(record::completed_by(&found, token)),
+        Value::Nil => Ok(None),
+        Value::BulkString(found) => Ok(record::completed_by(&found, token).then_some(found)),
         other => Err(unexpected(&other)),
     }
+}
+
+/// Writes `record` over itself, its expiry kept (`SET … IFEQ … KEEPTTL`, Valkey ≥ 8.1,
+/// Redis ≥ 8.4): a write that changes nothing but is replicated, for a `WAIT` on this
+/// connection to count the record's replication, when the write that completed it went out
+/// on another connection (see `Steps::commit`). Nothing is written if the record is no
+/// longer exactly `record`.
+pub(crate) fn rewrite(key: &StorageKey, record: &[u8]) -> Request {
+    let bytes = key.as_str().len() + 2 * record.len() + "IFEQKEEPTTL".len();
+    let command = PackedCommand::build("SET", 5, bytes)
+        .arg(key.as_str())
+        .arg(record)
+        .arg("IFEQ")
+        .arg(record)
+        .arg("KEEPTTL")
+        .done();
+    Request::Command(command)
 }
 
 /// Whether Redis refused the command as a syntax error: what a server without

@@ -31,7 +31,8 @@ use std::time::Duration;
 /// * strict, in the commit: the commit counts as failed. As for any failed commit, the
 ///   response is still sent (the handler ran; its response is never lost) and the commit
 ///   is retried in the background, each time with `WAIT`, until the replicas acknowledge it
-///   or the lease ends. Retries of the request meanwhile find the record completed on the
+///   or the record's ttl has passed (a retry that finds the record completed writes it over
+///   itself first, so that its `WAIT` counts the record, whatever connection it is on). Retries of the request meanwhile find the record completed on the
 ///   primary and get the replay. Only a failover inside that window can lose the record.
 /// * [`or_warn`](Self::or_warn): a warning is logged and the step goes on as if replicated.
 ///

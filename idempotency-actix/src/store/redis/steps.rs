@@ -126,10 +126,9 @@ impl<T: Transport> Steps<'_, T> {
             }
         };
         let held = match by {
-            CommitBy::ConditionalSet => {
-                protocol::written(reply.value)? || self.completed_by(key, token).await?
-            }
             CommitBy::Function => protocol::held(reply.value)?,
+            CommitBy::ConditionalSet if protocol::written(reply.value)? => true,
+            CommitBy::ConditionalSet => return self.completed_earlier(key, token).await,
         };
         if held {
             reply.replication.check("commit")?;
@@ -137,15 +136,40 @@ impl<T: Transport> Steps<'_, T> {
         Ok(held)
     }
 
-    /// Whether the record is completed by `token`: after a `SET … IFEQ` commit that wrote
-    /// nothing, whether an earlier send of it did (a retry after a lost reply). A rare second
-    /// round trip: it happens only when the lease was lost or the commit was sent twice.
-    async fn completed_by(&self, key: &StorageKey, token: &LeaseToken) -> Result<bool, StoreError> {
+    /// After a `SET … IFEQ` commit that wrote nothing: whether an earlier send of it
+    /// completed the record (a retry after a lost reply, or after its replicas fell short).
+    /// A rare second round trip: it happens only when the lease was lost or the commit was
+    /// sent twice.
+    ///
+    /// With replicated writes, the earlier send went out on whichever connection it had, and
+    /// a `WAIT` counts the writes of its own connection (Valkey): on this one, which wrote
+    /// nothing, it would count nothing and pass at once. So the record is written over
+    /// itself, a write that changes nothing, for the `WAIT` behind it to count.
+    async fn completed_earlier(
+        &self,
+        key: &StorageKey,
+        token: &LeaseToken,
+    ) -> Result<bool, StoreError> {
         let reply = self
             .transport
             .send(&Exchange::plain(protocol::read(key)))
             .await?;
-        protocol::completed_by(reply.value, token)
+        let Some(completed) = protocol::completed_by(reply.value, token)? else {
+            return Ok(false);
+        };
+        if self.replication.is_none() {
+            return Ok(true);
+        }
+        let rewrite = protocol::rewrite(key, &completed);
+        let rewritten = self
+            .transport
+            .send(&Exchange::new(rewrite, self.replication))
+            .await?;
+        if !protocol::written(rewritten.value)? {
+            return Ok(false);
+        }
+        rewritten.replication.check("commit")?;
+        Ok(true)
     }
 
     pub(crate) async fn release(
