@@ -46,9 +46,9 @@ use self::shard::{Begun, Found, Full, HashedKey, Shard};
 ///
 /// **In-flight records are never evicted** (that would let a duplicate run while the
 /// first request still runs). In-flight records may take half the budget, so that they
-/// always have room to complete: a new key is refused (a store error: 503 when failing
-/// closed) only when in-flight records alone hold half the budget, and accepted again as
-/// soon as some complete or are released. A response that does not fit even then is stored
+/// always have room to complete: a new key is refused ([`StoreError::Refused`], which
+/// leaves nothing behind: 503 when failing closed) only when in-flight records alone hold
+/// half the budget, and accepted again as soon as some complete or are released. A response that does not fit even then is stored
 /// without its body, as a response over the stored-body limit is, so its retries are still
 /// never run again.
 ///
