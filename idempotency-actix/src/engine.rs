@@ -671,8 +671,11 @@ impl Engine {
             Ok(response) => response,
             Err(error) => return self.failed(error, &policy),
         };
-        if !policy.stores_status(response.status())
-            || response.response().extensions().contains::<Refusal>()
+        let status = response.status();
+        // A refusal has an error status: only such a response is looked up for the marker.
+        let error_status = status.is_client_error() || status.is_server_error();
+        if !policy.stores_status(status)
+            || error_status && response.response().extensions().contains::<Refusal>()
         {
             return Handled::NotStored(with_handler_body(response));
         }

@@ -11,7 +11,7 @@ use actix_web::web::{self, Bytes};
 use actix_web::{App, HttpResponse};
 use futures_util::{Stream, StreamExt};
 use idempotency_actix::{Idempotency, IdempotencyPolicy, IdempotentRoute, KeyScope, RedisStore};
-use idempotency_actix_tests::{Gate, RunCounter, redis_url, unique_prefix};
+use idempotency_actix_tests::{Gate, RawExchange, RunCounter, redis_url, unique_prefix};
 
 const FIRST: &[u8] = b"{\"progress\":50}\n";
 const LAST: &[u8] = b"{\"progress\":100}\n";
@@ -343,19 +343,17 @@ async fn a_body_that_ends_before_its_declared_size_is_stored_without_a_body() {
 
     // The client gets the head (`Content-Length: 100`) and 10 bytes, then the connection
     // closes. (Read off the socket: awc takes such a body as complete.)
-    let first = raw_exchange(
+    let mut first = RawExchange::post(
         server.addr(),
-        "POST /mis-sized?declared=100 HTTP/1.1\r\nHost: test\r\nIdempotency-Key: short\r\n\
-         Content-Length: 0\r\n\r\n",
+        "/mis-sized?declared=100",
+        &[("Idempotency-Key", "short")],
     );
-    let (head, body) = first.split_once("\r\n\r\n").unwrap();
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    assert!(
-        head.to_ascii_lowercase().contains("content-length: 100"),
-        "{head}"
-    );
+    let head = first.read_head();
+    assert_eq!(head.status, 200, "{head:?}");
+    assert_eq!(head.header("content-length"), Some("100"), "{head:?}");
     assert_eq!(
-        body, "0123456789",
+        first.read_to_end(),
+        b"0123456789",
         "the connection closes after the 10 bytes"
     );
 
@@ -394,20 +392,4 @@ async fn a_body_that_runs_past_its_declared_size_is_replayed_as_it_was_sent() {
     assert_eq!(replay.headers().get("content-length").unwrap(), "4");
     assert_eq!(replay.body().await.unwrap(), sent);
     assert_eq!(runs.get(), 1);
-}
-
-/// Writes `request` on a new connection to `addr` and reads until the server closes it (at
-/// most 10 s): what a client gets, byte for byte.
-fn raw_exchange(addr: std::net::SocketAddr, request: &str) -> String {
-    use std::io::{Read, Write};
-    let mut socket = std::net::TcpStream::connect(addr).unwrap();
-    socket
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    socket.write_all(request.as_bytes()).unwrap();
-    let mut received = Vec::new();
-    socket
-        .read_to_end(&mut received)
-        .expect("the server closes the connection within 10 s");
-    String::from_utf8(received).unwrap()
 }

@@ -48,9 +48,9 @@ use self::shard::{Begun, Found, Full, HashedKey, Shard};
 /// first request still runs). In-flight records may take half the budget, so that they
 /// always have room to complete: a new key is refused ([`StoreError::Refused`], which
 /// leaves nothing behind: 503 when failing closed) only when in-flight records alone hold
-/// half the budget, and accepted again as soon as some complete or are released. A response that does not fit even then is stored
-/// without its body, as a response over the stored-body limit is, so its retries are still
-/// never run again.
+/// half the budget, and accepted again as soon as some complete or are released. A
+/// response that does not fit even then is stored without its body, as a response over the
+/// stored-body limit is, so its retries are still never run again.
 ///
 /// The budget is split evenly between shards, each with its own lock, chosen by a hash of
 /// the key ([`MemoryStoreBuilder::shards`]), so workers rarely wait for one another; the

@@ -394,7 +394,7 @@ pub(crate) fn written(reply: Value) -> Result<bool, StoreError> {
 }
 
 /// Decodes the reply to [`read`] after a commit by [`CommitBy::ConditionalSet`] that wrote
-/// nothing: whether the record is completed by `token`, so that the commit is done.
+/// nothing: the record, if it is completed by `token` (the commit is done, see [`rewrite`]).
 pub(crate) fn completed_by(
     reply: Value,
     token: &LeaseToken,
@@ -409,8 +409,8 @@ pub(crate) fn completed_by(
 /// Writes `record` over itself, its expiry kept (`SET … IFEQ … KEEPTTL`, Valkey ≥ 8.1,
 /// Redis ≥ 8.4): a write that changes nothing but is replicated, for a `WAIT` on this
 /// connection to count the record's replication, when the write that completed it went out
-/// on another connection (see `Steps::commit`). Nothing is written if the record is no
-/// longer exactly `record`.
+/// on another connection (see `Steps::completed_earlier`). Nothing is written if the record
+/// is no longer exactly `record`.
 pub(crate) fn rewrite(key: &StorageKey, record: &[u8]) -> Request {
     let bytes = key.as_str().len() + 2 * record.len() + "IFEQKEEPTTL".len();
     let command = PackedCommand::build("SET", 5, bytes)
