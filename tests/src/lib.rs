@@ -438,6 +438,9 @@ pub struct ReferenceServer {
     child: std::process::Child,
     addr: std::net::SocketAddr,
     stderr: Arc<std::sync::Mutex<String>>,
+    /// The thread that copies its stderr into `stderr`; it ends when the process has exited
+    /// and the pipe is drained.
+    stderr_reader: Option<std::thread::JoinHandle<()>>,
 }
 
 /// The environment variables the reference server reads.
@@ -505,7 +508,7 @@ impl ReferenceServer {
             .spawn()
             .unwrap_or_else(|error| panic!("cannot start the reference server: {error}"));
         let stderr = Arc::new(std::sync::Mutex::new(String::new()));
-        if let Some(mut pipe) = child.stderr.take() {
+        let stderr_reader = child.stderr.take().map(|mut pipe| {
             let stderr = Arc::clone(&stderr);
             std::thread::spawn(move || {
                 let mut chunk = [0; 4096];
@@ -514,8 +517,8 @@ impl ReferenceServer {
                         text.push_str(&String::from_utf8_lossy(&chunk[..read]));
                     }
                 }
-            });
-        }
+            })
+        });
         let (addr_tx, addr_rx) = std::sync::mpsc::channel();
         let stdout = child.stdout.take().expect("stdout is piped");
         // Reads the address, then drains stdout so the server never blocks on a full pipe.
@@ -535,6 +538,7 @@ impl ReferenceServer {
             child,
             addr: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
             stderr,
+            stderr_reader,
         };
         match addr {
             Ok(addr) => {
@@ -566,10 +570,14 @@ impl ReferenceServer {
     }
 
     /// Waits up to 10 s for it to exit by itself (it aborted, say); its exit status, or
-    /// `None` if it is still running.
+    /// `None` if it is still running. Once it has exited, [`stderr`](Self::stderr) holds
+    /// all it wrote (its last lines may still be in the pipe when it exits).
     pub fn wait_for_exit(&mut self) -> Option<std::process::ExitStatus> {
         for _ in 0..200 {
             if let Ok(Some(status)) = self.child.try_wait() {
+                if let Some(reader) = self.stderr_reader.take() {
+                    let _ = reader.join();
+                }
                 return Some(status);
             }
             std::thread::sleep(std::time::Duration::from_millis(50));
