@@ -37,8 +37,9 @@ pub const KEY_PATTERN: &str = r#"^(?:[!#-+\x2D-:<-~]+|"(?:[ !#-\[\]-~]|\\["\\])+
 /// * the `Idempotency-Key` header parameter, required if the route requires a key, with
 ///   its syntax ([`KEY_PATTERN`]) and the longest value that can hold a key of 255
 ///   characters (512: quoted, every character escaped);
-/// * the problem responses 400, 409 (with `Retry-After`), 413, 422 and 503 (with
-///   `Retry-After`), `application/problem+json` with the [`PROBLEM_SCHEMA`] schema (RFC
+/// * the problem responses 400, 409 (with `Retry-After`), 413, 422, 500 (the handler
+///   panicked; its key was released) and 503 (with `Retry-After`),
+///   `application/problem+json` with the [`PROBLEM_SCHEMA`] schema (RFC
 ///   9457: `type`, `title`, `status`, `detail`);
 /// * the `Idempotent-Replayed` and `Idempotent-Body-Omitted` headers on the responses the
 ///   operation already documents (a replay repeats them).
@@ -244,7 +245,7 @@ struct Problem {
     retry_after: bool,
 }
 
-const PROBLEMS: [Problem; 5] = [
+const PROBLEMS: [Problem; 6] = [
     Problem {
         status: "400",
         description: "The Idempotency-Key header is malformed or repeated, or missing where \
@@ -268,9 +269,16 @@ const PROBLEMS: [Problem; 5] = [
         retry_after: false,
     },
     Problem {
+        status: "500",
+        description: "The handler panicked. The Idempotency-Key was released: a retry with \
+                      the same key runs the request again.",
+        retry_after: false,
+    },
+    Problem {
         status: "503",
-        description: "The idempotency store is unavailable; the request was not processed. \
-                      Retry after Retry-After seconds with the same key.",
+        description: "The idempotency store is unavailable, or the server is busy or \
+                      stopping; the request was not processed. Retry after Retry-After \
+                      seconds with the same key.",
         retry_after: true,
     },
 ];

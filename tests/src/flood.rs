@@ -1,6 +1,8 @@
 //! [`FloodServer`]: an in-process server for tests that push more keys than a store holds
 //! while some requests stay in flight.
 
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use actix_web::http::{Method, StatusCode};
@@ -12,7 +14,8 @@ use crate::{Gate, Reply, RunCounter};
 /// A server under one `Idempotency` (protecting `POST`) with two routes:
 ///
 /// * `POST /orders`: 201 with a `Location` and a JSON body padded to `body_bytes`;
-/// * `POST /slow`: counts its run, waits at [`gate`](Self::gate), then answers 201.
+/// * `POST /slow`: counts its run, waits at [`gate`](Self::gate) (or until
+///   [`release_slow_run`](Self::release_slow_run) lets its run through), then answers 201.
 pub struct FloodServer {
     server: actix_test::TestServer,
     /// Runs of `/orders`.
@@ -21,6 +24,17 @@ pub struct FloodServer {
     pub slow_runs: RunCounter,
     /// Where `/slow` handlers wait.
     pub gate: Gate,
+    /// The runs of `/slow` let through one by one, by their number (1 for the first).
+    released: SlowReleases,
+}
+
+#[derive(Clone, Default)]
+struct SlowReleases(Arc<Mutex<HashSet<usize>>>);
+
+impl SlowReleases {
+    fn contains(&self, run: usize) -> bool {
+        self.0.lock().is_ok_and(|runs| runs.contains(&run))
+    }
 }
 
 #[derive(Clone)]
@@ -37,9 +51,19 @@ async fn create(runs: web::Data<RunCounter>, body_bytes: web::Data<BodyBytes>) -
         .json(serde_json::json!({ "seq": seq, "padding": padding }))
 }
 
-async fn slow_create(runs: web::Data<SlowRuns>, gate: web::Data<Gate>) -> HttpResponse {
+async fn slow_create(
+    runs: web::Data<SlowRuns>,
+    gate: web::Data<Gate>,
+    released: web::Data<SlowReleases>,
+) -> HttpResponse {
     let seq = runs.0.record();
-    gate.wait().await;
+    // 30 s at most, as at the gate, so a failing test never leaves a handler hanging.
+    for _ in 0..3_000 {
+        if gate.is_open() || released.contains(seq) {
+            break;
+        }
+        actix_rt::time::sleep(Duration::from_millis(10)).await;
+    }
     HttpResponse::Created().json(serde_json::json!({ "slow": seq }))
 }
 
@@ -50,18 +74,25 @@ impl FloodServer {
         idempotency: impl Fn() -> Idempotency + Clone + Send + 'static,
         body_bytes: usize,
     ) -> Self {
-        let (runs, slow_runs, gate) = (
+        let (runs, slow_runs, gate, released) = (
             RunCounter::default(),
             RunCounter::default(),
             Gate::default(),
+            SlowReleases::default(),
         );
         let server = {
-            let (runs, slow_runs, gate) = (runs.clone(), slow_runs.clone(), gate.clone());
+            let (runs, slow_runs, gate, released) = (
+                runs.clone(),
+                slow_runs.clone(),
+                gate.clone(),
+                released.clone(),
+            );
             actix_test::start(move || {
                 App::new()
                     .app_data(web::Data::new(runs.clone()))
                     .app_data(web::Data::new(SlowRuns(slow_runs.clone())))
                     .app_data(web::Data::new(gate.clone()))
+                    .app_data(web::Data::new(released.clone()))
                     .app_data(web::Data::new(BodyBytes(body_bytes)))
                     .wrap(idempotency().protect_methods([Method::POST]))
                     .route("/orders", web::post().to(create))
@@ -73,6 +104,15 @@ impl FloodServer {
             runs,
             slow_runs,
             gate,
+            released,
+        }
+    }
+
+    /// Lets the `/slow` handler of one run answer (`1` for the first run), while the others
+    /// keep waiting at the gate.
+    pub fn release_slow_run(&self, run: usize) {
+        if let Ok(mut runs) = self.released.0.lock() {
+            runs.insert(run);
         }
     }
 

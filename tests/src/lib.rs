@@ -16,7 +16,7 @@ mod test_redis;
 mod valkey;
 
 pub use flood::FloodServer;
-pub use gated_routes::gated_routes;
+pub use gated_routes::GatedRoutes;
 pub use valkey::{valkey_server, valkey_url};
 
 /// What to do when the test Redis does not answer, printed whenever a test cannot reach it
@@ -166,11 +166,16 @@ impl Gate {
         self.0.store(true, Ordering::SeqCst);
     }
 
+    /// Whether the gate is open.
+    pub fn is_open(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+
     /// Waits until the gate is open, or 30 s at most, so a failing test never leaves a
     /// handler hanging.
     pub async fn wait(&self) {
         for _ in 0..3_000 {
-            if self.0.load(Ordering::SeqCst) {
+            if self.is_open() {
                 return;
             }
             actix_rt::time::sleep(std::time::Duration::from_millis(10)).await;

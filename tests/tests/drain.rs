@@ -14,7 +14,7 @@ use std::time::Duration;
 use actix_web::http::StatusCode;
 use actix_web::{App, HttpServer};
 use idempotency_actix::{Idempotency, Inspector, KeyScope, MemoryStore, RecordState};
-use idempotency_actix_tests::{Gate, RawExchange, Reply, RunCounter, gated_routes};
+use idempotency_actix_tests::{GatedRoutes, RawExchange, Reply};
 
 async fn post(client: &awc::Client, addr: std::net::SocketAddr, key: Option<&str>) -> Reply {
     let mut request = client.post(format!("http://{addr}/quick"));
@@ -27,13 +27,18 @@ async fn post(client: &awc::Client, addr: std::net::SocketAddr, key: Option<&str
 #[actix_rt::test]
 async fn drain_runs_no_new_handler_replays_as_ever_and_waits_for_work_whose_client_left() {
     let store = MemoryStore::new();
-    let (runs, gate) = (RunCounter::default(), Gate::default());
+    let routes = GatedRoutes::default();
+    let (runs, quick_runs, gate) = (
+        routes.work_runs.clone(),
+        routes.quick_runs.clone(),
+        routes.gate.clone(),
+    );
     let server = {
-        let (store, runs, gate) = (store.clone(), runs.clone(), gate.clone());
+        let store = store.clone();
         HttpServer::new(move || {
             App::new()
                 .wrap(Idempotency::new(store.clone()).scope(KeyScope::global()))
-                .configure(gated_routes(&runs, &gate))
+                .configure(routes.configure())
         })
         .workers(1)
         // A client that hangs up is noticed while its handler runs.
@@ -70,6 +75,13 @@ async fn drain_runs_no_new_handler_replays_as_ever_and_waits_for_work_whose_clie
         actix_rt::time::sleep(Duration::from_millis(10)).await;
     }
     let (refused_key, refused) = refused.expect("keyed requests were never refused");
+    // `done` and the probes answered 201 before it: the refused one did not run.
+    let quick_runs_before_the_drain = quick_runs.get();
+    assert_eq!(
+        quick_runs_before_the_drain,
+        1 + refused_key["probe-".len()..].parse::<usize>().unwrap(),
+        "a refused request ran its handler"
+    );
     assert_eq!(
         refused.status,
         StatusCode::SERVICE_UNAVAILABLE,
@@ -124,7 +136,12 @@ async fn drain_runs_no_new_handler_replays_as_ever_and_waits_for_work_whose_clie
         .expect("the drain did not end once the handler finished")
         .unwrap();
     assert_eq!(left, 0);
-    assert_eq!(runs.get(), 1, "a refused request ran its handler");
+    assert_eq!(runs.get(), 1, "the request whose client left ran once");
+    assert_eq!(
+        quick_runs.get(),
+        quick_runs_before_the_drain + 1,
+        "during the drain only the keyless request ran"
+    );
     // The run of the client who left was committed for its retry.
     let record = Inspector::new(store)
         .lookup_with_body(b"", "left")

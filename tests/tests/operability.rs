@@ -127,7 +127,7 @@ async fn the_spec_documents_every_route_and_the_idempotency_contract() {
         assert_eq!(key["schema"]["pattern"], idempotency_actix::KEY_PATTERN);
 
         let responses = operation["responses"].as_object().unwrap();
-        for status in ["400", "409", "413", "422", "503"] {
+        for status in ["400", "409", "413", "422", "500", "503"] {
             let problem = &responses[status]["content"]["application/problem+json"];
             assert_eq!(
                 problem["schema"]["$ref"], PROBLEM_REF,

@@ -40,9 +40,21 @@ async fn a_lost_record_is_counted_and_never_committed_over_its_new_holder() {
     }
     assert_eq!(Idempotency::lost_records(), 1);
 
-    server.gate.open();
-    let (first, second) = (first.await.unwrap(), second.await.unwrap());
+    // The first request ends while the second still holds the key: its commit meets the
+    // second's in-flight record and must leave it alone.
+    server.release_slow_run(1);
+    let first = first.await.unwrap();
     assert_eq!(first.status, StatusCode::CREATED);
+    let retry = server.post("/slow", "evicted").await;
+    assert_eq!(
+        retry.status,
+        StatusCode::CONFLICT,
+        "the second request still holds the key: {retry:?}"
+    );
+    assert_eq!(server.slow_runs.get(), 2);
+
+    server.gate.open();
+    let second = second.await.unwrap();
     assert_eq!(second.status, StatusCode::CREATED);
     assert_ne!(first.body, second.body);
     let replay = server.post("/slow", "evicted").await;
@@ -51,5 +63,6 @@ async fn a_lost_record_is_counted_and_never_committed_over_its_new_holder() {
         replay.body, second.body,
         "the second holder's record stands"
     );
+    assert_eq!(server.slow_runs.get(), 2);
     assert_eq!(Idempotency::lost_records(), 1, "counted once per request");
 }

@@ -138,6 +138,13 @@ async fn an_entry_is_not_served_after_its_ttl() {
         StatusCode::CREATED
     );
     assert!(post(&server, "/short", "k3", "book").await.is_replay());
+    redis.take_command_counts().await;
+    assert!(post(&server, "/short", "k3", "book").await.is_replay());
+    assert_eq!(
+        redis.take_command_counts().await,
+        Default::default(),
+        "the entry is in the cache before its TTL ends"
+    );
     assert_eq!(runs.get(), 1);
 
     actix_rt::time::sleep(Duration::from_millis(1_300)).await;

@@ -11,7 +11,7 @@ use std::time::Duration;
 use actix_web::http::StatusCode;
 use actix_web::{App, HttpServer};
 use idempotency_actix::{Idempotency, KeyScope, RedisStore};
-use idempotency_actix_tests::{Gate, PrivateRedis, RawExchange, Reply, RunCounter, gated_routes};
+use idempotency_actix_tests::{GatedRoutes, PrivateRedis, RawExchange, Reply};
 
 /// A one-worker server for `/work` and `/quick`, with `limits` on its `Idempotency`.
 ///
@@ -25,17 +25,16 @@ struct Served {
 
 fn start(
     redis: &PrivateRedis,
-    runs: &RunCounter,
-    gate: &Gate,
+    routes: &GatedRoutes,
     limits: fn(Idempotency) -> Idempotency,
 ) -> Served {
     let pool = RedisStore::pool(&redis.url()).unwrap();
-    let (runs, gate) = (runs.clone(), gate.clone());
+    let routes = routes.clone();
     let server = HttpServer::new(move || {
         let idempotency = Idempotency::redis(pool.clone()).scope(KeyScope::global());
         App::new()
             .wrap(limits(idempotency))
-            .configure(gated_routes(&runs, &gate))
+            .configure(routes.configure())
     })
     .workers(1)
     .h1_allow_half_closed(false)
@@ -91,8 +90,9 @@ async fn once_settled(server: &Served, path: &str, key: &str) -> Reply {
 #[actix_rt::test]
 async fn clients_that_hang_up_cannot_pile_up_detached_work() {
     let redis = PrivateRedis::start().await;
-    let (runs, gate) = (RunCounter::default(), Gate::default());
-    let server = start(&redis, &runs, &gate, |i| i.max_detached(2));
+    let routes = GatedRoutes::default();
+    let (runs, gate) = (&routes.work_runs, &routes.gate);
+    let server = start(&redis, &routes, |i| i.max_detached(2));
 
     // Two slow keyed requests whose clients hang up while the handlers run.
     let hung_up: Vec<RawExchange> = ["gone-1", "gone-2"]
@@ -107,13 +107,19 @@ async fn clients_that_hang_up_cannot_pile_up_detached_work() {
     for attempt in 0..500 {
         let reply = post(&server, "/quick", Some(&format!("probe-{attempt}"))).await;
         if reply.status != StatusCode::CREATED {
-            refused = Some(reply);
+            refused = Some((attempt, reply));
             break;
         }
         actix_rt::time::sleep(Duration::from_millis(10)).await;
     }
-    assert_overloaded(&refused.expect("the detached cap never applied"));
+    let (served, refused) = refused.expect("the detached cap never applied");
+    assert_overloaded(&refused);
     assert_overloaded(&post(&server, "/quick", Some("another")).await);
+    assert_eq!(
+        routes.quick_runs.get(),
+        served,
+        "a refused request ran its handler"
+    );
     // Requests without a key are not protected work and still run.
     assert_eq!(
         post(&server, "/quick", None).await.status,
@@ -130,13 +136,19 @@ async fn clients_that_hang_up_cannot_pile_up_detached_work() {
     assert_eq!(runs.get(), 2);
     let resumed = once_settled(&server, "/quick", "after").await;
     assert_eq!(resumed.status, StatusCode::CREATED, "{resumed:?}");
+    assert_eq!(
+        routes.quick_runs.get(),
+        served + 2,
+        "the keyless one and `after`"
+    );
 }
 
 #[actix_rt::test]
 async fn a_worker_at_its_in_flight_cap_answers_503_at_once() {
     let redis = PrivateRedis::start().await;
-    let (runs, gate) = (RunCounter::default(), Gate::default());
-    let server = start(&redis, &runs, &gate, |i| i.max_in_flight(2));
+    let routes = GatedRoutes::default();
+    let (runs, gate) = (&routes.work_runs, &routes.gate);
+    let server = start(&redis, &routes, |i| i.max_in_flight(2));
 
     let mut running: Vec<RawExchange> = ["busy-1", "busy-2"]
         .iter()
@@ -145,6 +157,11 @@ async fn a_worker_at_its_in_flight_cap_answers_503_at_once() {
     runs.wait_for(2).await;
 
     assert_overloaded(&post(&server, "/quick", Some("third")).await);
+    assert_eq!(
+        routes.quick_runs.get(),
+        0,
+        "a refused request ran its handler"
+    );
     assert_eq!(
         post(&server, "/quick", None).await.status,
         StatusCode::CREATED
@@ -160,4 +177,5 @@ async fn a_worker_at_its_in_flight_cap_answers_503_at_once() {
     assert_eq!(next.status, StatusCode::CREATED, "{next:?}");
     assert!(!next.is_replay(), "a refused request was never stored");
     assert_eq!(runs.get(), 2);
+    assert_eq!(routes.quick_runs.get(), 2, "the keyless one and `third`");
 }

@@ -247,8 +247,7 @@ pub(super) mod tagged {
             (status = 409, description = "The status asked for.", body = FlakyAnswer),
             (status = 413, description = "The status asked for.", body = FlakyAnswer),
             (status = 422, description = "The status asked for.", body = FlakyAnswer),
-            (status = 500, description = "The status asked for, or (`panic=1`) a 500 problem.", content(
-                (FlakyAnswer = "application/json"), (Object = "application/problem+json"))),
+            (status = 500, description = "The status asked for, or (`panic=1`) a 500 problem.", body = FlakyAnswer),
             (status = 503, description = "The status asked for.", body = FlakyAnswer),
             (status = "default", description = "The status asked for (200 to 599).", body = FlakyAnswer),
         ),
