@@ -111,6 +111,19 @@ async fn stalls(transaction: IdempotentTransaction, runs: web::Data<RunCounter>)
     HttpResponse::Created().streaming(chunks)
 }
 
+/// The database's TCP keepalive settings for the request's transaction, as it reports them.
+async fn keepalives(transaction: IdempotentTransaction) -> HttpResponse {
+    let mut settings = serde_json::Map::new();
+    for name in ["idle", "interval", "count"] {
+        let row = transaction
+            .query_one(&format!("SHOW tcp_keepalives_{name}"), &[])
+            .await
+            .unwrap();
+        settings.insert(name.to_owned(), row.get::<_, String>(0).into());
+    }
+    HttpResponse::Ok().json(settings)
+}
+
 struct Harness {
     server: actix_test::TestServer,
     database: TestDatabase,
@@ -179,6 +192,15 @@ async fn start_failing(connections: u32, fail_mode: FailMode) -> Harness {
                                 .lease(Duration::from_secs(1)),
                         ))
                         .route(web::post().to(stalls)),
+                )
+                .service(
+                    web::resource("/keepalives")
+                        .wrap(IdempotentRoute::with_policy(
+                            IdempotencyPolicy::default()
+                                .transactional()
+                                .lease(Duration::from_secs(60)),
+                        ))
+                        .route(web::post().to(keepalives)),
                 )
                 .service(
                     web::resource("/not-transactional")
@@ -519,4 +541,18 @@ async fn a_body_that_stalls_before_the_commit_is_cut_after_a_lease_and_its_write
     assert_eq!(retry.header("idempotent-body-omitted"), Some("true"));
     assert_eq!(h.runs.get(), 1);
     assert_eq!(h.ledger_rows().await, 1, "the handler's write committed");
+}
+
+#[actix_web::test]
+async fn the_database_drops_a_silent_client_within_about_its_lease() {
+    // A host that dies without closing its connection would otherwise hold its key until
+    // the operating system's keepalive (two hours and more) told the database.
+    let harness = start(2).await;
+    let reply = harness.post("/keepalives", Some("watched")).await;
+    assert_eq!(reply.status, StatusCode::OK, "{reply:?}");
+    assert_eq!(
+        reply.json(),
+        serde_json::json!({ "idle": "20", "interval": "10", "count": "3" }),
+        "a 60 s lease: silent for 20 s, then 3 probes 10 s apart"
+    );
 }

@@ -528,7 +528,8 @@ impl PostgresStore {
     }
 
     /// Opens a transaction on a connection of its own and runs `begin` inside it (one round
-    /// trip: `BEGIN` is pipelined with the statement). When acquired, the transaction is
+    /// trip: `BEGIN` is pipelined with the statement), the database watching the client for
+    /// about the lease ([`begin_watching_the_client`]). When acquired, the transaction is
     /// returned, holding the key's advisory lock and the uncommitted in-flight row; otherwise
     /// it is rolled back in the background and its connection goes back to the pool.
     pub(crate) async fn claim_in_transaction(
@@ -541,7 +542,7 @@ impl PostgresStore {
         let transaction = OpenTransaction(Some(self.pool.get_owned().await.map_err(unavailable)?));
         let client = transaction.client();
         let (opened, begun) = futures_util::future::join(
-            client.batch_execute("BEGIN"),
+            client.batch_execute(&begin_watching_the_client(lease)),
             self.begin_on(client, key, fingerprint, token, lease),
         )
         .await;
@@ -594,6 +595,23 @@ impl PostgresStore {
         transaction.finished();
         Ok(())
     }
+}
+
+/// `BEGIN`, with TCP keepalives on the database's side of the connection for as long as
+/// the transaction lasts (`SET LOCAL`): after `lease / 3` of silence the server probes the
+/// client every `lease / 6` and ends the session after 3 probes unanswered, rolling back
+/// its transaction and freeing the key it holds. A host that dies without closing its
+/// connections (power lost, network cut) frees its keys within about `5/6` of the lease,
+/// as a plain route's lease would expire, instead of the two hours and more of the
+/// operating system's default. A live client's kernel answers the probes however long its
+/// handler takes. (Without effect on a Unix-socket connection, which needs none.)
+fn begin_watching_the_client(lease: Duration) -> String {
+    let idle = (lease.as_secs() / 3).max(1);
+    let interval = (lease.as_secs() / 6).max(1);
+    format!(
+        "BEGIN; SET LOCAL tcp_keepalives_idle = {idle}; \
+         SET LOCAL tcp_keepalives_interval = {interval}; SET LOCAL tcp_keepalives_count = 3"
+    )
 }
 
 /// A pooled connection inside `BEGIN`. Dropped without [`commit`](Self::commit) or
