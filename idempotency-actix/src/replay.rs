@@ -2,7 +2,7 @@
 //! answered.
 
 use actix_web::HttpResponse;
-use actix_web::http::header::{HeaderMap, HeaderName, HeaderValue};
+use actix_web::http::header::{CONNECTION, HeaderMap, HeaderName, HeaderValue};
 
 use crate::record::StoredResponse;
 
@@ -47,7 +47,8 @@ fn is_never_replayed(name: &HeaderName) -> bool {
 ///
 /// By default every header except `Set-Cookie`, `Date`, the hop-by-hop headers
 /// (`Connection`, `Keep-Alive`, `Proxy-Connection`, `Proxy-Authenticate`, `TE`, `Trailer`,
-/// `Transfer-Encoding`, `Upgrade`) and `Content-Length` (recomputed from the stored body).
+/// `Transfer-Encoding`, `Upgrade`, and any header the response's `Connection` names) and
+/// `Content-Length` (recomputed from the stored body).
 /// `Content-Encoding` is kept: it describes the stored bytes. [`ReplayedHeaders::only`]
 /// narrows this to an allow-list; the headers above are never replayed even when listed.
 ///
@@ -98,11 +99,23 @@ impl ReplayedHeaders {
                 .is_none_or(|allowed| allowed.contains(name))
     }
 
-    /// The headers of `headers` that are stored, in order.
+    /// The headers of `headers` that are stored, in order: neither those never replayed nor
+    /// those the response's `Connection` header names, which are hop-by-hop too (RFC 9110
+    /// §7.6.1).
     pub(crate) fn select(&self, headers: &HeaderMap) -> Vec<(HeaderName, HeaderValue)> {
+        let connection_options = headers.get_all(CONNECTION);
+        let named_by_connection = |name: &HeaderName| {
+            connection_options.clone().any(|value| {
+                value.as_bytes().split(|&byte| byte == b',').any(|option| {
+                    option
+                        .trim_ascii()
+                        .eq_ignore_ascii_case(name.as_str().as_bytes())
+                })
+            })
+        };
         headers
             .iter()
-            .filter(|(name, _)| self.is_replayed(name))
+            .filter(|(name, _)| self.is_replayed(name) && !named_by_connection(name))
             .map(|(name, value)| (name.clone(), value.clone()))
             .collect()
     }
@@ -192,6 +205,30 @@ mod tests {
             names(ReplayedHeaders::all().select(&headers)),
             ["content-type", "location"]
         );
+        assert_eq!(names(listed.select(&headers)), ["location"]);
+    }
+
+    #[test]
+    fn headers_the_connection_header_names_are_hop_by_hop() {
+        let mut headers = HeaderMap::new();
+        for (name, value) in [
+            ("connection", "keep-alive, X-Hop"),
+            ("connection", "x-other"),
+            ("x-hop", "secret"),
+            ("x-other", "1"),
+            ("x-kept", "2"),
+            ("location", "/orders/1"),
+        ] {
+            headers.append(
+                HeaderName::from_static(name),
+                HeaderValue::from_static(value),
+            );
+        }
+        assert_eq!(
+            names(ReplayedHeaders::all().select(&headers)),
+            ["location", "x-kept"]
+        );
+        let listed = ReplayedHeaders::only(["x-hop", "location"]).unwrap();
         assert_eq!(names(listed.select(&headers)), ["location"]);
     }
 
