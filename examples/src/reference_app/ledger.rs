@@ -71,17 +71,36 @@ fn crash_point(headers: &HeaderMap) -> Option<CrashPoint> {
     }
 }
 
-/// Creates the `ledger` table if it is missing.
+/// Creates the `ledger` table if it is missing, on a connection of its own: a pool that
+/// cannot connect says only that it timed out, where a connection says why.
 ///
 /// # Errors
 ///
-/// When the database cannot be reached or refuses.
+/// When the database cannot be reached within 2 s, or refuses (with the server's words).
 pub(super) async fn create_ledger(pool: &PostgresPool) -> Result<(), String> {
-    let connection = pool.get().await.map_err(|error| error.to_string())?;
+    let connection = actix_web::rt::time::timeout(
+        std::time::Duration::from_secs(2),
+        pool.dedicated_connection(),
+    )
+    .await
+    .map_err(|_| "no connection within 2 s".to_owned())?
+    .map_err(|error| with_causes(&error))?;
     connection
         .batch_execute(LEDGER_SCHEMA)
         .await
-        .map_err(|error| error.to_string())
+        .map_err(|error| with_causes(&error))
+}
+
+/// `error` and its sources, `: `-separated (tokio-postgres keeps the server's words in the
+/// source of a "db error").
+fn with_causes(error: &dyn std::error::Error) -> String {
+    let mut message = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        message = format!("{message}: {cause}");
+        source = cause.source();
+    }
+    message
 }
 
 /// Inserts the entry through `client` (inside a transaction) and answers 201; aborts the
