@@ -25,7 +25,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use redis::aio::ConnectionLike;
 use redis::{Cmd, Pipeline, RedisError, RedisFuture, Value};
@@ -94,6 +94,20 @@ struct Waiter {
 /// How much the read buffer grows by when it is full: a reply of the protocol is a record,
 /// a few hundred bytes to the size of a stored body.
 const READ_CHUNK: usize = 16 * 1024;
+
+/// How long past its deadline a request may stay unanswered before the connection is taken
+/// for stalled and closed: a server that does not answer for that long (a partition, a
+/// frozen host) is no longer waited for on this connection; the next command opens a new
+/// one. Until then every request still gets its timeout at its deadline, and a server that
+/// is only slow (a long `DEBUG SLEEP`, a busy script) is waited out.
+const STALLED_AFTER: Duration = Duration::from_secs(2);
+
+/// Most bytes of commands that may wait unwritten: a server that reads nothing while
+/// requests keep coming (each timing out and retried) would otherwise have every copy of
+/// them, stored bodies included, pile up in the process. A command queued past it finds the
+/// connection stalled and closed, as for [`STALLED_AFTER`]. One command larger than it is
+/// still sent.
+const MAX_UNWRITTEN: usize = 64 * 1024 * 1024;
 
 impl DirectConnection {
     /// Connects to `server`, authenticates and selects its database, and starts the driver
@@ -171,6 +185,18 @@ impl DirectConnection {
             let mut state = self.owner.shared.lock();
             if let Some(kind) = state.failed {
                 return Err(closed(kind));
+            }
+            if state.outgoing.len() >= MAX_UNWRITTEN {
+                tracing::warn!(
+                    "idempotency: the Redis server reads nothing; closing the connection"
+                );
+                state.fail(STALLED);
+                let driver = state.driver.take();
+                drop(state);
+                if let Some(driver) = driver {
+                    driver.wake();
+                }
+                return Err(closed(STALLED));
             }
             pack(&mut state.outgoing);
             state.waiting.push_back(Waiter {
@@ -316,9 +342,25 @@ impl State {
     }
 
     /// Answers every request whose deadline is `now` or past with a timeout (its replies
-    /// will be dropped when they come), and notes the earliest deadline left.
-    fn expire(&mut self, now: Instant) {
-        let mut next: Option<Instant> = None;
+    /// will be dropped when they come), and notes the earliest deadline left; fails the
+    /// connection (`false`) when its oldest request has waited [`STALLED_AFTER`] past its
+    /// deadline.
+    fn expire(&mut self, now: Instant) -> bool {
+        // Replies come in order: the first request with a deadline is the oldest unanswered.
+        let stalled_at = self
+            .waiting
+            .iter()
+            .find_map(|waiter| waiter.deadline)
+            .map(|deadline| deadline + STALLED_AFTER);
+        if stalled_at.is_some_and(|stalled_at| stalled_at <= now) {
+            tracing::warn!(
+                "idempotency: the Redis server has not answered for {STALLED_AFTER:?} past a \
+                 deadline; closing the connection"
+            );
+            self.fail(STALLED);
+            return false;
+        }
+        let mut next: Option<Instant> = stalled_at;
         for waiter in &mut self.waiting {
             let Some(deadline) = waiter.deadline else {
                 continue;
@@ -332,6 +374,7 @@ impl State {
             }
         }
         self.next_deadline = next;
+        true
     }
 
     /// Fails every waiting request and every later one with `kind`.
@@ -343,6 +386,10 @@ impl State {
         }
     }
 }
+
+/// Why a stalled connection was closed: an I/O error that is not a timeout, so the store
+/// replaces the connection.
+const STALLED: std::io::ErrorKind = std::io::ErrorKind::ConnectionAborted;
 
 fn timed_out() -> RedisError {
     RedisError::from(std::io::Error::new(
@@ -416,8 +463,10 @@ impl Future for Driver {
             match (wrote, read) {
                 (Progress::Done, _) | (_, Progress::Done) => return Poll::Ready(()),
                 (Progress::None, Progress::None) => {
-                    driver.watch(cx);
-                    return Poll::Pending;
+                    return match driver.watch(cx) {
+                        Progress::Done => Poll::Ready(()),
+                        _ => Poll::Pending,
+                    };
                 }
                 _ => {}
             }
@@ -428,11 +477,18 @@ impl Future for Driver {
 impl Driver {
     /// Writes what is queued, taking more from the requests once the last batch is out.
     fn write(&mut self, cx: &mut Context<'_>) -> Progress {
-        if self.written == self.writing.len() {
+        if self.written < self.writing.len() {
+            // A batch the server has not read yet: the connection may have been closed
+            // meanwhile (stalled, or dropped by its handles).
+            let state = self.shared.lock();
+            if state.abandoned || state.failed.is_some() {
+                return Progress::Done;
+            }
+        } else {
             reuse(&mut self.writing);
             self.written = 0;
             let mut state = self.shared.lock();
-            if state.abandoned {
+            if state.abandoned || state.failed.is_some() {
                 return Progress::Done;
             }
             if state.outgoing.is_empty() {
@@ -525,7 +581,7 @@ impl Driver {
     /// state knows of, and when it fires every request past its deadline is answered with
     /// a timeout. Under a steady load it fires about once per store timeout, not once per
     /// request.
-    fn watch(&mut self, cx: &mut Context<'_>) {
+    fn watch(&mut self, cx: &mut Context<'_>) -> Progress {
         loop {
             let next_deadline = {
                 let mut state = self.shared.lock();
@@ -533,7 +589,7 @@ impl Driver {
                 state.next_deadline
             };
             let Some(at) = next_deadline else {
-                return;
+                return Progress::None;
             };
             let timer = self
                 .timer
@@ -543,9 +599,11 @@ impl Driver {
                 self.armed = Some(at);
             }
             if timer.as_mut().poll(cx).is_pending() {
-                return;
+                return Progress::None;
             }
-            self.shared.lock().expire(Instant::now());
+            if !self.shared.lock().expire(Instant::now()) {
+                return Progress::Done;
+            }
             // Set for a deadline now past: `reset` to the next one, even if it is equal.
             self.armed = None;
         }
@@ -558,9 +616,20 @@ impl Driver {
     }
 }
 
+impl Drop for Driver {
+    /// A driver dropped before its end (its runtime shut down, or a panic) can answer no
+    /// request: those waiting, and every later one, fail at once, and the store replaces
+    /// the connection, rather than waiting for replies no one reads.
+    fn drop(&mut self) {
+        let mut state = self.shared.lock();
+        if state.failed.is_none() {
+            state.fail(std::io::ErrorKind::ConnectionAborted);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
 
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpListener;
@@ -755,6 +824,90 @@ mod tests {
         assert!(reply.expect_err("no reply").is_timeout());
         assert!(kept);
         server.abort();
+    }
+
+    /// Whether `error` is one for which the store replaces the connection.
+    fn closes_the_connection(error: &RedisError) -> bool {
+        error.is_io_error() && !error.is_timeout()
+    }
+
+    #[actix_web::test]
+    async fn a_server_silent_for_longer_than_a_deadline_and_its_grace_is_left() {
+        let (address, server) = server_that_never_reads().await;
+        let mut connection = DirectConnection::open(&address).await.expect("connected");
+        let mut later = connection.clone();
+        let deadline = Instant::now() + Duration::from_millis(50);
+        let (silent, _) = under_deadline(deadline, async {
+            connection.req_packed_command(&get("a")).await
+        })
+        .await;
+        assert!(silent.expect_err("no reply").is_timeout());
+        // Within the grace the connection is kept: a slow server is waited out.
+        // Queued without a deadline of its own: it waits until the connection is left.
+        let b = get("b");
+        let within = later.req_packed_command(&b);
+        tokio::time::sleep(STALLED_AFTER + Duration::from_millis(300)).await;
+        let within = tokio::time::timeout(Duration::from_secs(1), within)
+            .await
+            .expect("answered once the connection was left");
+        assert!(closes_the_connection(&within.expect_err("no reply")));
+        let after = later.req_packed_command(&get("c")).await;
+        assert!(closes_the_connection(
+            &after.expect_err("the connection is closed")
+        ));
+        server.abort();
+    }
+
+    #[actix_web::test]
+    async fn commands_piling_up_unwritten_close_the_connection() {
+        let (address, server) = server_that_never_reads().await;
+        let mut connection = DirectConnection::open(&address).await.expect("connected");
+        // One command larger than the bound is still sent; it stalls the write.
+        let mut large = redis::cmd("SET");
+        large.arg("large").arg(vec![b'x'; MAX_UNWRITTEN + 1]);
+        drop(connection.req_packed_command(&large));
+        tokio::task::yield_now().await;
+        // Then commands of 8 MiB each, as retried commits of large bodies would queue, each
+        // left unanswered: the bound is reached after 8 of them.
+        let mut piece = redis::cmd("SET");
+        piece.arg("piece").arg(vec![b'x'; 8 * 1024 * 1024]);
+        let mut queued = 0;
+        let refused = loop {
+            match connection.queue(|out| piece.write_packed_command(out), 1, 0, false) {
+                Ok(_) => queued += 1,
+                Err(error) => break error,
+            }
+            assert!(queued <= 9, "{queued} commands queued unwritten");
+        };
+        assert!(queued >= 8, "closed after {queued} commands");
+        assert!(closes_the_connection(&refused));
+        server.abort();
+    }
+
+    #[test]
+    fn a_connection_whose_runtime_is_gone_fails_its_requests_at_once() {
+        let runtime = || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("a runtime")
+        };
+        let first = runtime();
+        let mut connection = first.block_on(async {
+            let (address, _server) = server_that_never_reads().await;
+            DirectConnection::open(&address).await.expect("connected")
+        });
+        // Its driver was spawned on that runtime, and goes with it.
+        drop(first);
+        runtime().block_on(async {
+            let reply = tokio::time::timeout(
+                Duration::from_secs(1),
+                connection.req_packed_command(&get("a")),
+            )
+            .await
+            .expect("answered at once, not left waiting for a driver that is gone");
+            assert!(closes_the_connection(&reply.expect_err("no driver")));
+        });
     }
 
     #[actix_web::test]
