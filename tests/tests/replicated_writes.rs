@@ -176,3 +176,76 @@ async fn on_valkey_a_retried_commit_is_not_replicated_until_the_replica_has_it()
     }
     assert!(replicated, "the retries never saw the record replicated");
 }
+
+#[actix_web::test]
+async fn on_valkey_a_resent_begin_is_not_replicated_until_the_replica_has_it() {
+    let primary = PrivateRedis::start_valkey(&[]).await;
+    let replica = PrivateRedis::start_replica_of(&primary).await;
+    let store = RedisStore::new(RedisStore::pool(&primary.url()).unwrap())
+        .replicated_writes(ReplicatedWrites::new(1, Duration::from_millis(300)));
+    let prefix = unique_prefix("resent-begin");
+    let key = |name: &str| {
+        StorageKey::new(
+            &prefix,
+            b"",
+            &IdempotencyKey::parse(name.as_bytes()).unwrap(),
+        )
+    };
+    let print = Fingerprint::compute(&Method::POST, "/orders", "", b"{}", []);
+    let lease = Duration::from_secs(30);
+    let tokens: Vec<LeaseToken> = (0..4).map(|_| LeaseToken::generate()).collect();
+    // Two begins at once: the store keeps two spare connections for its replicated writes,
+    // and both have written something the replica acknowledged.
+    let (first, second) = futures_util::future::join(
+        store.begin(&key("k1"), &print, &tokens[0], lease),
+        store.begin(&key("k2"), &print, &tokens[1], lease),
+    )
+    .await;
+    assert_eq!(first.unwrap(), BeginOutcome::Acquired);
+    assert_eq!(second.unwrap(), BeginOutcome::Acquired);
+
+    // The replica stalls for 2 s, still connected: it falls behind.
+    let mut stalled = replica.connection().await;
+    let stall = actix_rt::spawn(async move {
+        let _: redis::RedisResult<()> = redis::cmd("DEBUG")
+            .arg("SLEEP")
+            .arg(2)
+            .query_async(&mut stalled)
+            .await;
+    });
+    actix_rt::time::sleep(Duration::from_millis(200)).await;
+    let paying = key("k3");
+    let begin = || store.begin(&paying, &print, &tokens[2], lease);
+    assert!(
+        begin().await.is_err(),
+        "the replica has not acknowledged the lock"
+    );
+
+    // The same begin sent again (as after a reconnection), on the other spare while another
+    // request uses the first: it finds its own lock and writes nothing, on a connection
+    // whose writes the replica all acknowledged. The lock is not on the replica yet.
+    let (_, resent) =
+        futures_util::future::join(store.begin(&key("k4"), &print, &tokens[3], lease), begin())
+            .await;
+    assert!(
+        resent.is_err(),
+        "reported replicated while the replica stalled: {resent:?}"
+    );
+    // Once the replica catches up, the lock is reported held and replicated.
+    stall.await.unwrap();
+    let mut replicated = false;
+    for _ in 0..20 {
+        if begin()
+            .await
+            .is_ok_and(|outcome| outcome == BeginOutcome::Acquired)
+        {
+            replicated = true;
+            break;
+        }
+        actix_rt::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        replicated,
+        "the resent begins never saw the lock replicated"
+    );
+}

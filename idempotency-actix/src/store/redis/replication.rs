@@ -27,7 +27,9 @@ use std::time::Duration;
 ///
 /// * strict, in `begin`: the request is refused like any store failure (503 with
 ///   `Retry-After` when failing closed) and the lock it created is released; the handler
-///   does not run.
+///   does not run. (A `begin` sent again after a reconnection that finds its own lock
+///   writes it over itself first where the server takes `SET … IFEQ`, so that its `WAIT`
+///   counts the lock.)
 /// * strict, in the commit: the commit counts as failed. As for any failed commit, the
 ///   response is still sent (the handler ran; its response is never lost) and the commit
 ///   is retried in the background, each time with `WAIT`, until the replicas acknowledge it

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use super::conditional_set::ConditionalSet;
-use super::exchange::{Exchange, Reply};
+use super::exchange::{Acknowledgement, Exchange, Reply};
 use super::protocol::{Begun, CommitBy};
 use super::replication::ReplicatedWrites;
 use super::{inspection, protocol};
@@ -66,15 +66,30 @@ impl<T: Transport> Steps<'_, T> {
             reply => reply?,
         };
         for _ in 0..MAX_CLAIMS {
+            // With replicated writes, a record found is kept for a moment: if it is this
+            // token's own in-flight record, the request was sent twice (resent after a
+            // reconnection), and the lock is the earlier send's write.
+            let found = match (&reply.value, self.replication) {
+                (redis::Value::BulkString(record), Some(_)) => Some(record.clone()),
+                _ => None,
+            };
             let marker = match protocol::begin_outcome(reply.value, fingerprint, token)? {
-                Begun::Decided(outcome, remaining) => {
+                Begun::Decided(BeginOutcome::Acquired, remaining) => {
                     // Only a lock this request holds must be on the replicas; a record found
                     // is answered as it is.
-                    if outcome == BeginOutcome::Acquired {
-                        reply.replication.check("begin")?;
-                    }
+                    let outcome = match found {
+                        Some(own) => {
+                            self.own_lock_replicated(key, &own, reply.replication)
+                                .await?
+                        }
+                        None => {
+                            reply.replication.check("begin")?;
+                            BeginOutcome::Acquired
+                        }
+                    };
                     return Ok((outcome, remaining));
                 }
+                Begun::Decided(outcome, remaining) => return Ok((outcome, remaining)),
                 Begun::OtherMarker(marker) => marker,
             };
             let claim = protocol::claim(key, marker, fingerprint, token, lease);
@@ -85,6 +100,46 @@ impl<T: Transport> Steps<'_, T> {
         }
         // Tokens abandoned one after another kept replacing the marker: the key is busy.
         Ok((BeginOutcome::InFlight, None))
+    }
+
+    /// After a `begin` (or a claim) that found this token's own in-flight record, `own`,
+    /// under replicated writes: whether that lock is on the replicas. The earlier send wrote
+    /// it on whichever connection it had, and a `WAIT` on this one, which wrote nothing,
+    /// counts nothing on Valkey and passes at once; so, where the server takes
+    /// `SET … IFEQ`, the record is written over itself for the `WAIT` behind it to count (as
+    /// [`completed_earlier`](Self::completed_earlier) does for a commit). A server without it
+    /// (Redis before 8.4) answers `WAIT` from its replication offset, which the first
+    /// reply's `WAIT` already counted. `InFlight` when the record changed meanwhile.
+    async fn own_lock_replicated(
+        &self,
+        key: &StorageKey,
+        own: &[u8],
+        first: Acknowledgement,
+    ) -> Result<BeginOutcome, StoreError> {
+        if self.conditional_set.commit_by() == CommitBy::Function {
+            first.check("begin")?;
+            return Ok(BeginOutcome::Acquired);
+        }
+        let rewritten = match self
+            .transport
+            .send(&Exchange::new(
+                protocol::rewrite(key, own),
+                self.replication,
+            ))
+            .await
+        {
+            Err(error) if protocol::is_syntax_error(&error) => {
+                self.conditional_set.refuse();
+                first.check("begin")?;
+                return Ok(BeginOutcome::Acquired);
+            }
+            rewritten => rewritten?,
+        };
+        if !protocol::written(rewritten.value)? {
+            return Ok(BeginOutcome::InFlight);
+        }
+        rewritten.replication.check("begin")?;
+        Ok(BeginOutcome::Acquired)
     }
 
     pub(crate) async fn renew(
