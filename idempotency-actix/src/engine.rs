@@ -505,6 +505,9 @@ impl Engine {
             .map(|bound| Instant::now() + bound);
         let mut pause = Duration::from_millis(20);
         loop {
+            // The store reports how long a completed record has left as of some moment of
+            // the round trip: counted from its start, a cached copy never outlives it.
+            let asked = cache.map(|_| Instant::now());
             let begun = self
                 .bounded(
                     StoreOperation::Begin,
@@ -524,7 +527,8 @@ impl Engine {
                     pause = (pause * 2).min(Duration::from_millis(250));
                 }
                 (Ok((BeginOutcome::Completed(response), Some(remaining))), _) => {
-                    if let Some(cache) = cache {
+                    if let (Some(cache), Some(asked)) = (cache, asked) {
+                        let remaining = remaining.saturating_sub(asked.elapsed());
                         cache.insert(storage_key, *fingerprint, response.clone(), remaining);
                     }
                     return Ok(BeginOutcome::Completed(response));
