@@ -180,6 +180,27 @@ impl IdempotencyPolicy {
         self
     }
 
+    /// Requests to this route without a key are let through unprotected (the default), even
+    /// under an app policy that is [`required`](Self::required): it undoes that for this
+    /// route. (Not where the App's layer claims the route's method with
+    /// [`Idempotency::protect_methods`](crate::Idempotency::protect_methods): it refuses a
+    /// keyless request before routing.)
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::{Idempotency, IdempotencyPolicy, IdempotentRoute};
+    ///
+    /// // Every protected route requires a key, but this one.
+    /// let app = Idempotency::memory().policy(IdempotencyPolicy::default().required());
+    /// let webhook = IdempotentRoute::with_policy(IdempotencyPolicy::default().optional());
+    /// ```
+    #[must_use]
+    pub const fn optional(mut self) -> Self {
+        self.required = Some(false);
+        self
+    }
+
     /// Keyed requests to this route may send at most `bytes` of body (413 above).
     #[must_use]
     pub const fn max_request_body(mut self, bytes: usize) -> Self {
@@ -201,6 +222,15 @@ impl IdempotencyPolicy {
     #[must_use]
     pub const fn store_errors(mut self) -> Self {
         self.store_errors = Some(true);
+        self
+    }
+
+    /// Responses of this route with status >= 400 are not stored (the default): the key is
+    /// released and a retry runs the handler again, even under an app policy that
+    /// [`store_errors`](Self::store_errors): it undoes that for this route.
+    #[must_use]
+    pub const fn release_errors(mut self) -> Self {
+        self.store_errors = Some(false);
         self
     }
 

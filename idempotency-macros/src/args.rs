@@ -9,7 +9,8 @@ use crate::duration::{DurationError, parse_millis};
 
 /// Appended to every argument error, so the fix is in the message.
 pub(crate) const ALLOWED: &str = "#[idempotent] accepts: ttl = \"<duration>\", \
-     lease = \"<duration>\", required, store_errors, max_request_body = <bytes>, \
+     lease = \"<duration>\", required, optional, store_errors, release_errors, \
+     max_request_body = <bytes>, \
      max_stored_body = <bytes>, wait_for_completion = \"<duration>\", transactional";
 
 /// A route's policy as written in the attribute; unset fields keep the App's defaults.
@@ -21,8 +22,12 @@ pub(crate) struct Arguments {
     pub(crate) lease: Option<u64>,
     /// `required`.
     pub(crate) required: bool,
+    /// `optional`: not required, whatever the App says.
+    pub(crate) optional: bool,
     /// `store_errors`.
     pub(crate) store_errors: bool,
+    /// `release_errors`: errors not stored, whatever the App says.
+    pub(crate) release_errors: bool,
     /// `max_request_body = <bytes>`.
     pub(crate) max_request_body: Option<u64>,
     /// `max_stored_body = <bytes>`.
@@ -39,7 +44,9 @@ enum Key {
     Ttl,
     Lease,
     Required,
+    Optional,
     StoreErrors,
+    ReleaseErrors,
     MaxRequestBody,
     MaxStoredBody,
     WaitForCompletion,
@@ -53,7 +60,9 @@ impl Key {
             "ttl" => Self::Ttl,
             "lease" => Self::Lease,
             "required" => Self::Required,
+            "optional" => Self::Optional,
             "store_errors" => Self::StoreErrors,
+            "release_errors" => Self::ReleaseErrors,
             "max_request_body" => Self::MaxRequestBody,
             "max_stored_body" => Self::MaxStoredBody,
             "wait_for_completion" => Self::WaitForCompletion,
@@ -67,7 +76,9 @@ impl Key {
             Self::Ttl => "ttl",
             Self::Lease => "lease",
             Self::Required => "required",
+            Self::Optional => "optional",
             Self::StoreErrors => "store_errors",
+            Self::ReleaseErrors => "release_errors",
             Self::MaxRequestBody => "max_request_body",
             Self::MaxStoredBody => "max_stored_body",
             Self::WaitForCompletion => "wait_for_completion",
@@ -81,7 +92,9 @@ impl Key {
             Self::Ttl => "ttl = \"24h\"",
             Self::Lease => "lease = \"30s\"",
             Self::Required => "required",
+            Self::Optional => "optional",
             Self::StoreErrors => "store_errors",
+            Self::ReleaseErrors => "release_errors",
             Self::MaxRequestBody => "max_request_body = 1048576",
             Self::MaxStoredBody => "max_stored_body = 65536",
             Self::WaitForCompletion => "wait_for_completion = \"5s\"",
@@ -192,27 +205,48 @@ impl Arguments {
             Value::Assigned(expr) => Some(unwrap_groups(expr)),
         };
         match (key, expr) {
+            (Key::Required, None) if self.optional => Err(contradiction(path, "optional")),
+            (Key::Optional, None) if self.required => Err(contradiction(path, "required")),
+            (Key::StoreErrors, None) if self.release_errors => {
+                Err(contradiction(path, "release_errors"))
+            }
+            (Key::ReleaseErrors, None) if self.store_errors => {
+                Err(contradiction(path, "store_errors"))
+            }
             (Key::Required, None) => {
                 self.required = true;
+                Ok(())
+            }
+            (Key::Optional, None) => {
+                self.optional = true;
                 Ok(())
             }
             (Key::StoreErrors, None) => {
                 self.store_errors = true;
                 Ok(())
             }
+            (Key::ReleaseErrors, None) => {
+                self.release_errors = true;
+                Ok(())
+            }
             (Key::Transactional, None) => {
                 self.transactional = true;
                 Ok(())
             }
-            (Key::Required | Key::StoreErrors | Key::Transactional, Some(expr)) => {
-                Err(syn::Error::new_spanned(
-                    expr,
-                    format!(
-                        "`{name}` is a flag and takes no value: write `{name}`; {ALLOWED}",
-                        name = key.name()
-                    ),
-                ))
-            }
+            (
+                Key::Required
+                | Key::Optional
+                | Key::StoreErrors
+                | Key::ReleaseErrors
+                | Key::Transactional,
+                Some(expr),
+            ) => Err(syn::Error::new_spanned(
+                expr,
+                format!(
+                    "`{name}` is a flag and takes no value: write `{name}`; {ALLOWED}",
+                    name = key.name()
+                ),
+            )),
             (_, None) => Err(syn::Error::new_spanned(
                 path,
                 format!(
@@ -254,6 +288,17 @@ impl Arguments {
             }
         }
     }
+}
+
+/// The error of a flag written beside its opposite.
+fn contradiction(path: &Path, opposite: &str) -> syn::Error {
+    syn::Error::new_spanned(
+        path,
+        format!(
+            "`{}` contradicts `{opposite}`: write one of them; {ALLOWED}",
+            path_text(path)
+        ),
+    )
 }
 
 /// A duration argument's value in milliseconds.
@@ -391,13 +436,44 @@ mod tests {
                 ttl: Some(3_600_000),
                 lease: Some(10_000),
                 required: true,
+                optional: false,
                 store_errors: true,
+                release_errors: false,
                 max_request_body: Some(4096),
                 max_stored_body: Some(1024),
                 wait_for_completion: Some(2_000),
                 transactional: true,
             })
         );
+    }
+
+    #[test]
+    fn the_opposites_of_the_flags_undo_the_app_s_and_contradict_them() {
+        assert_eq!(
+            parse(quote::quote!(optional, release_errors)).ok(),
+            Some(Arguments {
+                optional: true,
+                release_errors: true,
+                ..Arguments::default()
+            })
+        );
+        for (tokens, expected) in [
+            (
+                quote::quote!(required, optional),
+                "`optional` contradicts `required`",
+            ),
+            (
+                quote::quote!(optional, required),
+                "`required` contradicts `optional`",
+            ),
+            (
+                quote::quote!(store_errors, release_errors),
+                "`release_errors` contradicts `store_errors`",
+            ),
+        ] {
+            let message = error(tokens.clone());
+            assert!(message.contains(expected), "{tokens}: {message}");
+        }
     }
 
     #[test]
@@ -415,6 +491,9 @@ mod tests {
             quote::quote!(required = "yes"),
             quote::quote!(store_errors = true),
             quote::quote!(transactional = true),
+            quote::quote!(optional = false),
+            quote::quote!(required, optional),
+            quote::quote!(release_errors, store_errors),
             quote::quote!(max_stored_body = "1MiB"),
             quote::quote!(max_request_body = 10u8),
             quote::quote!(max_request_body = -1),

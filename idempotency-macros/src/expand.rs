@@ -175,7 +175,9 @@ fn route_layer(arguments: &Arguments) -> TokenStream {
         ttl,
         lease,
         required,
+        optional,
         store_errors,
+        release_errors,
         max_request_body,
         max_stored_body,
         wait_for_completion,
@@ -195,8 +197,14 @@ fn route_layer(arguments: &Arguments) -> TokenStream {
     if *required {
         policy.extend(quote!(.required()));
     }
+    if *optional {
+        policy.extend(quote!(.optional()));
+    }
     if *store_errors {
         policy.extend(quote!(.store_errors()));
+    }
+    if *release_errors {
+        policy.extend(quote!(.release_errors()));
     }
     if let Some(limit) = max_request_body {
         let limit = bytes(*limit);

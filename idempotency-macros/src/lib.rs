@@ -51,7 +51,9 @@ use proc_macro::TokenStream;
 /// | `ttl = "<duration>"` | how long a completed response is replayed: the TTL the store holds after commit | 24 h (`Idempotency::policy`) |
 /// | `lease = "<duration>"` | how long an in-flight record holds the key without renewal; renewed every third of it while the handler runs, so it bounds how soon a crashed instance's key frees up; at least 500 ms | 30 s (`Idempotency::policy`) |
 /// | `required` | a request without a key is refused with a 400 problem | off (`Idempotency::policy`) |
+/// | `optional` | a request without a key is let through unprotected, even where the App's policy is `required` (the opposite of `required`) | — |
 /// | `store_errors` | responses with status >= 400 are stored and replayed too, instead of releasing the key so that a retry runs again | off (`Idempotency::policy`) |
+/// | `release_errors` | responses with status >= 400 release the key, even where the App's policy stores errors (the opposite of `store_errors`) | — |
 /// | `max_request_body = <bytes>` | the largest body a keyed request may send; larger is a 413 problem and the handler does not run | 1 MiB (`Idempotency::policy`) |
 /// | `wait_for_completion = "<duration>"` | a retry that finds the key in flight waits up to this long for the first request to finish and replays its response, instead of a 409 problem at once | off (`Idempotency::policy`) |
 /// | `max_stored_body = <bytes>` | the largest response body that is stored; a larger one is sent whole, and its record completes without a body (a retry gets the status and headers, an empty body and `Idempotent-Body-Omitted: true`) | 1 MiB (`Idempotency::policy`) |

@@ -137,6 +137,13 @@ async fn released_error(runs: web::Data<RunCounter>) -> HttpResponse {
     HttpResponse::NotFound().json(json!({ "seq": seq }))
 }
 
+#[idempotent(optional, release_errors)]
+#[post("/lenient")]
+async fn lenient(runs: web::Data<RunCounter>) -> HttpResponse {
+    let seq = runs.record();
+    HttpResponse::NotFound().json(json!({ "seq": seq }))
+}
+
 #[idempotent(max_request_body = 16)]
 #[post("/small-requests")]
 async fn small_requests(runs: web::Data<RunCounter>, body: Bytes) -> HttpResponse {
@@ -763,4 +770,39 @@ async fn wait_for_completion_argument_replays_instead_of_409() {
     assert_eq!(first.status, StatusCode::CREATED);
     assert_replay_of(&first, &waited);
     assert_eq!(h.runs.get(), 1);
+}
+
+#[actix_web::test]
+async fn optional_and_release_errors_undo_an_app_policy_that_requires_keys_and_stores_errors() {
+    let h = Harness::start(
+        "attr_opposites",
+        |i| i.policy(IdempotencyPolicy::default().required().store_errors()),
+        |c| {
+            c.service(lenient).service(released_error);
+        },
+    )
+    .await;
+    // The App's policy holds where the route says nothing.
+    let refused = h.post("/released-errors", None).await;
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{refused:?}");
+    let stored_key = key();
+    let stored = h.post("/released-errors", Some(&stored_key)).await;
+    assert_replay_of(
+        &stored,
+        &h.post("/released-errors", Some(&stored_key)).await,
+    );
+    assert_eq!(h.runs.get(), 1);
+
+    // `optional`: served without a key.
+    let keyless = h.post("/lenient", None).await;
+    assert_eq!(keyless.status, StatusCode::NOT_FOUND, "{keyless:?}");
+    assert_eq!(h.runs.get(), 2);
+    // `release_errors`: the 404 is not stored, so the retry runs again.
+    let key = key();
+    let first = h.post("/lenient", Some(&key)).await;
+    let retry = h.post("/lenient", Some(&key)).await;
+    assert_eq!(first.status, StatusCode::NOT_FOUND);
+    assert!(!retry.is_replay(), "{retry:?}");
+    assert_ne!(first.body, retry.body);
+    assert_eq!(h.runs.get(), 4);
 }
