@@ -375,7 +375,9 @@ impl PostgresStore {
     /// made until the first use, so an app starts while the database is still down.
     ///
     /// Call it inside a Tokio runtime (an Actix system): each connection's I/O runs on the
-    /// runtime that opened it. Without TLS.
+    /// runtime that opened it. Without TLS. A transactional request holds a connection for
+    /// its whole run: with more than a few of those at once, build a larger pool (README,
+    /// "Size the pool for the transactions").
     ///
     /// # Errors
     ///
