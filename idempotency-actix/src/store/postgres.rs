@@ -599,6 +599,11 @@ impl PostgresStore {
     }
 }
 
+/// The longest keepalive idle time and interval Linux takes (`TCP_KEEPIDLE`,
+/// `TCP_KEEPINTVL`): PostgreSQL logs a failed `setsockopt` for a longer one, and keeps its
+/// default.
+const MAX_KEEPALIVE_SECONDS: u64 = 32_767;
+
 /// `BEGIN`, with TCP keepalives on the database's side of the connection for as long as
 /// the transaction lasts (`SET LOCAL`): after `lease / 3` of silence the server probes the
 /// client every `lease / 6` and ends the session after 3 probes unanswered, rolling back
@@ -606,10 +611,11 @@ impl PostgresStore {
 /// connections (power lost, network cut) frees its keys within about `5/6` of the lease,
 /// as a plain route's lease would expire, instead of the two hours and more of the
 /// operating system's default. A live client's kernel answers the probes however long its
-/// handler takes. (Without effect on a Unix-socket connection, which needs none.)
+/// handler takes. (Without effect on a Unix-socket connection, which needs none.) Both
+/// times are at most [`MAX_KEEPALIVE_SECONDS`], as Linux takes no more.
 fn begin_watching_the_client(lease: Duration) -> String {
-    let idle = (lease.as_secs() / 3).max(1);
-    let interval = (lease.as_secs() / 6).max(1);
+    let idle = (lease.as_secs() / 3).clamp(1, MAX_KEEPALIVE_SECONDS);
+    let interval = (lease.as_secs() / 6).clamp(1, MAX_KEEPALIVE_SECONDS);
     format!(
         "BEGIN; SET LOCAL tcp_keepalives_idle = {idle}; \
          SET LOCAL tcp_keepalives_interval = {interval}; SET LOCAL tcp_keepalives_count = 3"
@@ -998,6 +1004,18 @@ impl IdempotencyStore for PostgresStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn keepalives_follow_the_lease_within_what_linux_takes() {
+        let keepalives = |lease: u64| begin_watching_the_client(Duration::from_secs(lease));
+        assert!(keepalives(60).contains("idle = 20;"));
+        assert!(keepalives(60).contains("interval = 10;"));
+        assert!(keepalives(1).contains("idle = 1;"));
+        assert!(keepalives(1).contains("interval = 1;"));
+        let year = keepalives(365 * 24 * 3600);
+        assert!(year.contains("idle = 32767;"), "{year}");
+        assert!(year.contains("interval = 32767;"), "{year}");
+    }
 
     #[test]
     fn table_names_are_identifiers() {
