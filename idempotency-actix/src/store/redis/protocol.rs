@@ -202,6 +202,13 @@ pub(crate) async fn load_library(
 /// has room: `FUNCTION LOAD` is refused once it is full, when `renew` (flagged `allow-oom`)
 /// must still work, and where commits go by `SET … IFEQ` no commit loads the library
 /// before a `renew` needs it. A failure is logged and left to the load on first use.
+///
+/// It is also what keeps replicated writes honest on Redis before 8.4: a `WAIT` sent as a
+/// connection's very first command answers at once, whatever the replicas hold, where
+/// after any command (even a refused one) it counts the server's replication offset. A
+/// `begin` resent, or a function commit retried, on a new connection writes nothing, so its
+/// `WAIT` must not be that first command: every connection the stores open sends this
+/// first. Keep it so.
 pub(crate) async fn load_library_ahead(connection: &mut impl redis::aio::ConnectionLike) {
     if let Err(error) = load_library(connection).await {
         tracing::debug!(%error, "idempotency: functions not loaded yet; they are loaded on first use");
