@@ -145,9 +145,20 @@ mod tests {
     use super::*;
     use actix_web::http::header;
 
-    fn headers() -> HeaderMap {
+    /// A header map of `pairs`, in order, repeated names appended.
+    fn header_map(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
         let mut headers = HeaderMap::new();
-        for (name, value) in [
+        for &(name, value) in pairs {
+            headers.append(
+                HeaderName::from_static(name),
+                HeaderValue::from_static(value),
+            );
+        }
+        headers
+    }
+
+    fn headers() -> HeaderMap {
+        header_map(&[
             ("location", "/orders/1"),
             ("set-cookie", "session=new"),
             ("date", "Sun, 29 Nov 2026 00:00:00 GMT"),
@@ -155,13 +166,7 @@ mod tests {
             ("connection", "close"),
             ("transfer-encoding", "chunked"),
             ("content-length", "3"),
-        ] {
-            headers.append(
-                HeaderName::from_static(name),
-                HeaderValue::from_static(value),
-            );
-        }
-        headers
+        ])
     }
 
     fn names(selected: Vec<(HeaderName, HeaderValue)>) -> Vec<String> {
@@ -210,20 +215,14 @@ mod tests {
 
     #[test]
     fn headers_the_connection_header_names_are_hop_by_hop() {
-        let mut headers = HeaderMap::new();
-        for (name, value) in [
+        let headers = header_map(&[
             ("connection", "keep-alive, X-Hop"),
             ("connection", "x-other"),
             ("x-hop", "secret"),
             ("x-other", "1"),
             ("x-kept", "2"),
             ("location", "/orders/1"),
-        ] {
-            headers.append(
-                HeaderName::from_static(name),
-                HeaderValue::from_static(value),
-            );
-        }
+        ]);
         assert_eq!(
             names(ReplayedHeaders::all().select(&headers)),
             ["location", "x-kept"]

@@ -100,54 +100,105 @@ async fn or_warn_goes_on_while_the_replica_is_down() {
     assert_eq!(runs.of("key"), 1);
 }
 
-#[actix_web::test]
-async fn on_valkey_a_retried_commit_is_not_replicated_until_the_replica_has_it() {
-    let primary = PrivateRedis::start_valkey(&[]).await;
-    let replica = PrivateRedis::start_replica_of(&primary).await;
-    let store = RedisStore::new(RedisStore::pool(&primary.url()).unwrap())
-        .replicated_writes(ReplicatedWrites::new(1, Duration::from_millis(300)));
-    let prefix = unique_prefix("retried-commit");
-    let key = |name: &str| {
+/// A Valkey primary with one replica and a store on it with strict replicated writes: both
+/// of the store's spare connections have written a lock the replica acknowledged (`k1`,
+/// `k2`, by `tokens[0]` and `tokens[1]`), and then the replica stalls for 2 s, still
+/// connected: it falls behind. [`start`](Self::start) also gives the task of the stall,
+/// which ends when the replica wakes.
+struct StalledReplica {
+    _primary: PrivateRedis,
+    _replica: PrivateRedis,
+    store: RedisStore,
+    prefix: String,
+    print: Fingerprint,
+    lease: Duration,
+    tokens: Vec<LeaseToken>,
+}
+
+impl StalledReplica {
+    async fn start(test: &str, tokens: usize) -> (Self, actix_rt::task::JoinHandle<()>) {
+        let primary = PrivateRedis::start_valkey(&[]).await;
+        let replica = PrivateRedis::start_replica_of(&primary).await;
+        let store = RedisStore::new(RedisStore::pool(&primary.url()).unwrap())
+            .replicated_writes(ReplicatedWrites::new(1, Duration::from_millis(300)));
+        let setup = Self {
+            store,
+            prefix: unique_prefix(test),
+            print: Fingerprint::compute(&Method::POST, "/orders", "", b"{}", []),
+            lease: Duration::from_secs(30),
+            tokens: (0..tokens).map(|_| LeaseToken::generate()).collect(),
+            _primary: primary,
+            _replica: replica,
+        };
+        // Two begins at once: the store keeps two spare connections for its replicated
+        // writes.
+        let (first, second) =
+            futures_util::future::join(setup.begin("k1", 0), setup.begin("k2", 1)).await;
+        assert_eq!(first.unwrap(), BeginOutcome::Acquired);
+        assert_eq!(second.unwrap(), BeginOutcome::Acquired);
+
+        let mut stalled = setup._replica.connection().await;
+        let stall = actix_rt::spawn(async move {
+            let _: redis::RedisResult<()> = redis::cmd("DEBUG")
+                .arg("SLEEP")
+                .arg(2)
+                .query_async(&mut stalled)
+                .await;
+        });
+        actix_rt::time::sleep(Duration::from_millis(200)).await;
+        (setup, stall)
+    }
+
+    fn key(&self, name: &str) -> StorageKey {
         StorageKey::new(
-            &prefix,
+            &self.prefix,
             b"",
             &IdempotencyKey::parse(name.as_bytes()).unwrap(),
         )
-    };
-    let print = Fingerprint::compute(&Method::POST, "/orders", "", b"{}", []);
-    let lease = Duration::from_secs(30);
-    let tokens = [
-        LeaseToken::generate(),
-        LeaseToken::generate(),
-        LeaseToken::generate(),
-    ];
-    // Two begins at once: the store keeps two spare connections for its replicated writes.
-    let (first, second) = futures_util::future::join(
-        store.begin(&key("k1"), &print, &tokens[0], lease),
-        store.begin(&key("k2"), &print, &tokens[1], lease),
-    )
-    .await;
-    assert_eq!(first.unwrap(), BeginOutcome::Acquired);
-    assert_eq!(second.unwrap(), BeginOutcome::Acquired);
+    }
 
-    // The replica stalls for 2 s, still connected: it falls behind.
-    let mut stalled = replica.connection().await;
-    let stall = actix_rt::spawn(async move {
-        let _: redis::RedisResult<()> = redis::cmd("DEBUG")
-            .arg("SLEEP")
-            .arg(2)
-            .query_async(&mut stalled)
-            .await;
-    });
-    actix_rt::time::sleep(Duration::from_millis(200)).await;
+    async fn begin(
+        &self,
+        name: &str,
+        token: usize,
+    ) -> Result<BeginOutcome, idempotency_actix::StoreError> {
+        self.store
+            .begin(
+                &self.key(name),
+                &self.print,
+                &self.tokens[token],
+                self.lease,
+            )
+            .await
+    }
+}
+
+/// Whether `attempt` answers `true` within 20 tries, 100 ms apart.
+async fn eventually<F: std::future::Future<Output = bool>>(mut attempt: impl FnMut() -> F) -> bool {
+    for _ in 0..20 {
+        if attempt().await {
+            return true;
+        }
+        actix_rt::time::sleep(Duration::from_millis(100)).await;
+    }
+    false
+}
+
+#[actix_web::test]
+async fn on_valkey_a_retried_commit_is_not_replicated_until_the_replica_has_it() {
+    let (setup, stall) = StalledReplica::start("retried-commit", 3).await;
     let response = StoredResponse::new(
         StatusCode::CREATED,
         Vec::new(),
         Some(Bytes::from_static(b"paid")),
     );
     let ttl = Duration::from_secs(60);
-    let paid = key("k1");
-    let commit = || store.commit(&paid, &print, &tokens[0], &response, ttl);
+    let paid = setup.key("k1");
+    let commit = || {
+        setup
+            .store
+            .commit(&paid, &setup.print, &setup.tokens[0], &response, ttl)
+    };
     assert!(
         commit().await.is_err(),
         "the replica has not acknowledged the commit"
@@ -156,9 +207,7 @@ async fn on_valkey_a_retried_commit_is_not_replicated_until_the_replica_has_it()
     // The engine retries it in the background while other requests use the spares: the
     // retry finds the record completed and writes nothing, and is on a connection that
     // wrote nothing either. It is not replicated as long as the replica is behind.
-    let (_, retried) =
-        futures_util::future::join(store.begin(&key("k3"), &print, &tokens[2], lease), commit())
-            .await;
+    let (_, retried) = futures_util::future::join(setup.begin("k3", 2), commit()).await;
     assert!(
         retried.is_err(),
         "reported replicated while the replica stalled: {retried:?}"
@@ -166,56 +215,16 @@ async fn on_valkey_a_retried_commit_is_not_replicated_until_the_replica_has_it()
     // Once the replica catches up, a retry is replicated (its first may still find it
     // behind).
     stall.await.unwrap();
-    let mut replicated = false;
-    for _ in 0..20 {
-        if commit().await.is_ok_and(|held| held) {
-            replicated = true;
-            break;
-        }
-        actix_rt::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert!(replicated, "the retries never saw the record replicated");
+    assert!(
+        eventually(|| async { commit().await.is_ok_and(|held| held) }).await,
+        "the retries never saw the record replicated"
+    );
 }
 
 #[actix_web::test]
 async fn on_valkey_a_resent_begin_is_not_replicated_until_the_replica_has_it() {
-    let primary = PrivateRedis::start_valkey(&[]).await;
-    let replica = PrivateRedis::start_replica_of(&primary).await;
-    let store = RedisStore::new(RedisStore::pool(&primary.url()).unwrap())
-        .replicated_writes(ReplicatedWrites::new(1, Duration::from_millis(300)));
-    let prefix = unique_prefix("resent-begin");
-    let key = |name: &str| {
-        StorageKey::new(
-            &prefix,
-            b"",
-            &IdempotencyKey::parse(name.as_bytes()).unwrap(),
-        )
-    };
-    let print = Fingerprint::compute(&Method::POST, "/orders", "", b"{}", []);
-    let lease = Duration::from_secs(30);
-    let tokens: Vec<LeaseToken> = (0..4).map(|_| LeaseToken::generate()).collect();
-    // Two begins at once: the store keeps two spare connections for its replicated writes,
-    // and both have written something the replica acknowledged.
-    let (first, second) = futures_util::future::join(
-        store.begin(&key("k1"), &print, &tokens[0], lease),
-        store.begin(&key("k2"), &print, &tokens[1], lease),
-    )
-    .await;
-    assert_eq!(first.unwrap(), BeginOutcome::Acquired);
-    assert_eq!(second.unwrap(), BeginOutcome::Acquired);
-
-    // The replica stalls for 2 s, still connected: it falls behind.
-    let mut stalled = replica.connection().await;
-    let stall = actix_rt::spawn(async move {
-        let _: redis::RedisResult<()> = redis::cmd("DEBUG")
-            .arg("SLEEP")
-            .arg(2)
-            .query_async(&mut stalled)
-            .await;
-    });
-    actix_rt::time::sleep(Duration::from_millis(200)).await;
-    let paying = key("k3");
-    let begin = || store.begin(&paying, &print, &tokens[2], lease);
+    let (setup, stall) = StalledReplica::start("resent-begin", 4).await;
+    let begin = || setup.begin("k3", 2);
     assert!(
         begin().await.is_err(),
         "the replica has not acknowledged the lock"
@@ -224,28 +233,20 @@ async fn on_valkey_a_resent_begin_is_not_replicated_until_the_replica_has_it() {
     // The same begin sent again (as after a reconnection), on the other spare while another
     // request uses the first: it finds its own lock and writes nothing, on a connection
     // whose writes the replica all acknowledged. The lock is not on the replica yet.
-    let (_, resent) =
-        futures_util::future::join(store.begin(&key("k4"), &print, &tokens[3], lease), begin())
-            .await;
+    let (_, resent) = futures_util::future::join(setup.begin("k4", 3), begin()).await;
     assert!(
         resent.is_err(),
         "reported replicated while the replica stalled: {resent:?}"
     );
     // Once the replica catches up, the lock is reported held and replicated.
     stall.await.unwrap();
-    let mut replicated = false;
-    for _ in 0..20 {
-        if begin()
-            .await
-            .is_ok_and(|outcome| outcome == BeginOutcome::Acquired)
-        {
-            replicated = true;
-            break;
-        }
-        actix_rt::time::sleep(Duration::from_millis(100)).await;
-    }
     assert!(
-        replicated,
+        eventually(|| async {
+            begin()
+                .await
+                .is_ok_and(|outcome| outcome == BeginOutcome::Acquired)
+        })
+        .await,
         "the resent begins never saw the lock replicated"
     );
 }

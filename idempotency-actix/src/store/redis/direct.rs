@@ -377,6 +377,12 @@ impl State {
         true
     }
 
+    /// Whether the driver has nothing more to do: the connection failed, or its handles
+    /// are all gone.
+    fn is_done(&self) -> bool {
+        self.abandoned || self.failed.is_some()
+    }
+
     /// Fails every waiting request and every later one with `kind`.
     fn fail(&mut self, kind: std::io::ErrorKind) {
         self.failed = Some(kind);
@@ -480,15 +486,14 @@ impl Driver {
         if self.written < self.writing.len() {
             // A batch the server has not read yet: the connection may have been closed
             // meanwhile (stalled, or dropped by its handles).
-            let state = self.shared.lock();
-            if state.abandoned || state.failed.is_some() {
+            if self.shared.lock().is_done() {
                 return Progress::Done;
             }
         } else {
             reuse(&mut self.writing);
             self.written = 0;
             let mut state = self.shared.lock();
-            if state.abandoned || state.failed.is_some() {
+            if state.is_done() {
                 return Progress::Done;
             }
             if state.outgoing.is_empty() {
@@ -630,7 +635,6 @@ impl Drop for Driver {
 
 #[cfg(test)]
 mod tests {
-
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpListener;
 
@@ -842,8 +846,8 @@ mod tests {
         })
         .await;
         assert!(silent.expect_err("no reply").is_timeout());
-        // Within the grace the connection is kept: a slow server is waited out.
-        // Queued without a deadline of its own: it waits until the connection is left.
+        // A request without a deadline of its own, queued within the grace (the connection
+        // is kept then: a slow server is waited out), waits until the connection is left.
         let b = get("b");
         let within = later.req_packed_command(&b);
         tokio::time::sleep(STALLED_AFTER + Duration::from_millis(300)).await;

@@ -120,26 +120,39 @@ impl<T: Transport> Steps<'_, T> {
             first.check("begin")?;
             return Ok(BeginOutcome::Acquired);
         }
-        let rewritten = match self
-            .transport
-            .send(&Exchange::new(
-                protocol::rewrite(key, own),
-                self.replication,
-            ))
-            .await
-        {
+        match self.rewritten_for_replicas(key, own, "begin").await {
+            Ok(true) => Ok(BeginOutcome::Acquired),
+            Ok(false) => Ok(BeginOutcome::InFlight),
             Err(error) if protocol::is_syntax_error(&error) => {
                 self.conditional_set.refuse();
                 first.check("begin")?;
-                return Ok(BeginOutcome::Acquired);
+                Ok(BeginOutcome::Acquired)
             }
-            rewritten => rewritten?,
-        };
-        if !protocol::written(rewritten.value)? {
-            return Ok(BeginOutcome::InFlight);
+            Err(error) => Err(error),
         }
-        rewritten.replication.check("begin")?;
-        Ok(BeginOutcome::Acquired)
+    }
+
+    /// Writes `record` over itself (`protocol::rewrite`), waiting for the replicas behind
+    /// it, so that a `WAIT` on this connection counts a record another connection wrote:
+    /// `false` when the record is no longer exactly `record` (nothing written).
+    async fn rewritten_for_replicas(
+        &self,
+        key: &StorageKey,
+        record: &[u8],
+        step: &'static str,
+    ) -> Result<bool, StoreError> {
+        let rewritten = self
+            .transport
+            .send(&Exchange::new(
+                protocol::rewrite(key, record),
+                self.replication,
+            ))
+            .await?;
+        if !protocol::written(rewritten.value)? {
+            return Ok(false);
+        }
+        rewritten.replication.check(step)?;
+        Ok(true)
     }
 
     pub(crate) async fn renew(
@@ -215,16 +228,7 @@ impl<T: Transport> Steps<'_, T> {
         if self.replication.is_none() {
             return Ok(true);
         }
-        let rewrite = protocol::rewrite(key, &completed);
-        let rewritten = self
-            .transport
-            .send(&Exchange::new(rewrite, self.replication))
-            .await?;
-        if !protocol::written(rewritten.value)? {
-            return Ok(false);
-        }
-        rewritten.replication.check("commit")?;
-        Ok(true)
+        self.rewritten_for_replicas(key, &completed, "commit").await
     }
 
     pub(crate) async fn release(
