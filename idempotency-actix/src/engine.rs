@@ -598,7 +598,7 @@ impl Engine {
                 Err(error)
             }
             Handled::FailedStored { error, stored, ttl } => {
-                self.commit(&lock, stored, ttl).await;
+                self.commit(&lock, stored, ttl, slot.as_ref()).await;
                 Err(error)
             }
             Handled::NotStored(response) => {
@@ -615,7 +615,7 @@ impl Engine {
                 stored,
                 ttl,
             } => {
-                self.commit(&lock, stored, ttl).await;
+                self.commit(&lock, stored, ttl, slot.as_ref()).await;
                 Ok(response)
             }
             Handled::Streamed {
@@ -636,7 +636,7 @@ impl Engine {
                 let commit: Commit = Box::new(move |body| {
                     Box::pin(async move {
                         let stored = StoredResponse { body, ..stored };
-                        engine.commit(&lock, stored, ttl).await;
+                        engine.commit(&lock, stored, ttl, held.as_ref()).await;
                         drop((renewals, held));
                     })
                 });
@@ -771,7 +771,18 @@ impl Engine {
     /// Commits `stored`; if the store fails, the response goes out meanwhile (never held
     /// back or lost) and the commit is retried in the background under a renewed lease, so
     /// the key stays locked (409) rather than free for a second run; see [`keep_committing`].
-    async fn commit(&self, lock: &Rc<HeldLock>, stored: StoredResponse, ttl: Duration) {
+    ///
+    /// A commit retried in the background keeps the request's `slot`, counted as detached
+    /// work: it holds the stored response for as long as it retries, so a store that takes
+    /// `begin`s but fails their commits fills the worker's detached cap, and new keyed
+    /// requests get 503, instead of piling up retries and their bodies without bound.
+    async fn commit(
+        &self,
+        lock: &Rc<HeldLock>,
+        stored: StoredResponse,
+        ttl: Duration,
+        slot: Option<&Rc<WorkSlot>>,
+    ) {
         let storage_key = &lock.storage_key;
         match self
             .bounded(
@@ -789,10 +800,14 @@ impl Engine {
                     "idempotency: commit failed; response sent, key kept locked and commit retried in the background"
                 );
                 let in_progress = InProgress::start();
+                let slot = slot.map(|slot| {
+                    slot.detach();
+                    Rc::clone(slot)
+                });
                 let committing = keep_committing(Rc::clone(lock), stored, ttl);
                 actix_rt::spawn(async move {
                     committing.await;
-                    drop(in_progress);
+                    drop((in_progress, slot));
                 });
             }
         }

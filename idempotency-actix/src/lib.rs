@@ -198,7 +198,9 @@
 //! * Each worker takes on at most [`DEFAULT_MAX_IN_FLIGHT`] keyed requests at once, at most
 //!   [`DEFAULT_MAX_DETACHED`] of them without their client ([`Idempotency::max_in_flight`],
 //!   [`Idempotency::max_detached`]); beyond that new keyed requests get 503 with
-//!   `Retry-After` at once, and nothing already running is cancelled.
+//!   `Retry-After` at once, and nothing already running is cancelled. A commit retried in
+//!   the background counts as detached until it lands, so failing commits cannot pile up
+//!   with their responses.
 //! * Actix's graceful stop does not wait for a keyed request whose client left (it has no
 //!   connection), and its workers drop what they still run once they stop: drain first
 //!   ([`Idempotency::drain`]), then stop the server, so that such a handler finishes and

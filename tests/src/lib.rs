@@ -10,11 +10,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use idempotency_actix::{RedisPool, RedisStore};
 
+mod faulty_store;
 mod flood;
 mod gated_routes;
 mod test_redis;
 mod valkey;
 
+pub use faulty_store::FaultyStore;
 pub use flood::FloodServer;
 pub use gated_routes::GatedRoutes;
 pub use valkey::{valkey_server, valkey_url};

@@ -13,7 +13,7 @@ use idempotency_actix::{
     IdempotentRoute, LeaseToken, MemoryStore, RedisStore, StorageKey, StoreError, StoredResponse,
 };
 use idempotency_actix_tests::{
-    RunCounter, keys_under, redis_connection, redis_pool, unique_prefix,
+    FaultyStore, RunCounter, keys_under, redis_connection, redis_pool, unique_prefix,
 };
 
 async fn create(runs: web::Data<RunCounter>) -> HttpResponse {
@@ -299,62 +299,6 @@ impl IdempotencyStore for BrokenStore {
     }
     async fn release(&self, _: &StorageKey, _: &LeaseToken) -> Result<bool, StoreError> {
         Err(StoreError::Protocol("broken on purpose".into()))
-    }
-}
-
-/// The memory store, with faults: its `begin` answers only after `delay`, as a Redis under
-/// `DEBUG SLEEP` does, its `commit` only after `commit_delay`, and its first
-/// `failed_renewals` renewals fail as a store that times out does.
-#[derive(Clone, Default)]
-struct FaultyStore {
-    inner: MemoryStore,
-    delay: Duration,
-    commit_delay: Duration,
-    failed_renewals: std::sync::Arc<std::sync::atomic::AtomicU32>,
-}
-
-impl IdempotencyStore for FaultyStore {
-    async fn begin(
-        &self,
-        key: &StorageKey,
-        fingerprint: &Fingerprint,
-        token: &LeaseToken,
-        lease: Duration,
-    ) -> Result<BeginOutcome, StoreError> {
-        actix_rt::time::sleep(self.delay).await;
-        self.inner.begin(key, fingerprint, token, lease).await
-    }
-    async fn renew(
-        &self,
-        key: &StorageKey,
-        token: &LeaseToken,
-        lease: Duration,
-    ) -> Result<bool, StoreError> {
-        let failing = self.failed_renewals.fetch_update(
-            std::sync::atomic::Ordering::SeqCst,
-            std::sync::atomic::Ordering::SeqCst,
-            |left| left.checked_sub(1),
-        );
-        if failing.is_ok() {
-            return Err(StoreError::Timeout(Duration::from_secs(2)));
-        }
-        self.inner.renew(key, token, lease).await
-    }
-    async fn commit(
-        &self,
-        key: &StorageKey,
-        fingerprint: &Fingerprint,
-        token: &LeaseToken,
-        response: &StoredResponse,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        actix_rt::time::sleep(self.commit_delay).await;
-        self.inner
-            .commit(key, fingerprint, token, response, ttl)
-            .await
-    }
-    async fn release(&self, key: &StorageKey, token: &LeaseToken) -> Result<bool, StoreError> {
-        self.inner.release(key, token).await
     }
 }
 

@@ -1,8 +1,9 @@
 //! Issue 13 item 3: each worker caps its keyed work. Clients that send slow keyed requests
-//! and hang up cannot pile up unbounded detached handlers, and a worker at its in-flight cap
-//! answers new keyed requests with 503 and `Retry-After` at once; nothing that already
-//! started is dropped, and service resumes when the work drains. Real sockets, a private
-//! `redis-server`.
+//! and hang up cannot pile up unbounded detached handlers, commits retried in the background
+//! cannot pile up with their responses, and a worker at its in-flight cap answers new keyed
+//! requests with 503 and `Retry-After` at once; nothing that already started is dropped, and
+//! service resumes when the work drains. Real sockets, a private `redis-server` (or the
+//! memory store with its commits failing).
 
 #![allow(clippy::unwrap_used)]
 
@@ -11,7 +12,7 @@ use std::time::Duration;
 use actix_web::http::StatusCode;
 use actix_web::{App, HttpServer};
 use idempotency_actix::{Idempotency, KeyScope, RedisStore};
-use idempotency_actix_tests::{GatedRoutes, PrivateRedis, RawExchange, Reply};
+use idempotency_actix_tests::{FaultyStore, GatedRoutes, PrivateRedis, RawExchange, Reply};
 
 /// A one-worker server for `/work` and `/quick`, with `limits` on its `Idempotency`.
 ///
@@ -29,11 +30,18 @@ fn start(
     limits: fn(Idempotency) -> Idempotency,
 ) -> Served {
     let pool = RedisStore::pool(&redis.url()).unwrap();
+    start_on(routes, move || limits(Idempotency::redis(pool.clone())))
+}
+
+/// [`start`] on the `Idempotency` that `idempotency` builds (with a global key scope).
+fn start_on(
+    routes: &GatedRoutes,
+    idempotency: impl Fn() -> Idempotency + Clone + Send + 'static,
+) -> Served {
     let routes = routes.clone();
     let server = HttpServer::new(move || {
-        let idempotency = Idempotency::redis(pool.clone()).scope(KeyScope::global());
         App::new()
-            .wrap(limits(idempotency))
+            .wrap(idempotency().scope(KeyScope::global()))
             .configure(routes.configure())
     })
     .workers(1)
@@ -178,4 +186,52 @@ async fn a_worker_at_its_in_flight_cap_answers_503_at_once() {
     assert!(!next.is_replay(), "a refused request was never stored");
     assert_eq!(runs.get(), 2);
     assert_eq!(routes.quick_runs.get(), 2, "the keyless one and `third`");
+}
+
+/// A commit that fails is retried in the background while the client already has its
+/// response; each such retry holds that response. They count as detached work, so a store
+/// that takes `begin`s but fails every commit fills the detached cap and new keys get 503,
+/// instead of the worker running handlers and piling up their unstored responses.
+#[actix_rt::test]
+async fn commits_retried_in_the_background_count_as_detached_work() {
+    let store = FaultyStore {
+        failed_commits: std::sync::Arc::new(u32::MAX.into()),
+        ..FaultyStore::default()
+    };
+    let routes = GatedRoutes::default();
+    let server = start_on(&routes, {
+        let store = store.clone();
+        move || Idempotency::new(store.clone()).max_detached(2)
+    });
+
+    // Each client gets its response although its commit failed.
+    for key in ["first", "second"] {
+        let reply = post(&server, "/quick", Some(key)).await;
+        assert_eq!(reply.status, StatusCode::CREATED, "{key}: {reply:?}");
+        assert!(!reply.is_replay(), "{key}: {reply:?}");
+    }
+    assert_eq!(routes.quick_runs.get(), 2);
+
+    // Their commits, still retried, fill the cap: a new key is refused before it runs.
+    assert_overloaded(&post(&server, "/quick", Some("third")).await);
+    assert_eq!(
+        routes.quick_runs.get(),
+        2,
+        "a refused request ran its handler"
+    );
+
+    // Once commits land again the retries are replayed and new keys run.
+    store
+        .failed_commits
+        .store(0, std::sync::atomic::Ordering::SeqCst);
+    for key in ["first", "second"] {
+        let retry = once_settled(&server, "/quick", key).await;
+        assert_eq!(retry.status, StatusCode::CREATED, "{key}: {retry:?}");
+        assert!(retry.is_replay(), "{key} was never committed: {retry:?}");
+        assert_eq!(retry.body, "quick");
+    }
+    let third = once_settled(&server, "/quick", "third").await;
+    assert_eq!(third.status, StatusCode::CREATED, "{third:?}");
+    assert!(!third.is_replay(), "{third:?}");
+    assert_eq!(routes.quick_runs.get(), 3, "no handler ran twice");
 }

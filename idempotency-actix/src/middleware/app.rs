@@ -275,6 +275,10 @@ impl Idempotency {
     /// running, new keyed requests get a 503 problem with `Retry-After` at once, so clients
     /// that connect, send and hang up cannot pile up unbounded work.
     ///
+    /// A commit that failed and is retried in the background (the response went out
+    /// meanwhile) counts here too, until it lands: it holds the stored response, and a store
+    /// that takes `begin`s but fails their commits must not pile those up either.
+    ///
     /// # Panics
     ///
     /// If `requests` is zero.

@@ -1,0 +1,93 @@
+//! [`FaultyStore`]: the memory store with faults switched on by the test, for what the
+//! middleware does when a store is slow or fails one step.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use idempotency_actix::{
+    BeginOutcome, Fingerprint, IdempotencyStore, LeaseToken, MemoryStore, StorageKey, StoreError,
+    StoredResponse,
+};
+
+/// The memory store, with faults: its `begin` answers only after `delay`, as a Redis under
+/// `DEBUG SLEEP` does, its `commit` only after `commit_delay`; its next `failed_renewals`
+/// renewals fail as a store that times out does, and its next `failed_commits` commits fail
+/// as a store that refuses them does (a Redis at its memory limit that still takes a small
+/// in-flight record). Clones share the store and the counts.
+#[derive(Clone, Default)]
+pub struct FaultyStore {
+    /// The store behind the faults.
+    pub inner: MemoryStore,
+    /// How long each `begin` waits before it reaches `inner`.
+    pub delay: Duration,
+    /// How long each `commit` waits before it reaches `inner`.
+    pub commit_delay: Duration,
+    /// How many renewals are still to fail.
+    pub failed_renewals: Arc<AtomicU32>,
+    /// How many commits are still to fail (`u32::MAX`: until the test sets it to 0).
+    pub failed_commits: Arc<AtomicU32>,
+}
+
+/// Takes one from `left` unless it is 0: whether this call is to fail.
+fn fails(left: &AtomicU32) -> bool {
+    left.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| {
+        left.checked_sub(1)
+    })
+    .is_ok()
+}
+
+impl IdempotencyStore for FaultyStore {
+    async fn begin(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        token: &LeaseToken,
+        lease: Duration,
+    ) -> Result<BeginOutcome, StoreError> {
+        actix_rt::time::sleep(self.delay).await;
+        self.inner.begin(key, fingerprint, token, lease).await
+    }
+
+    async fn renew(
+        &self,
+        key: &StorageKey,
+        token: &LeaseToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        if fails(&self.failed_renewals) {
+            return Err(StoreError::Timeout(Duration::from_secs(2)));
+        }
+        self.inner.renew(key, token, lease).await
+    }
+
+    async fn commit(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        token: &LeaseToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        actix_rt::time::sleep(self.commit_delay).await;
+        if fails(&self.failed_commits) {
+            return Err(StoreError::Protocol("commit refused on purpose".into()));
+        }
+        self.inner
+            .commit(key, fingerprint, token, response, ttl)
+            .await
+    }
+
+    async fn release(&self, key: &StorageKey, token: &LeaseToken) -> Result<bool, StoreError> {
+        self.inner.release(key, token).await
+    }
+
+    async fn abandon(
+        &self,
+        key: &StorageKey,
+        token: &LeaseToken,
+        remember_for: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.abandon(key, token, remember_for).await
+    }
+}
