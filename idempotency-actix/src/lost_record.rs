@@ -1,7 +1,9 @@
 //! A lost in-flight record: the incident of a request whose handler ran while its record
 //! vanished from the store (evicted under memory pressure, deleted by hand, or expired while
 //! the store was unreachable). A retry may then run the handler a second time, so it is
-//! logged as an error and counted, once per request, in this one place.
+//! logged as an error and counted, once per request, in this one place. Where no request
+//! took the key before the commit, the stores write the completed record anew, which is
+//! logged here too.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -41,6 +43,16 @@ pub(crate) fn report(storage_key: &StorageKey, noticed_by: NoticedBy) {
         "idempotency: in-flight record lost while its handler ran (evicted or deleted); \
          a retry may run the handler again. Run Redis with `maxmemory-policy noeviction` \
          and memory headroom (see the README)"
+    );
+}
+
+/// Logs a commit that found its in-flight record lost and the key free (nothing there, or
+/// another token's marker), and wrote the completed record anew: no other run of the
+/// handler can have begun, and a retry gets the replay.
+pub(crate) fn report_written_anew() {
+    tracing::warn!(
+        "idempotency: in-flight record lost while its handler ran, and no request took the \
+         key meanwhile: its completed record is written anew, so a retry gets the replay"
     );
 }
 

@@ -183,19 +183,82 @@ async fn a_wrong_token_cannot_commit_renew_or_release(
     );
 }
 
-async fn operations_on_a_missing_key_report_false(store: impl IdempotencyStore, prefix: String) {
+async fn renew_and_release_on_a_missing_key_report_false(
+    store: impl IdempotencyStore,
+    prefix: String,
+) {
     let key = key(&prefix, "never-begun");
     let token = LeaseToken::generate();
-    assert!(
-        !store
-            .commit(&key, &print(b"a"), &token, &response(b"x"), TTL)
-            .await
-            .unwrap()
-    );
     assert!(!store.renew(&key, &token, LEASE).await.unwrap());
     assert!(!store.release(&key, &token).await.unwrap());
     // Nothing was created by those calls.
     acquire(&store, &key, b"a", LEASE).await;
+}
+
+/// A commit whose in-flight record is gone (its lease lapsed, it was evicted or deleted)
+/// where no request took the key since: no other run of the handler can have begun, so the
+/// completed record is written anew, and a retry gets the replay instead of a second run.
+async fn a_commit_whose_record_is_gone_writes_it_anew_where_no_one_took_the_key(
+    store: impl IdempotencyStore,
+    prefix: String,
+) {
+    let key = key(&prefix, "k");
+    let token = acquire(&store, &key, b"a", Duration::from_millis(50)).await;
+    actix_rt::time::sleep(Duration::from_millis(120)).await;
+    assert!(!store.renew(&key, &token, LEASE).await.unwrap(), "lapsed");
+    assert!(
+        store
+            .commit(&key, &print(b"a"), &token, &response(b"late"), TTL)
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        begin_new(&store, &key, b"a", LEASE).await,
+        BeginOutcome::Completed(response(b"late"))
+    );
+    assert_eq!(
+        begin_new(&store, &key, b"b", LEASE).await,
+        BeginOutcome::FingerprintMismatch,
+        "written with the request's fingerprint"
+    );
+    // Sent again (a retry after a lost reply): done, nothing written.
+    assert!(
+        store
+            .commit(&key, &print(b"a"), &token, &response(b"again"), TTL)
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        begin_new(&store, &key, b"a", LEASE).await,
+        BeginOutcome::Completed(response(b"late"))
+    );
+}
+
+/// Another token's marker blocks no one, a commit included; the marker of the committing
+/// token itself (its `begin` was abandoned, so it never ran) is kept.
+async fn a_commit_writes_over_another_tokens_marker_only(
+    store: impl IdempotencyStore,
+    prefix: String,
+) {
+    let key = key(&prefix, "k");
+    let (abandoned, other) = (LeaseToken::generate(), LeaseToken::generate());
+    assert!(store.abandon(&key, &abandoned, TTL).await.unwrap());
+    assert!(
+        !store
+            .commit(&key, &print(b"a"), &abandoned, &response(b"x"), TTL)
+            .await
+            .unwrap()
+    );
+    assert!(
+        store
+            .commit(&key, &print(b"a"), &other, &response(b"other"), TTL)
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        begin_new(&store, &key, b"a", LEASE).await,
+        BeginOutcome::Completed(response(b"other"))
+    );
 }
 
 async fn release_frees_the_key(store: impl IdempotencyStore, prefix: String) {
@@ -456,7 +519,9 @@ macro_rules! acceptance_suite {
                 keys_are_independent,
                 begin_is_idempotent_for_its_token,
                 a_wrong_token_cannot_commit_renew_or_release,
-                operations_on_a_missing_key_report_false,
+                renew_and_release_on_a_missing_key_report_false,
+                a_commit_whose_record_is_gone_writes_it_anew_where_no_one_took_the_key,
+                a_commit_writes_over_another_tokens_marker_only,
                 release_frees_the_key,
                 a_committed_record_cannot_be_released_renewed_or_overwritten,
                 an_expired_lease_frees_the_key,

@@ -318,7 +318,8 @@ impl Idempotency {
     /// handler ran while their record vanished from the store (a renewal or the commit
     /// answered "not held", most likely because Redis evicted the record under memory
     /// pressure). Each is also logged as an error; a retry of such a request may run its
-    /// handler again. Counted for the whole process, every app and worker included.
+    /// handler again, unless the commit found the key still free and wrote the completed
+    /// record anew. Counted for the whole process, every app and worker included.
     ///
     /// # Examples
     ///

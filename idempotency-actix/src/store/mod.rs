@@ -9,8 +9,8 @@
 //! 2. [`renew`](IdempotencyStore::renew): extend the lease while the handler still runs, only
 //!    if the token still holds it.
 //! 3. [`commit`](IdempotencyStore::commit): write the completed record with its TTL, only if
-//!    the token still holds the lease (fencing: a holder that lost its lease never overwrites
-//!    another request's record).
+//!    the token still holds the lease, or the key is free (fencing: a holder that lost its
+//!    lease never overwrites another request's record).
 //! 4. [`release`](IdempotencyStore::release): delete the in-flight record, only if the token
 //!    still holds it (after an error response, a panic, or a cancelled request).
 //! 5. [`abandon`](IdempotencyStore::abandon): give up a `begin` that never answered (it timed
@@ -212,13 +212,22 @@ pub trait IdempotencyStore: 'static {
     ) -> impl Future<Output = Result<bool, StoreError>>;
 
     /// Stores the completed response for `ttl`; `false` if `token` no longer holds the lease
-    /// (nothing was written). Idempotent: committing again with the token that completed
-    /// the record answers `true` and changes nothing.
+    /// and the key is not free (nothing was written). Idempotent: committing again with the
+    /// token that completed the record answers `true` and changes nothing.
+    ///
+    /// Where the in-flight record of `token` is gone (its lease lapsed, or it was evicted or
+    /// deleted) and the key is free, holding nothing or only the marker of tokens other than
+    /// `token` (see [`abandon`](Self::abandon)), no other request began since, so no other
+    /// run of the handler can be under way: the stores of this crate then write the
+    /// completed record (with `fingerprint`) in the same atomic step and answer `true`, so a
+    /// retry gets the replay rather than a second run. A store that answers `false` there
+    /// instead is still correct, only less forgiving.
     ///
     /// `fingerprint` is the one the `begin` of `token` was given, so a store can write the
     /// whole completed record without reading it first (the Redis stores send it, and compare
     /// what they find with the in-flight record that `begin` wrote: given another
-    /// fingerprint, they answer `false`); a store that kept it from `begin` may ignore it.
+    /// fingerprint, they answer `false`), and every store of this crate writes it into a
+    /// record written anew where the key is free.
     fn commit(
         &self,
         key: &StorageKey,

@@ -10,6 +10,7 @@ use tokio_postgres::{NoTls, Row};
 
 use super::{BeginOutcome, Deletion, IdempotencyStore, LeaseToken, RecordSnapshot, StoreError};
 use crate::fingerprint::Fingerprint;
+use crate::lost_record;
 use crate::record::{RECORD_VERSION, StoredResponse};
 use crate::scope::StorageKey;
 
@@ -44,7 +45,9 @@ pub const EXPIRY_BATCH: i64 = 1_000;
 ///
 /// Round trips: `begin`, `commit`, `renew`, `release` and `abandon` are one statement each (`begin` is
 /// one `INSERT … ON CONFLICT … DO UPDATE … WHERE <expired or ours>` that returns the row it
-/// did not take), so a new key costs two round trips and a replay one. Statements are sent
+/// did not take), so a new key costs two round trips and a replay one. Only a commit that
+/// finds its lease lost sends a second statement, which writes the completed row where the
+/// key is free (see [`IdempotencyStore::commit`]). Statements are sent
 /// with their parameter types (no separate prepare round trip). Each statement first tries a
 /// transaction-scoped advisory lock on the key without waiting: a transactional route holds
 /// it for the whole of its transaction, so a duplicate never waits on that transaction's
@@ -102,6 +105,7 @@ struct Statements {
     begin: String,
     renew: String,
     commit: String,
+    recreate: String,
     release: String,
     abandon: String,
     complete: String,
@@ -230,6 +234,33 @@ impl Statements {
                  SELECT EXISTS (SELECT 1 FROM done)
                      OR EXISTS (SELECT 1 FROM {t} WHERE key = $1 AND token = $2 AND state = 'c'
                                 AND expires_at > clock_timestamp())"
+            ),
+            // After a `commit` that answered false: $1 key, $2 token, $3 response, $4 ttl
+            // (ms), $5 fingerprint, $6 lock id, $7 version. Writes the completed record where
+            // the key is free: no row, an expired one (the in-flight row's lease lapsed, or it
+            // was deleted), or another token's marker; no request took the key since, so no
+            // other run of the handler can have begun. Only under the key's advisory lock,
+            // which a transactional claim holds. A statement of its own, so that the commit
+            // of every new key stays as short as it was (planned on each run).
+            recreate: format!(
+                "WITH lock AS MATERIALIZED (
+                     SELECT pg_try_advisory_xact_lock($6) AS held
+                 ), anew AS (
+                     INSERT INTO {t} AS r
+                         (key, fingerprint, token, state, version, response, expires_at)
+                     SELECT $1, $5, $2, 'c', $7, $3,
+                            clock_timestamp() + $4 * interval '1 millisecond'
+                     FROM lock WHERE lock.held
+                     ON CONFLICT (key) DO UPDATE
+                     SET fingerprint = EXCLUDED.fingerprint, token = EXCLUDED.token, state = 'c',
+                         version = EXCLUDED.version, response = EXCLUDED.response,
+                         expires_at = EXCLUDED.expires_at
+                     WHERE r.expires_at <= clock_timestamp()
+                        OR (r.state = 'a'
+                            AND NOT EXCLUDED.token = ANY (string_to_array(r.token, ' ')))
+                     RETURNING 1
+                 )
+                 SELECT EXISTS (SELECT 1 FROM anew)"
             ),
             // $1 key, $2 token.
             release: format!(
@@ -877,23 +908,47 @@ impl IdempotencyStore for PostgresStore {
     async fn commit(
         &self,
         key: &StorageKey,
-        _fingerprint: &Fingerprint,
+        fingerprint: &Fingerprint,
         token: &LeaseToken,
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
         let encoded = response.encode();
         let ttl = millis(ttl);
-        self.query_flag(
-            &self.sql.commit,
-            &[
-                (&key.as_str(), Type::TEXT),
-                (&token.as_str(), Type::TEXT),
-                (&encoded, Type::BYTEA),
-                (&ttl, Type::INT8),
-            ],
-        )
-        .await
+        let committed = self
+            .query_flag(
+                &self.sql.commit,
+                &[
+                    (&key.as_str(), Type::TEXT),
+                    (&token.as_str(), Type::TEXT),
+                    (&encoded, Type::BYTEA),
+                    (&ttl, Type::INT8),
+                ],
+            )
+            .await?;
+        if committed {
+            return Ok(true);
+        }
+        // Rare: the lease was lost, or the commit was sent twice.
+        let (lock, version) = (self.sql.lock_id(key), i16::from(RECORD_VERSION));
+        let recreated = self
+            .query_flag(
+                &self.sql.recreate,
+                &[
+                    (&key.as_str(), Type::TEXT),
+                    (&token.as_str(), Type::TEXT),
+                    (&encoded, Type::BYTEA),
+                    (&ttl, Type::INT8),
+                    (&fingerprint.as_bytes().as_slice(), Type::BYTEA),
+                    (&lock, Type::INT8),
+                    (&version, Type::INT2),
+                ],
+            )
+            .await?;
+        if recreated {
+            lost_record::report_written_anew();
+        }
+        Ok(recreated)
     }
 
     async fn release(&self, key: &StorageKey, token: &LeaseToken) -> Result<bool, StoreError> {

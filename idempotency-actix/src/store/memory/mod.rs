@@ -237,13 +237,13 @@ impl IdempotencyStore for MemoryStore {
     async fn commit(
         &self,
         key: &StorageKey,
-        _fingerprint: &Fingerprint,
+        fingerprint: &Fingerprint,
         token: &LeaseToken,
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
         self.on_shard(key, |shard, key, now| {
-            shard.commit(key, token, response, ttl, now)
+            shard.commit(key, fingerprint, token, response, ttl, now)
         })
         .map_err(|Full| self.full())
     }

@@ -21,6 +21,7 @@ use hashbrown::HashTable;
 
 use super::entry::{self, Entry, EntryState, ExpiryKey};
 use crate::fingerprint::Fingerprint;
+use crate::lost_record;
 use crate::record::StoredResponse;
 use crate::store::{BeginOutcome, Deletion, LeaseToken};
 
@@ -212,44 +213,44 @@ impl Shard {
     /// is larger than the shard) is completed without its body, as a response over the
     /// stored-body limit is, so a retry still never runs the handler again; [`Full`] if
     /// even that does not fit.
+    ///
+    /// Where the key is free, the completed record (of `fingerprint`) is written anew: the
+    /// in-flight record expired with a lease that could not be renewed (a handler that
+    /// blocked its worker for longer than the lease) and no request took the key since, or
+    /// another token's marker is there, which blocks no one. No other run of the handler can
+    /// have begun then, and a retry gets the replay.
     pub(super) fn commit(
         &mut self,
         key: HashedKey<'_>,
+        fingerprint: &Fingerprint,
         token: &LeaseToken,
         response: &StoredResponse,
         ttl: Duration,
         now: Instant,
     ) -> Result<bool, Full> {
         self.reclaim_expired(now);
-        let Some(record) = self.get(key).filter(|record| record.is_live(now)) else {
-            return Ok(false);
+        let held_bytes = match self.get(key).filter(|record| record.is_live(now)) {
+            None => None,
+            Some(record) => match &record.state {
+                // Committing twice with one token succeeds without writing again.
+                EntryState::Completed(committer, _) => return Ok(committer == token),
+                EntryState::InFlight(holder) if holder != token => return Ok(false),
+                EntryState::Abandoned(abandoned) if abandoned.contains(token) => {
+                    return Ok(false);
+                }
+                EntryState::Abandoned(_) => None,
+                EntryState::InFlight(_) => Some(record.bytes),
+            },
         };
-        match &record.state {
-            // Committing twice with one token succeeds without writing again.
-            EntryState::Completed(committer, _) => return Ok(committer == token),
-            EntryState::InFlight(holder) if holder != token => return Ok(false),
-            EntryState::Abandoned(_) => return Ok(false),
-            EntryState::InFlight(_) => {}
-        }
-        let in_flight_bytes = record.bytes;
-        // One exact-size allocation holds the whole response, encoded: the byte count is the
-        // memory the store holds (a captured body may sit in a larger buffer), and a record
-        // costs one allocation to make and one to free when it is evicted.
-        let mut stored = Bytes::from(response.encode());
-        let mut bytes = entry::completed_bytes(key.key, token, stored.len());
-        if self.make_room(bytes - in_flight_bytes, now).is_err() {
-            let without_body = StoredResponse {
-                body: None,
-                ..response.clone()
-            };
-            stored = Bytes::from(without_body.encode());
-            bytes = entry::completed_bytes(key.key, token, stored.len());
-            self.make_room(bytes - in_flight_bytes, now)?;
-            tracing::warn!(
-                max_bytes = self.max_bytes,
-                "idempotency: a response did not fit in the memory store; completed without its body"
-            );
-        }
+        let Some(in_flight_bytes) = held_bytes else {
+            self.remove(key);
+            let (stored, bytes) = self.fit(key, token, response, 0, now)?;
+            let state = EntryState::Completed(*token, stored);
+            self.insert(key, *fingerprint, state, expiry(now, ttl), bytes);
+            lost_record::report_written_anew();
+            return Ok(true);
+        };
+        let (stored, bytes) = self.fit(key, token, response, in_flight_bytes, now)?;
         let Some(record) = self.records.find_mut(key.hash, |record| record.is(key)) else {
             return Ok(false);
         };
@@ -263,6 +264,39 @@ impl Shard {
         self.in_flight_bytes -= in_flight_bytes;
         self.used_bytes += bytes - in_flight_bytes;
         Ok(true)
+    }
+
+    /// `response` encoded for the completed record of `token` under `key`, and that record's
+    /// bytes, with room made for them beyond the `replaced` bytes of the record it replaces:
+    /// without its body if the whole does not fit (see [`commit`](Self::commit)).
+    fn fit(
+        &mut self,
+        key: HashedKey<'_>,
+        token: &LeaseToken,
+        response: &StoredResponse,
+        replaced: usize,
+        now: Instant,
+    ) -> Result<(Bytes, usize), Full> {
+        // One exact-size allocation holds the whole response, encoded: the byte count is the
+        // memory the store holds (a captured body may sit in a larger buffer), and a record
+        // costs one allocation to make and one to free when it is evicted.
+        let stored = Bytes::from(response.encode());
+        let bytes = entry::completed_bytes(key.key, token, stored.len());
+        if self.make_room(bytes - replaced, now).is_ok() {
+            return Ok((stored, bytes));
+        }
+        let without_body = StoredResponse {
+            body: None,
+            ..response.clone()
+        };
+        let stored = Bytes::from(without_body.encode());
+        let bytes = entry::completed_bytes(key.key, token, stored.len());
+        self.make_room(bytes - replaced, now)?;
+        tracing::warn!(
+            max_bytes = self.max_bytes,
+            "idempotency: a response did not fit in the memory store; completed without its body"
+        );
+        Ok((stored, bytes))
     }
 
     /// Abandons `token` (see [`IdempotencyStore::abandon`](crate::IdempotencyStore::abandon)):

@@ -249,8 +249,7 @@ pub(crate) fn begin(
 
 /// `GET` of the record: what [`begin`] falls back to when Redis is out of memory (its reply
 /// then decodes with [`begin_outcome`] like `begin`'s; nil: no record), and what a
-/// commit by [`CommitBy::ConditionalSet`] that wrote nothing reads (decoded with
-/// [`completed_by`]).
+/// commit that wrote nothing reads (decoded with [`unwritten`]).
 pub(crate) fn read(key: &StorageKey) -> Request {
     let command = PackedCommand::build("GET", 1, key.as_str().len())
         .arg(key.as_str())
@@ -327,28 +326,36 @@ pub(crate) fn claim(
     token: &LeaseToken,
     lease: Duration,
 ) -> Request {
-    let in_flight = record::in_flight(fingerprint, token);
-    let bytes = marker.len() + in_flight.len();
+    claim_over(key, marker, record::in_flight(fingerprint, token), lease)
+}
+
+/// The library's `claim`: writes `record` for `expiry` if `marker` is still there (compared
+/// whole) or nothing is; otherwise returns the record that is there.
+fn claim_over(key: &StorageKey, marker: Vec<u8>, record: Vec<u8>, expiry: Duration) -> Request {
+    let bytes = marker.len() + record.len();
     let call = function("idempotency_actix_2_r5_claim", key, 3, bytes)
         .arg(marker)
-        .arg(in_flight)
-        .number(record::millis(lease))
+        .arg(record)
+        .number(record::millis(expiry))
         .done();
     Request::Function(call)
 }
 
 /// How `commit` is sent.
+///
+/// Either way, a commit that wrote nothing is followed by a [`read`] of the record, decoded
+/// with [`unwritten`]: whether an earlier send completed it, or the key is free and the
+/// record is written anew ([`recreate`]). A rare round trip or two: only when the lease was
+/// lost or the commit was sent twice.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum CommitBy {
     /// One plain command, where the server has `SET … IFEQ` (Valkey ≥ 8.1, Redis ≥ 8.4):
     /// `SET key <completed record> IFEQ <in-flight record> PX ttl` writes what the function
-    /// writes, under the same condition. Its reply decodes with [`written`]. When it wrote
-    /// nothing, a [`read`] of the record, decoded with [`completed_by`], tells whether an
-    /// earlier send of the same commit completed it (the function answers that from the
-    /// same read, inside Redis). A server without `IFEQ` answers a syntax error
-    /// ([`is_syntax_error`]) and writes nothing.
+    /// writes, under the same condition. Its reply decodes with [`written`]. A server
+    /// without `IFEQ` answers a syntax error ([`is_syntax_error`]) and writes nothing.
     ConditionalSet,
-    /// An `FCALL` of the library's `commit`. Its reply decodes with [`held`].
+    /// An `FCALL` of the library's `commit`. Its reply decodes with [`held`], which also
+    /// answers 1 where an earlier send of the same commit completed the record.
     Function,
 }
 
@@ -400,15 +407,62 @@ pub(crate) fn written(reply: Value) -> Result<bool, StoreError> {
     }
 }
 
-/// Decodes the reply to [`read`] after a commit by [`CommitBy::ConditionalSet`] that wrote
-/// nothing: the record, if it is completed by `token` (the commit is done, see [`rewrite`]).
-pub(crate) fn completed_by(
-    reply: Value,
+/// What a commit that wrote nothing finds at its key, read with [`read`].
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Unwritten {
+    /// The record completed by this token: an earlier send of the same commit landed (its
+    /// reply was lost), so the commit is done (see [`rewrite`] for its replicas).
+    CompletedEarlier(Vec<u8>),
+    /// Nothing, or another token's marker, which blocks no one: the in-flight record was
+    /// lost (evicted, deleted by hand, or expired with a lease that could not be renewed)
+    /// and no request took the key since, so no other run of the handler can have begun:
+    /// the completed record may be written anew ([`recreate`]), over that marker if any.
+    Free(Option<Vec<u8>>),
+    /// Another request's record (or one this version cannot read): left alone.
+    Taken,
+}
+
+/// Decodes the reply to [`read`] after a commit that wrote nothing (see [`Unwritten`]).
+pub(crate) fn unwritten(reply: Value, token: &LeaseToken) -> Result<Unwritten, StoreError> {
+    let found = match reply {
+        Value::Nil => return Ok(Unwritten::Free(None)),
+        Value::BulkString(found) => found,
+        other => return Err(unexpected(&other)),
+    };
+    if record::completed_by(&found, token) {
+        return Ok(Unwritten::CompletedEarlier(found));
+    }
+    Ok(match Found::read(&found) {
+        Ok(Found::Abandoned { tokens }) if !record::remembers(tokens, token) => {
+            Unwritten::Free(Some(found))
+        }
+        _ => Unwritten::Taken,
+    })
+}
+
+/// Writes the completed record of `token` (for the request of `fingerprint`) with
+/// `response`, kept for `ttl`, where [`unwritten`] found the key [`Free`](Unwritten::Free):
+/// only if `marker` is still there, or nothing is (the library's `claim`, as `begin` takes
+/// a key over a marker). Its reply decodes with [`recreated`].
+pub(crate) fn recreate(
+    key: &StorageKey,
+    marker: Option<Vec<u8>>,
+    fingerprint: &Fingerprint,
     token: &LeaseToken,
-) -> Result<Option<Vec<u8>>, StoreError> {
+    response: &StoredResponse,
+    ttl: Duration,
+) -> Request {
+    let in_flight = record::in_flight(fingerprint, token);
+    let completed = record::completed(&in_flight, response, ttl);
+    claim_over(key, marker.unwrap_or_default(), completed, ttl)
+}
+
+/// Decodes the reply to [`recreate`]: whether it wrote (nil), or found a record that another
+/// request wrote meanwhile (which it returns, and this ignores).
+pub(crate) fn recreated(reply: Value) -> Result<bool, StoreError> {
     match reply {
-        Value::Nil => Ok(None),
-        Value::BulkString(found) => Ok(record::completed_by(&found, token).then_some(found)),
+        Value::Nil => Ok(true),
+        Value::BulkString(_) => Ok(false),
         other => Err(unexpected(&other)),
     }
 }
@@ -416,7 +470,7 @@ pub(crate) fn completed_by(
 /// Writes `record` over itself, its expiry kept (`SET … IFEQ … KEEPTTL`, Valkey ≥ 8.1,
 /// Redis ≥ 8.4): a write that changes nothing but is replicated, for a `WAIT` on this
 /// connection to count the record's replication, when the write that completed it went out
-/// on another connection (see `Steps::completed_earlier`). Nothing is written if the record
+/// on another connection (see `Steps::after_unwritten_commit`). Nothing is written if the record
 /// is no longer exactly `record`.
 pub(crate) fn rewrite(key: &StorageKey, record: &[u8]) -> Request {
     let bytes = key.as_str().len() + 2 * record.len() + "IFEQKEEPTTL".len();
@@ -586,7 +640,42 @@ mod tests {
         assert!(begin_outcome(Value::BulkString(vec![2, b'c']), &print, &token).is_err());
         assert!(held(Value::Nil).is_err());
         assert!(written(Value::Int(1)).is_err());
-        assert!(completed_by(Value::Int(1), &token).is_err());
+        assert!(unwritten(Value::Int(1), &token).is_err());
+        assert!(recreated(Value::Int(0)).is_err());
+    }
+
+    #[test]
+    fn a_commit_that_wrote_nothing_may_write_anew_only_where_no_one_took_the_key() {
+        let (mine, theirs) = (LeaseToken::generate(), LeaseToken::generate());
+        let print = Fingerprint::from_bytes([4; 32]);
+        let response = StoredResponse {
+            status: actix_web::http::StatusCode::CREATED,
+            headers: Vec::new(),
+            body: Some(Bytes::from_static(b"{}")),
+        };
+        let ttl = Duration::from_secs(60);
+        let completed =
+            |token| record::completed(&record::in_flight(&print, token), &response, ttl);
+        let found = |record: Vec<u8>| unwritten(Value::BulkString(record), &mine).unwrap();
+
+        assert_eq!(unwritten(Value::Nil, &mine).unwrap(), Unwritten::Free(None));
+        let marker = record::abandoned(&theirs);
+        assert_eq!(found(marker.clone()), Unwritten::Free(Some(marker)));
+        assert_eq!(
+            found(completed(&mine)),
+            Unwritten::CompletedEarlier(completed(&mine))
+        );
+        assert_eq!(found(completed(&theirs)), Unwritten::Taken);
+        assert_eq!(found(record::in_flight(&print, &theirs)), Unwritten::Taken);
+        assert_eq!(
+            found(record::abandoned(&mine)),
+            Unwritten::Taken,
+            "our own marker"
+        );
+        assert_eq!(found(vec![2, b'?']), Unwritten::Taken, "unreadable");
+
+        assert!(recreated(Value::Nil).unwrap());
+        assert!(!recreated(Value::BulkString(completed(&theirs))).unwrap());
     }
 
     #[test]

@@ -6,10 +6,11 @@ use std::time::Duration;
 
 use super::conditional_set::ConditionalSet;
 use super::exchange::{Acknowledgement, Exchange, Reply};
-use super::protocol::{Begun, CommitBy};
+use super::protocol::{Begun, CommitBy, Unwritten};
 use super::replication::ReplicatedWrites;
 use super::{inspection, protocol};
 use crate::fingerprint::Fingerprint;
+use crate::lost_record;
 use crate::record::StoredResponse;
 use crate::scope::StorageKey;
 use crate::store::{BeginOutcome, Deletion, LeaseToken, RecordSnapshot, StoreError};
@@ -107,7 +108,7 @@ impl<T: Transport> Steps<'_, T> {
     /// it on whichever connection it had, and a `WAIT` on this one, which wrote nothing,
     /// counts nothing on Valkey and passes at once; so, where the server takes
     /// `SET … IFEQ`, the record is written over itself for the `WAIT` behind it to count (as
-    /// [`completed_earlier`](Self::completed_earlier) does for a commit). A server without it
+    /// [`after_unwritten_commit`](Self::after_unwritten_commit) does for a commit). A server without it
     /// (Redis before 8.4) answers `WAIT` from its replication offset, which the first
     /// reply's `WAIT` already counted. `InFlight` when the record changed meanwhile.
     async fn own_lock_replicated(
@@ -193,42 +194,61 @@ impl<T: Transport> Steps<'_, T> {
                 reply => break reply?,
             }
         };
-        let held = match by {
+        let written = match by {
             CommitBy::Function => protocol::held(reply.value)?,
-            CommitBy::ConditionalSet if protocol::written(reply.value)? => true,
-            CommitBy::ConditionalSet => return self.completed_earlier(key, token).await,
+            CommitBy::ConditionalSet => protocol::written(reply.value)?,
         };
-        if held {
-            reply.replication.check("commit")?;
+        if !written {
+            return self
+                .after_unwritten_commit(key, fingerprint, token, response, ttl)
+                .await;
         }
-        Ok(held)
+        reply.replication.check("commit")?;
+        Ok(true)
     }
 
-    /// After a `SET … IFEQ` commit that wrote nothing: whether an earlier send of it
-    /// completed the record (a retry after a lost reply, or after its replicas fell short).
-    /// A rare second round trip: it happens only when the lease was lost or the commit was
-    /// sent twice.
+    /// After a commit that wrote nothing, what the key holds (see [`Unwritten`]): the record
+    /// an earlier send of this commit completed (a retry after a lost reply, or after its
+    /// replicas fell short), nothing that anyone took since the in-flight record was lost,
+    /// where the completed record is written anew, or another request's record. A rare
+    /// round trip or two: only when the lease was lost or the commit was sent twice.
     ///
-    /// With replicated writes, the earlier send went out on whichever connection it had, and
+    /// With replicated writes, an earlier send went out on whichever connection it had, and
     /// a `WAIT` counts the writes of its own connection (Valkey): on this one, which wrote
     /// nothing, it would count nothing and pass at once. So the record is written over
     /// itself, a write that changes nothing, for the `WAIT` behind it to count.
-    async fn completed_earlier(
+    async fn after_unwritten_commit(
         &self,
         key: &StorageKey,
+        fingerprint: &Fingerprint,
         token: &LeaseToken,
+        response: &StoredResponse,
+        ttl: Duration,
     ) -> Result<bool, StoreError> {
         let reply = self
             .transport
             .send(&Exchange::plain(protocol::read(key)))
             .await?;
-        let Some(completed) = protocol::completed_by(reply.value, token)? else {
-            return Ok(false);
-        };
-        if self.replication.is_none() {
-            return Ok(true);
+        match protocol::unwritten(reply.value, token)? {
+            Unwritten::Taken => Ok(false),
+            Unwritten::CompletedEarlier(_) if self.replication.is_none() => Ok(true),
+            Unwritten::CompletedEarlier(completed) => {
+                self.rewritten_for_replicas(key, &completed, "commit").await
+            }
+            Unwritten::Free(marker) => {
+                let recreate = protocol::recreate(key, marker, fingerprint, token, response, ttl);
+                let reply = self
+                    .transport
+                    .send(&Exchange::new(recreate, self.replication))
+                    .await?;
+                if !protocol::recreated(reply.value)? {
+                    return Ok(false);
+                }
+                lost_record::report_written_anew();
+                reply.replication.check("commit")?;
+                Ok(true)
+            }
         }
-        self.rewritten_for_replicas(key, &completed, "commit").await
     }
 
     pub(crate) async fn release(
