@@ -100,7 +100,7 @@ async fn or_warn_goes_on_while_the_replica_is_down() {
     assert_eq!(runs.of("key"), 1);
 }
 
-/// A Valkey primary with one replica and a store on it with strict replicated writes: both
+/// A primary with one replica and a store on it with strict replicated writes: both
 /// of the store's spare connections have written a lock the replica acknowledged (`k1`,
 /// `k2`, by `tokens[0]` and `tokens[1]`), and then the replica stalls for 2 s, still
 /// connected: it falls behind. [`start`](Self::start) also gives the task of the stall,
@@ -116,8 +116,18 @@ struct StalledReplica {
 }
 
 impl StalledReplica {
-    async fn start(test: &str, tokens: usize) -> (Self, actix_rt::task::JoinHandle<()>) {
-        let primary = PrivateRedis::start_valkey(&[]).await;
+    /// On Valkey ≥ 8.1 (`valkey`), or on Redis 7, whose `WAIT` counts the server's
+    /// replication offset rather than the connection's own writes.
+    async fn start(
+        test: &str,
+        tokens: usize,
+        valkey: bool,
+    ) -> (Self, actix_rt::task::JoinHandle<()>) {
+        let primary = if valkey {
+            PrivateRedis::start_valkey(&[]).await
+        } else {
+            PrivateRedis::start().await
+        };
         let replica = PrivateRedis::start_replica_of(&primary).await;
         let store = RedisStore::new(RedisStore::pool(&primary.url()).unwrap())
             .replicated_writes(ReplicatedWrites::new(1, Duration::from_millis(300)));
@@ -184,9 +194,11 @@ async fn eventually<F: std::future::Future<Output = bool>>(mut attempt: impl FnM
     false
 }
 
-#[actix_web::test]
-async fn on_valkey_a_retried_commit_is_not_replicated_until_the_replica_has_it() {
-    let (setup, stall) = StalledReplica::start("retried-commit", 3).await;
+/// A commit retried after its replicas fell short, on a connection that wrote nothing: on
+/// Valkey the record is written over itself for the `WAIT` to count; on Redis 7 (the
+/// function commit) `WAIT` counts the server's offset.
+async fn a_retried_commit_is_not_replicated_until_the_replica_has_it(valkey: bool) {
+    let (setup, stall) = StalledReplica::start("retried-commit", 3, valkey).await;
     let response = StoredResponse::new(
         StatusCode::CREATED,
         Vec::new(),
@@ -221,9 +233,11 @@ async fn on_valkey_a_retried_commit_is_not_replicated_until_the_replica_has_it()
     );
 }
 
-#[actix_web::test]
-async fn on_valkey_a_resent_begin_is_not_replicated_until_the_replica_has_it() {
-    let (setup, stall) = StalledReplica::start("resent-begin", 4).await;
+/// A `begin` sent again that finds its own lock: on Valkey the lock is written over itself
+/// for the `WAIT` to count; Redis 7 refuses that rewrite (no `IFEQ`), and its `WAIT` counts
+/// the server's replication offset, which the first reply's `WAIT` already covered.
+async fn a_resent_begin_is_not_replicated_until_the_replica_has_it(valkey: bool) {
+    let (setup, stall) = StalledReplica::start("resent-begin", 4, valkey).await;
     let begin = || setup.begin("k3", 2);
     assert!(
         begin().await.is_err(),
@@ -249,4 +263,24 @@ async fn on_valkey_a_resent_begin_is_not_replicated_until_the_replica_has_it() {
         .await,
         "the resent begins never saw the lock replicated"
     );
+}
+
+#[actix_web::test]
+async fn on_valkey_a_retried_commit_is_not_replicated_until_the_replica_has_it() {
+    a_retried_commit_is_not_replicated_until_the_replica_has_it(true).await;
+}
+
+#[actix_web::test]
+async fn on_redis_7_a_retried_commit_is_not_replicated_until_the_replica_has_it() {
+    a_retried_commit_is_not_replicated_until_the_replica_has_it(false).await;
+}
+
+#[actix_web::test]
+async fn on_valkey_a_resent_begin_is_not_replicated_until_the_replica_has_it() {
+    a_resent_begin_is_not_replicated_until_the_replica_has_it(true).await;
+}
+
+#[actix_web::test]
+async fn on_redis_7_a_resent_begin_is_not_replicated_until_the_replica_has_it() {
+    a_resent_begin_is_not_replicated_until_the_replica_has_it(false).await;
 }
