@@ -195,8 +195,8 @@
 //!   lands or the record's ttl has passed, while retries get 409: only a lost in-flight
 //!   record (evicted, deleted, or expired with a lease that could not be renewed) frees the
 //!   key for a second run, and it is logged and counted ([`Idempotency::lost_records`]).
-//!   A commit that finds its record lost and the key free (no request took it meanwhile)
-//!   writes the completed record anew, so a later retry gets the replay.
+//!   A commit that finds its record lost and the key free (no request holds it) writes the
+//!   completed record anew, so a later retry gets the replay.
 //! * Each worker takes on at most [`DEFAULT_MAX_IN_FLIGHT`] keyed requests at once, at most
 //!   [`DEFAULT_MAX_DETACHED`] of them without their client ([`Idempotency::max_in_flight`],
 //!   [`Idempotency::max_detached`]); beyond that new keyed requests get 503 with

@@ -1,9 +1,9 @@
 //! A lost in-flight record: the incident of a request whose handler ran while its record
 //! vanished from the store (evicted under memory pressure, deleted by hand, or expired while
 //! the store was unreachable). A retry may then run the handler a second time, so it is
-//! logged as an error and counted, once per request, in this one place. Where no request
-//! took the key before the commit, the stores write the completed record anew, which is
-//! logged here too.
+//! logged as an error and counted, once per request, in this one place. Where the key is
+//! free when the commit comes (no request holds it), the stores write the completed record
+//! anew, which is logged here too.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -46,13 +46,13 @@ pub(crate) fn report(storage_key: &StorageKey, noticed_by: NoticedBy) {
     );
 }
 
-/// Logs a commit that found its in-flight record lost and the key free (nothing there, or
-/// another token's marker), and wrote the completed record anew: no other run of the
-/// handler can have begun, and a retry gets the replay.
+/// Logs a commit that found its in-flight record lost and the key free (nothing there, an
+/// expired record, or another token's marker), and wrote the completed record anew: a retry
+/// gets the replay.
 pub(crate) fn report_written_anew() {
     tracing::warn!(
-        "idempotency: in-flight record lost while its handler ran, and no request took the \
-         key meanwhile: its completed record is written anew, so a retry gets the replay"
+        "idempotency: in-flight record lost while its handler ran, and the key was free at \
+         its commit: the completed record is written anew, so a retry gets the replay"
     );
 }
 

@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use actix_web::http::{Method, StatusCode};
 use actix_web::{App, HttpResponse, web};
-use idempotency_actix::Idempotency;
+use idempotency_actix::{Idempotency, IdempotencyPolicy, RedisStore};
 
-use crate::{Gate, Reply, RunCounter};
+use crate::{Gate, PrivateRedis, Reply, RunCounter};
 
 /// A server under one `Idempotency` (protecting `POST`) with two routes:
 ///
@@ -106,6 +106,35 @@ impl FloodServer {
             gate,
             released,
         }
+    }
+
+    /// A server on `redis` (1 s leases) whose `/slow` request with key `evicted` is
+    /// running when every key of `redis` is deleted, its in-flight record included (as Redis
+    /// eviction under `allkeys-lru` would lose it); the handle answers once that run is
+    /// released.
+    ///
+    /// # Panics
+    ///
+    /// When the server or Redis fails.
+    pub async fn with_a_slow_run_losing_its_record(
+        redis: &PrivateRedis,
+    ) -> (Self, actix_rt::task::JoinHandle<Reply>) {
+        let pool = RedisStore::pool(&redis.url()).expect("a pool for the private Redis");
+        let server = Self::start(
+            move || {
+                Idempotency::redis(pool.clone())
+                    .policy(IdempotencyPolicy::default().lease(Duration::from_secs(1)))
+            },
+            64,
+        );
+        let Ok(first) = server.start_slow("evicted").await else {
+            panic!("the slow run of `evicted` was refused");
+        };
+        let _: () = redis::cmd("FLUSHALL")
+            .query_async(&mut redis.connection().await)
+            .await
+            .expect("FLUSHALL on the private Redis");
+        (server, first)
     }
 
     /// Lets the `/slow` handler of one run answer (`1` for the first run), while the others

@@ -196,9 +196,9 @@ async fn renew_and_release_on_a_missing_key_report_false(
 }
 
 /// A commit whose in-flight record is gone (its lease lapsed, it was evicted or deleted)
-/// where no request took the key since: no other run of the handler can have begun, so the
-/// completed record is written anew, and a retry gets the replay instead of a second run.
-async fn a_commit_whose_record_is_gone_writes_it_anew_where_no_one_took_the_key(
+/// where no request holds the key: the completed record is written anew, and a retry gets
+/// the replay instead of a second run.
+async fn a_commit_whose_record_is_gone_writes_it_anew_where_the_key_is_free(
     store: impl IdempotencyStore,
     prefix: String,
 ) {
@@ -520,7 +520,7 @@ macro_rules! acceptance_suite {
                 begin_is_idempotent_for_its_token,
                 a_wrong_token_cannot_commit_renew_or_release,
                 renew_and_release_on_a_missing_key_report_false,
-                a_commit_whose_record_is_gone_writes_it_anew_where_no_one_took_the_key,
+                a_commit_whose_record_is_gone_writes_it_anew_where_the_key_is_free,
                 a_commit_writes_over_another_tokens_marker_only,
                 release_frees_the_key,
                 a_committed_record_cannot_be_released_renewed_or_overwritten,

@@ -216,11 +216,11 @@ pub trait IdempotencyStore: 'static {
     /// token that completed the record answers `true` and changes nothing.
     ///
     /// Where the in-flight record of `token` is gone (its lease lapsed, or it was evicted or
-    /// deleted) and the key is free, holding nothing or only the marker of tokens other than
-    /// `token` (see [`abandon`](Self::abandon)), no other request began since, so no other
-    /// run of the handler can be under way: the stores of this crate then write the
-    /// completed record (with `fingerprint`) in the same atomic step and answer `true`, so a
-    /// retry gets the replay rather than a second run. A store that answers `false` there
+    /// deleted) and the key is free, no request holding it (nothing there, an expired
+    /// record, or only the marker of tokens other than `token`, see
+    /// [`abandon`](Self::abandon)), the stores of this crate write the completed record
+    /// (with `fingerprint`) in the same atomic step and answer `true`, so a retry gets the
+    /// replay of this run rather than a second run. A store that answers `false` there
     /// instead is still correct, only less forgiving.
     ///
     /// `fingerprint` is the one the `begin` of `token` was given, so a store can write the

@@ -237,9 +237,9 @@ impl Statements {
             ),
             // After a `commit` that answered false: $1 key, $2 token, $3 response, $4 ttl
             // (ms), $5 fingerprint, $6 lock id, $7 version. Writes the completed record where
-            // the key is free: no row, an expired one (the in-flight row's lease lapsed, or it
-            // was deleted), or another token's marker; no request took the key since, so no
-            // other run of the handler can have begun. Only under the key's advisory lock,
+            // the key is free: no row (it was deleted), an expired one (the in-flight row's
+            // lease lapsed), or another token's marker; true also when a resend finds it
+            // completed by this token. Only under the key's advisory lock,
             // which a transactional claim holds. A statement of its own, so that the commit
             // of every new key stays as short as it was (planned on each run).
             recreate: format!(
@@ -260,7 +260,9 @@ impl Statements {
                             AND NOT EXCLUDED.token = ANY (string_to_array(r.token, ' ')))
                      RETURNING 1
                  )
-                 SELECT EXISTS (SELECT 1 FROM anew)"
+                 SELECT EXISTS (SELECT 1 FROM anew)
+                     OR EXISTS (SELECT 1 FROM {t} WHERE key = $1 AND token = $2 AND state = 'c'
+                                AND expires_at > clock_timestamp())"
             ),
             // $1 key, $2 token.
             release: format!(

@@ -214,11 +214,13 @@ impl Shard {
     /// stored-body limit is, so a retry still never runs the handler again; [`Full`] if
     /// even that does not fit.
     ///
-    /// Where the key is free, the completed record (of `fingerprint`) is written anew: the
-    /// in-flight record expired with a lease that could not be renewed (a handler that
-    /// blocked its worker for longer than the lease) and no request took the key since, or
-    /// another token's marker is there, which blocks no one. No other run of the handler can
-    /// have begun then, and a retry gets the replay.
+    /// Where the key is free, the completed record (of `fingerprint`) is written anew, and a
+    /// retry gets the replay: nothing is there, or an expired record (the in-flight one of
+    /// a handler that blocked its worker for longer than the lease, say), or another
+    /// token's marker, which blocks no one. Should even the record without its body not
+    /// fit, that expired record or marker is gone all the same: the former would be
+    /// reclaimed anyway, and in this store a `begin` runs whole when first polled, so no
+    /// abandoned one lands late.
     pub(super) fn commit(
         &mut self,
         key: HashedKey<'_>,

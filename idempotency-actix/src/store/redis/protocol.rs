@@ -415,8 +415,8 @@ pub(crate) enum Unwritten {
     CompletedEarlier(Vec<u8>),
     /// Nothing, or another token's marker, which blocks no one: the in-flight record was
     /// lost (evicted, deleted by hand, or expired with a lease that could not be renewed)
-    /// and no request took the key since, so no other run of the handler can have begun:
-    /// the completed record may be written anew ([`recreate`]), over that marker if any.
+    /// and no request holds the key now: the completed record may be written anew
+    /// ([`recreate`]), over that marker if any.
     Free(Option<Vec<u8>>),
     /// Another request's record (or one this version cannot read): left alone.
     Taken,
@@ -457,12 +457,13 @@ pub(crate) fn recreate(
     claim_over(key, marker.unwrap_or_default(), completed, ttl)
 }
 
-/// Decodes the reply to [`recreate`]: whether it wrote (nil), or found a record that another
-/// request wrote meanwhile (which it returns, and this ignores).
-pub(crate) fn recreated(reply: Value) -> Result<bool, StoreError> {
+/// Decodes the reply to [`recreate`]: `None` when it wrote; otherwise what it found there,
+/// read as [`unwritten`] reads it: the record this very request wrote when it was sent
+/// again after its connection died ([`Unwritten::CompletedEarlier`]), or another request's.
+pub(crate) fn recreated(reply: Value, token: &LeaseToken) -> Result<Option<Unwritten>, StoreError> {
     match reply {
-        Value::Nil => Ok(true),
-        Value::BulkString(_) => Ok(false),
+        Value::Nil => Ok(None),
+        found @ Value::BulkString(_) => unwritten(found, token).map(Some),
         other => Err(unexpected(&other)),
     }
 }
@@ -641,7 +642,7 @@ mod tests {
         assert!(held(Value::Nil).is_err());
         assert!(written(Value::Int(1)).is_err());
         assert!(unwritten(Value::Int(1), &token).is_err());
-        assert!(recreated(Value::Int(0)).is_err());
+        assert!(recreated(Value::Int(0), &token).is_err());
     }
 
     #[test]
@@ -674,8 +675,16 @@ mod tests {
         );
         assert_eq!(found(vec![2, b'?']), Unwritten::Taken, "unreadable");
 
-        assert!(recreated(Value::Nil).unwrap());
-        assert!(!recreated(Value::BulkString(completed(&theirs))).unwrap());
+        assert_eq!(recreated(Value::Nil, &mine).unwrap(), None);
+        assert_eq!(
+            recreated(Value::BulkString(completed(&mine)), &mine).unwrap(),
+            Some(Unwritten::CompletedEarlier(completed(&mine))),
+            "sent again after its connection died"
+        );
+        assert_eq!(
+            recreated(Value::BulkString(completed(&theirs)), &mine).unwrap(),
+            Some(Unwritten::Taken)
+        );
     }
 
     #[test]

@@ -229,26 +229,40 @@ impl<T: Transport> Steps<'_, T> {
             .transport
             .send(&Exchange::plain(protocol::read(key)))
             .await?;
-        match protocol::unwritten(reply.value, token)? {
-            Unwritten::Taken => Ok(false),
-            Unwritten::CompletedEarlier(_) if self.replication.is_none() => Ok(true),
-            Unwritten::CompletedEarlier(completed) => {
-                self.rewritten_for_replicas(key, &completed, "commit").await
-            }
+        let completed = match protocol::unwritten(reply.value, token)? {
+            Unwritten::Taken => return Ok(false),
+            Unwritten::CompletedEarlier(completed) => completed,
             Unwritten::Free(marker) => {
                 let recreate = protocol::recreate(key, marker, fingerprint, token, response, ttl);
                 let reply = self
                     .transport
                     .send(&Exchange::new(recreate, self.replication))
                     .await?;
-                if !protocol::recreated(reply.value)? {
-                    return Ok(false);
+                match protocol::recreated(reply.value, token)? {
+                    None => {
+                        lost_record::report_written_anew();
+                        reply.replication.check("commit")?;
+                        return Ok(true);
+                    }
+                    // Sent again after its connection died: the first send wrote it. A
+                    // server without `IFEQ` answers `WAIT` from its offset (see
+                    // `own_lock_replicated`).
+                    Some(Unwritten::CompletedEarlier(_))
+                        if self.conditional_set.commit_by() == CommitBy::Function =>
+                    {
+                        reply.replication.check("commit")?;
+                        return Ok(true);
+                    }
+                    Some(Unwritten::CompletedEarlier(completed)) => completed,
+                    // Another request took the key meanwhile.
+                    Some(_) => return Ok(false),
                 }
-                lost_record::report_written_anew();
-                reply.replication.check("commit")?;
-                Ok(true)
             }
+        };
+        if self.replication.is_none() {
+            return Ok(true);
         }
+        self.rewritten_for_replicas(key, &completed, "commit").await
     }
 
     pub(crate) async fn release(
