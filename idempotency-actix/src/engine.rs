@@ -965,7 +965,9 @@ async fn keep_renewing(lock: &HeldLock) {
 ///
 /// Bounded by `ttl`, how long the record was wanted: had the commit landed, it would have
 /// expired by then and a retry would have run the handler again anyway. Stops at the first
-/// answer: committed, or "not held" (the record was lost: reported).
+/// answer: committed (over this token's in-flight record, or written anew where its record
+/// was lost and the key is free), or "not held" (another request holds or completed the
+/// key: the loss is reported).
 async fn keep_committing(lock: Rc<HeldLock>, stored: StoredResponse, ttl: Duration) {
     let deadline = Instant::now() + ttl;
     let mut pause = Duration::from_millis(50);
