@@ -916,37 +916,26 @@ impl IdempotencyStore for PostgresStore {
         ttl: Duration,
     ) -> Result<bool, StoreError> {
         let encoded = response.encode();
-        let ttl = millis(ttl);
-        let committed = self
-            .query_flag(
-                &self.sql.commit,
-                &[
-                    (&key.as_str(), Type::TEXT),
-                    (&token.as_str(), Type::TEXT),
-                    (&encoded, Type::BYTEA),
-                    (&ttl, Type::INT8),
-                ],
-            )
-            .await?;
-        if committed {
+        let (ttl, key_text, token_text) = (millis(ttl), key.as_str(), token.as_str());
+        // The commit's parameters, and the first four of the re-creation's.
+        let mut params: Vec<(&(dyn ToSql + Sync), Type)> = vec![
+            (&key_text, Type::TEXT),
+            (&token_text, Type::TEXT),
+            (&encoded, Type::BYTEA),
+            (&ttl, Type::INT8),
+        ];
+        if self.query_flag(&self.sql.commit, &params).await? {
             return Ok(true);
         }
         // Rare: the lease was lost, or the commit was sent twice.
         let (lock, version) = (self.sql.lock_id(key), i16::from(RECORD_VERSION));
-        let recreated = self
-            .query_flag(
-                &self.sql.recreate,
-                &[
-                    (&key.as_str(), Type::TEXT),
-                    (&token.as_str(), Type::TEXT),
-                    (&encoded, Type::BYTEA),
-                    (&ttl, Type::INT8),
-                    (&fingerprint.as_bytes().as_slice(), Type::BYTEA),
-                    (&lock, Type::INT8),
-                    (&version, Type::INT2),
-                ],
-            )
-            .await?;
+        let fingerprint = fingerprint.as_bytes().as_slice();
+        params.extend([
+            (&fingerprint as &(dyn ToSql + Sync), Type::BYTEA),
+            (&lock, Type::INT8),
+            (&version, Type::INT2),
+        ]);
+        let recreated = self.query_flag(&self.sql.recreate, &params).await?;
         if recreated {
             lost_record::report_written_anew();
         }

@@ -646,7 +646,7 @@ mod tests {
     }
 
     #[test]
-    fn a_commit_that_wrote_nothing_may_write_anew_only_where_no_one_took_the_key() {
+    fn a_commit_that_wrote_nothing_may_write_anew_only_where_the_key_is_free() {
         let (mine, theirs) = (LeaseToken::generate(), LeaseToken::generate());
         let print = Fingerprint::from_bytes([4; 32]);
         let response = StoredResponse {
