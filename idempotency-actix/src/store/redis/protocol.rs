@@ -687,6 +687,64 @@ mod tests {
         );
     }
 
+    /// Whatever bytes Redis hands back under a key (another version's record, a value some
+    /// other client wrote, a record cut short or corrupted), reading them as `begin`,
+    /// `claim` or a commit that wrote nothing does is an answer or an error, never a panic.
+    /// The records mutated here are valid ones of every state, so the reads get past the
+    /// header into the completion and the marker's token fields.
+    #[test]
+    fn any_bytes_under_a_key_are_read_without_a_panic() {
+        use proptest::prelude::*;
+        use proptest::test_runner::{Config, RngSeed, TestRunner};
+
+        let (mine, theirs) = (LeaseToken::generate(), LeaseToken::generate());
+        let print = Fingerprint::from_bytes([7; 32]);
+        let response = StoredResponse {
+            status: StatusCode::CREATED,
+            headers: vec![(
+                actix_web::http::header::LOCATION,
+                actix_web::http::header::HeaderValue::from_static("/orders/1"),
+            )],
+            body: Some(Bytes::from_static(b"{\"id\":1}")),
+        };
+        let in_flight = record::in_flight(&print, &theirs);
+        let valid = vec![
+            in_flight.clone(),
+            record::completed(&in_flight, &response, Duration::from_secs(60)),
+            record::completed(&record::in_flight(&print, &mine), &response, Duration::ZERO),
+            record::abandoned(&theirs),
+        ];
+        let mutated = (
+            proptest::sample::select(valid),
+            proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..4),
+            any::<prop::sample::Index>(),
+        )
+            .prop_map(|(mut record, changes, cut)| {
+                for (at, byte) in changes {
+                    let at = at.index(record.len());
+                    record[at] = byte;
+                }
+                record.truncate(cut.index(record.len() + 1));
+                record
+            });
+        let bytes = prop_oneof![proptest::collection::vec(any::<u8>(), 0..400), mutated];
+        let config = Config {
+            cases: 8192,
+            rng_seed: RngSeed::Fixed(0x1de5_0000_2026),
+            failure_persistence: None,
+            ..Config::default()
+        };
+        TestRunner::new(config)
+            .run(&bytes, |found| {
+                let bulk = || Value::BulkString(found.clone());
+                let _ = begin_outcome(bulk(), &print, &mine);
+                let _ = unwritten(bulk(), &mine);
+                let _ = recreated(bulk(), &mine);
+                Ok(())
+            })
+            .unwrap();
+    }
+
     #[test]
     fn a_conditional_set_answers_ok_when_it_wrote_and_nil_when_not() {
         assert!(written(Value::Okay).unwrap());
