@@ -354,6 +354,27 @@ impl RedisCluster {
             .collect()
     }
 
+    /// Deletes every key that starts with `prefix`, on whichever primary holds it (as an
+    /// eviction or a failover that lost writes would), and says how many there were.
+    ///
+    /// # Panics
+    ///
+    /// When a primary does not answer.
+    pub fn delete_keys(&self, prefix: &str) -> usize {
+        let mut deleted = 0;
+        for primary in self.primaries() {
+            let mut connection = self.connection(primary.port);
+            for key in keys_on_node(primary.port, prefix) {
+                let removed: usize = redis::cmd("DEL")
+                    .arg(&key)
+                    .query(&mut connection)
+                    .unwrap_or_else(|error| panic!("DEL {key} on {}: {error}", primary.port));
+                deleted += removed;
+            }
+        }
+        deleted
+    }
+
     /// A plain connection to the node on `port`.
     ///
     /// # Panics

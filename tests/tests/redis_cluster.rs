@@ -1,15 +1,18 @@
 //! The Redis Cluster store on a local 6-node cluster (3 primaries, 3 replicas) that this
-//! test binary starts: records land on every primary, and duplicates run once across app
-//! instances. The acceptance suite and the HTTP contract run on it in their own files;
-//! resharding and failover in `redis_cluster_resharding` and `redis_cluster_failover`.
+//! test binary starts: records land on every primary, duplicates run once across app
+//! instances, and a record lost while its handler runs is written anew. The acceptance
+//! suite and the HTTP contract run on it in their own files; resharding and failover in
+//! `redis_cluster_resharding` and `redis_cluster_failover`.
 
 #![allow(clippy::unwrap_used)]
 
+use std::time::Duration;
+
 use actix_web::http::StatusCode;
-use idempotency_actix::{Idempotency, RedisClusterStore};
+use idempotency_actix::{Idempotency, IdempotencyPolicy, RedisClusterStore};
 use idempotency_actix_tests::cluster::RedisCluster;
 use idempotency_actix_tests::keyed_app::{KeyedApp, RunsByKey};
-use idempotency_actix_tests::unique_prefix;
+use idempotency_actix_tests::{FloodServer, unique_prefix};
 
 fn app(prefix: &str, runs: &RunsByKey) -> KeyedApp {
     let client = RedisCluster::shared().client();
@@ -43,6 +46,44 @@ async fn records_spread_over_all_three_primaries() {
         assert!(reply.is_replay(), "spread-{n} is replayed");
     }
     assert_eq!(runs.total(), 30);
+}
+
+/// A record lost from its primary while its handler runs (deleted here, as an eviction or
+/// a failover that lost the write would), where no request takes the key meanwhile: the
+/// commit writes the completed record anew on the key's primary, and a retry gets the
+/// replay instead of running the handler a second time.
+#[actix_web::test]
+async fn a_lost_record_that_no_one_took_is_written_anew() {
+    let cluster = RedisCluster::shared();
+    let prefix = unique_prefix("written_anew");
+    let server = {
+        let (client, prefix) = (cluster.client(), prefix.clone());
+        FloodServer::start(
+            move || {
+                Idempotency::redis_cluster(client.clone())
+                    .key_prefix(prefix.clone())
+                    .policy(IdempotencyPolicy::default().lease(Duration::from_secs(1)))
+            },
+            64,
+        )
+    };
+    let Ok(first) = server.start_slow("lost").await else {
+        panic!("the slow run of `lost` was refused");
+    };
+    assert_eq!(cluster.delete_keys(&prefix), 1, "the in-flight record");
+    server.gate.open();
+    let first = first.await.unwrap();
+    assert_eq!(first.status, StatusCode::CREATED);
+    let records = cluster
+        .count_keys_by_primary(&prefix)
+        .into_values()
+        .sum::<usize>();
+    assert_eq!(records, 1, "the completed record, written anew");
+    let retry = server.post("/slow", "lost").await;
+    assert!(retry.is_replay(), "{retry:?}");
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(retry.body, first.body);
+    assert_eq!(server.slow_runs.get(), 1, "the handler ran once");
 }
 
 #[actix_web::test]
