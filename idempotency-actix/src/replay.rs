@@ -49,7 +49,11 @@ fn is_never_replayed(name: &HeaderName) -> bool {
 /// (`Connection`, `Keep-Alive`, `Proxy-Connection`, `Proxy-Authenticate`, `TE`, `Trailer`,
 /// `Transfer-Encoding`, `Upgrade`, and any header the response's `Connection` names) and
 /// `Content-Length` (recomputed from the stored body).
-/// `Content-Encoding` is kept: it describes the stored bytes. [`ReplayedHeaders::only`]
+/// `Content-Encoding` is kept: it describes the stored bytes. A replay of a record stored
+/// without its body (it was over the stored-body limit, or broke off) leaves out the
+/// headers that describe the body's bytes (`Content-Encoding`, `Content-Range`,
+/// `Content-MD5`, `Content-Digest`, `Repr-Digest`, `Digest`), which its empty body would
+/// contradict. [`ReplayedHeaders::only`]
 /// narrows this to an allow-list; the headers above are never replayed even when listed.
 ///
 /// # Examples
@@ -121,23 +125,41 @@ impl ReplayedHeaders {
     }
 }
 
+/// Whether `name` describes the bytes of the body it came with: a replay without its body
+/// leaves it out, as it would not hold for the empty body sent instead (an empty body is no
+/// gzip stream, so a client that decodes `Content-Encoding: gzip` fails to read it).
+fn describes_the_body_bytes(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "content-encoding"
+            | "content-range"
+            | "content-md5"
+            | "content-digest"
+            | "repr-digest"
+            | "digest"
+    )
+}
+
 /// The response a replay sends: the stored status, headers and body, plus
-/// `Idempotent-Replayed: true`.
+/// `Idempotent-Replayed: true`. A record completed without its body is replayed with an
+/// empty body, `Idempotent-Body-Omitted: true`, and its headers but those that describe
+/// the body's bytes.
 pub(crate) fn replay_response(stored: StoredResponse) -> HttpResponse {
     let mut response = HttpResponse::with_body(stored.status, ());
     let headers = response.headers_mut();
+    let omitted = stored.body.is_none();
     for (name, value) in stored.headers {
-        headers.append(name, value);
+        if !(omitted && describes_the_body_bytes(&name)) {
+            headers.append(name, value);
+        }
     }
     headers.insert(REPLAYED, TRUE);
-    let body = match stored.body {
-        Some(body) => body,
-        None => {
-            headers.insert(BODY_OMITTED, TRUE);
-            Default::default()
-        }
-    };
-    response.set_body(body).map_into_boxed_body()
+    if omitted {
+        headers.insert(BODY_OMITTED, TRUE);
+    }
+    response
+        .set_body(stored.body.unwrap_or_default())
+        .map_into_boxed_body()
 }
 
 #[cfg(test)]
