@@ -116,6 +116,9 @@ pub(crate) struct Engine {
 pub(crate) struct EngineHandle {
     pub(crate) engine: Rc<Engine>,
     pub(crate) claimed: Option<Claimed>,
+    /// The claim was made by an `Idempotency` further out than `engine`'s, with its own
+    /// store and settings: a route under `engine` must not take it as its own.
+    pub(crate) claimed_further_out: bool,
 }
 
 /// A layer has taken charge of this request, so layers further in leave it alone (a request
@@ -1180,6 +1183,7 @@ fn claim(req: &ServiceRequest, engine: &Rc<Engine>, claimed: Claimed) {
             extensions.insert(EngineHandle {
                 engine: Rc::clone(engine),
                 claimed: Some(claimed),
+                claimed_further_out: false,
             });
         }
     }

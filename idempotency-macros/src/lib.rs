@@ -19,11 +19,15 @@ use proc_macro::TokenStream;
 /// The first request with a key runs the handler and stores its response; every retry with
 /// the same key and the same request (method, path, query, body) gets that response back,
 /// status, headers and body, plus `Idempotent-Replayed: true`, without running the handler.
-/// The store and the defaults come from the `Idempotency` layer on the `App` (or an enclosing
-/// scope); the attribute's arguments override those defaults for this route only. (If the
-/// `Idempotency` also protects this route's method with `protect_methods`, it takes the
-/// request before routing: `wait_for_completion` and a `max_request_body` larger than the
-/// App's are then the App's; every other argument still applies.)
+/// The store and the defaults come from the nearest `Idempotency` layer above the route
+/// (on the `App` or an enclosing scope); the attribute's arguments override those defaults
+/// for this route only. (If the `Idempotency` also protects this route's method with
+/// `protect_methods`, it takes the request before routing: `wait_for_completion`, a
+/// `max_request_body` larger than the App's and `optional` under an App policy that
+/// requires a key are then the App's, and a `transactional` route answers 500, as its
+/// claim would be made outside its transaction; every other argument still applies. An
+/// `Idempotency` on a scope under an App `Idempotency` that claims the method so would be
+/// passed over: the route answers 500 too, and the log says what to change.)
 ///
 /// ```
 /// use actix_web::{App, HttpResponse, post, web};
@@ -51,13 +55,13 @@ use proc_macro::TokenStream;
 /// | `ttl = "<duration>"` | how long a completed response is replayed: the TTL the store holds after commit | 24 h (`Idempotency::policy`) |
 /// | `lease = "<duration>"` | how long an in-flight record holds the key without renewal; renewed every third of it while the handler runs, so it bounds how soon a crashed instance's key frees up; at least 500 ms | 30 s (`Idempotency::policy`) |
 /// | `required` | a request without a key is refused with a 400 problem | off (`Idempotency::policy`) |
-/// | `optional` | a request without a key is let through unprotected, even where the App's policy is `required` (the opposite of `required`) | — |
+/// | `optional` | a request without a key is let through unprotected, even where the App's policy is `required` (the opposite of `required`); not where the App's `protect_methods` covers the method, as that layer decides before routing | — |
 /// | `store_errors` | responses with status >= 400 are stored and replayed too, instead of releasing the key so that a retry runs again | off (`Idempotency::policy`) |
 /// | `release_errors` | responses with status >= 400 release the key, even where the App's policy stores errors (the opposite of `store_errors`) | — |
 /// | `max_request_body = <bytes>` | the largest body a keyed request may send; larger is a 413 problem and the handler does not run | 1 MiB (`Idempotency::policy`) |
 /// | `wait_for_completion = "<duration>"` | a retry that finds the key in flight waits up to this long for the first request to finish and replays its response, instead of a 409 problem at once | off (`Idempotency::policy`) |
 /// | `max_stored_body = <bytes>` | the largest response body that is stored; a larger one is sent whole, and its record completes without a body (a retry gets the status and headers, an empty body and `Idempotent-Body-Omitted: true`) | 1 MiB (`Idempotency::policy`) |
-/// | `transactional` | the record is claimed inside a PostgreSQL transaction that the handler writes through (`IdempotentTransaction`); its writes and the stored response commit together, or neither does. Needs the `postgres` feature and `Idempotency::postgres(store)`. A handler that takes `IdempotentTransaction` without it is a compile error | off |
+/// | `transactional` | the record is claimed inside a PostgreSQL transaction that the handler writes through (`IdempotentTransaction`); its writes and the stored response commit together, or neither does. Needs the `postgres` feature and `Idempotency::postgres(store)`. A handler that takes `IdempotentTransaction` without it is a compile error (the attribute reads the type's name: through an alias or a renamed import, every keyed request answers 500 instead, and the handler does not run). The method must not be in the App's `protect_methods` | off |
 ///
 /// A duration is a string of a number and a unit, `ms`, `s`, `m`, `h` or `d`: `"500ms"`,
 /// `"30s"`, `"15m"`, `"24h"`, `"7d"`, or several of them, `"1h 30m"`. It must be more than

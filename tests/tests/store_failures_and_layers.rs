@@ -246,6 +246,62 @@ async fn idempotency_works_on_a_scope_and_on_a_resource() {
     assert_eq!(runs.get(), 4);
 }
 
+/// An `Idempotency` on a scope under an App `Idempotency` whose `protect_methods` claims the
+/// same method before routing would be passed over (its store, shared by every instance,
+/// or its key scope, per user, never used), so a request it would protect, on a tagged
+/// route or by its own `protect_methods`, is refused as a configuration error, and no
+/// handler runs. A route the nearer `Idempotency` leaves alone stays the App's.
+#[actix_web::test]
+async fn a_scope_idempotency_passed_over_by_the_app_claim_is_500_not_ignored() {
+    let runs = RunCounter::default();
+    let (outer, inner) = (MemoryStore::new(), MemoryStore::new());
+    let server = {
+        let (outer, inner, runs) = (outer.clone(), inner.clone(), runs.clone());
+        actix_test::start(move || {
+            let global = idempotency_actix::KeyScope::global;
+            App::new()
+                .app_data(web::Data::new(runs.clone()))
+                .wrap(
+                    Idempotency::new(outer.clone())
+                        .scope(global())
+                        .protect_methods([Method::POST]),
+                )
+                .service(
+                    web::scope("/tagged")
+                        .wrap(Idempotency::new(inner.clone()).scope(global()))
+                        .service(
+                            web::resource("/orders")
+                                .wrap(IdempotentRoute::new())
+                                .route(web::post().to(create)),
+                        )
+                        .route("/untagged", web::post().to(create)),
+                )
+                .service(
+                    web::scope("/protecting")
+                        .wrap(
+                            Idempotency::new(inner.clone())
+                                .scope(global())
+                                .protect_methods([Method::POST]),
+                        )
+                        .route("/orders", web::post().to(create)),
+                )
+        })
+    };
+    for path in ["/tagged/orders", "/protecting/orders"] {
+        for key in [Some("k"), Some("k"), None] {
+            assert_not_configured(send(&server, Method::POST, path, key).await);
+        }
+    }
+    assert_eq!(runs.get(), 0);
+    // The scope's untagged route is left to the App's claim, as without the scope's layer.
+    let (status, _, first) = send(&server, Method::POST, "/tagged/untagged", Some("u")).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let (_, headers, retry) = send(&server, Method::POST, "/tagged/untagged", Some("u")).await;
+    assert_eq!(headers.get("idempotent-replayed").unwrap(), "true");
+    assert_eq!(retry, first);
+    assert_eq!(runs.get(), 1);
+}
+
 #[actix_web::test]
 async fn a_route_layer_without_idempotency_on_the_app_is_500() {
     let runs = RunCounter::default();
@@ -259,15 +315,21 @@ async fn a_route_layer_without_idempotency_on_the_app_is_500() {
             )
         })
     };
-    let (status, headers, body) = send(&server, Method::POST, "/orders", Some("k")).await;
-    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_not_configured(send(&server, Method::POST, "/orders", Some("k")).await);
+    assert_eq!(runs.get(), 0);
+}
+
+/// Asserts that `reply` is the 500 problem of a misconfigured app.
+fn assert_not_configured(
+    (status, headers, body): (StatusCode, actix_web::http::header::HeaderMap, Bytes),
+) {
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{body:?}");
     assert_eq!(
         headers.get("content-type").unwrap(),
         "application/problem+json"
     );
     let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(problem["type"], "tag:idempotency-actix,2026:not-configured");
-    assert_eq!(runs.get(), 0);
 }
 
 /// A store whose every operation fails, as an unreachable Redis does.

@@ -12,7 +12,7 @@ use actix_web::dev::{ServiceRequest, ServiceResponse};
 use actix_web::http::Method;
 use actix_web::http::header::HeaderName;
 
-use super::{IdempotencyFuture, pass_through, process};
+use super::{IdempotencyFuture, answer, pass_through, process, refuse_claimed_further_out};
 use crate::engine::{Engine, EngineHandle, FailMode, Response, Settings, is_safe_method};
 use crate::fingerprint::FingerprintParts;
 use crate::policy::{IdempotencyPolicy, checked};
@@ -148,6 +148,21 @@ impl Idempotency {
     }
 
     /// Also protects untagged routes for these methods (safe methods are ignored).
+    ///
+    /// This layer then takes such requests before routing, so it decides for every route
+    /// under it: another `Idempotency` further in (on a scope) that would protect one of them
+    /// (by its own `protect_methods`, or on a tagged route) answers it 500 and logs why,
+    /// rather than being passed over; keep the two layers' methods apart.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::App;
+    /// use actix_web::http::Method;
+    /// use idempotency_actix::Idempotency;
+    ///
+    /// let app = App::new().wrap(Idempotency::memory().protect_methods([Method::POST, Method::PATCH]));
+    /// ```
     #[must_use]
     pub fn protect_methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
         self.methods = methods.into_iter().filter(|m| !is_safe_method(m)).collect();
@@ -495,24 +510,32 @@ where
         if is_safe_method(req.method()) {
             return pass_through(&*self.service, req);
         }
+        let protects = self.methods.contains(req.method());
         let claimed = {
             let mut extensions = req.extensions_mut();
             match extensions.get_mut::<EngineHandle>() {
-                // An outer layer's: this one is now the nearest; its claim stays.
+                // An outer layer's: this one is now the nearest. A claim it made stays its
+                // own, taken with its store and settings, so the routes further in must not
+                // take it for this layer's.
                 Some(handle) => {
                     handle.engine = Rc::clone(&self.engine);
+                    handle.claimed_further_out = handle.claimed.is_some();
                     handle.claimed.is_some()
                 }
                 None => {
                     extensions.insert(EngineHandle {
                         engine: Rc::clone(&self.engine),
                         claimed: None,
+                        claimed_further_out: false,
                     });
                     false
                 }
             }
         };
-        if claimed || !self.methods.contains(req.method()) {
+        if claimed && protects {
+            return answer::<S, B>(refuse_claimed_further_out(req));
+        }
+        if claimed || !protects {
             return pass_through(&*self.service, req);
         }
         let policy = self.engine.settings.defaults.clone();

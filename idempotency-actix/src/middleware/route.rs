@@ -8,7 +8,7 @@ use actix_web::HttpMessage;
 use actix_web::body::MessageBody;
 use actix_web::dev::{ServiceRequest, ServiceResponse};
 
-use super::{IdempotencyFuture, answer, pass_through, process};
+use super::{IdempotencyFuture, answer, pass_through, process, refuse_claimed_further_out};
 use crate::engine::{Claimed, EngineHandle, Response, is_safe_method, refuse, with_handler_body};
 use crate::error::IdempotencyError;
 use crate::policy::IdempotencyPolicy;
@@ -109,9 +109,13 @@ where
         if is_safe_method(req.method()) {
             return pass_through(&*self.service, req);
         }
-        let (engine, claimed) = match req.extensions().get::<EngineHandle>() {
-            Some(handle) => (Some(Rc::clone(&handle.engine)), handle.claimed.clone()),
-            None => (None, None),
+        let (engine, claimed, claimed_further_out) = match req.extensions().get::<EngineHandle>() {
+            Some(handle) => (
+                Some(Rc::clone(&handle.engine)),
+                handle.claimed.clone(),
+                handle.claimed_further_out,
+            ),
+            None => (None, None, false),
         };
         let Some(engine) = engine else {
             tracing::error!(
@@ -129,6 +133,9 @@ where
                  this method out of protect_methods"
             );
             return answer::<S, B>(refuse(req.into_parts().0, &IdempotencyError::NotConfigured));
+        }
+        if claimed_further_out {
+            return answer::<S, B>(refuse_claimed_further_out(req));
         }
         match claimed {
             // An outer layer already processes this request: we still enforce a required key
