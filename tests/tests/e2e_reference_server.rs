@@ -387,13 +387,20 @@ async fn two_users_sending_the_same_key_and_body_each_run_the_handler() {
         "bob got alice's order"
     );
     assert_ne!(alice.header("location"), bob.header("location"));
+    // Names in UTF-8 are principals too, each their own.
+    let (jose, josè) = (send("josé").await, send("josè").await);
+    jose.assert_executed(StatusCode::CREATED);
+    josè.assert_executed(StatusCode::CREATED);
+    assert_ne!(jose.json()["id"], josè.json()["id"]);
     // Each user's retry replays their own response; an anonymous caller has keys of its own.
     send("alice").await.assert_replay_of(&alice);
     send("bob").await.assert_replay_of(&bob);
+    send("josé").await.assert_replay_of(&jose);
+    send("josè").await.assert_replay_of(&josè);
     post_json(&client, &server.url("/orders"), Some(&key), &order)
         .await
         .assert_executed(StatusCode::CREATED);
-    assert_eq!(count(&client, &server, "orders").await, 3);
+    assert_eq!(count(&client, &server, "orders").await, 5);
 }
 
 #[actix_rt::test]

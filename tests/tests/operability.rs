@@ -160,6 +160,46 @@ async fn the_spec_documents_every_route_and_the_idempotency_contract() {
     );
 }
 
+/// A keyless body over Actix's JSON limit is refused by Actix's extractor, as plain text,
+/// and a keyed one over the middleware's limit with a problem: the spec documents both.
+#[actix_web::test]
+async fn a_body_over_the_limit_is_the_413_the_spec_documents() {
+    let server = ReferenceServer::start(&[]);
+    let spec = spec(&server).await;
+    let huge = json!({ "item": "x".repeat(3 * 1024 * 1024), "qty": 1 });
+    // (`/payments` requires a key: a keyless body never reaches its extractor.)
+    for (path, key, content_type) in [
+        ("/orders", None, "text/plain; charset=utf-8"),
+        (
+            "/orders",
+            Some("over-the-limit"),
+            "application/problem+json",
+        ),
+        (
+            "/payments",
+            Some("over-the-limit"),
+            "application/problem+json",
+        ),
+    ] {
+        let documented = operation(&spec, "post", path)["responses"]["413"]["content"]
+            .as_object()
+            .unwrap();
+        let reply = post_json(&server, path, key, &huge).await;
+        assert_eq!(
+            reply.status,
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "{path} {key:?}"
+        );
+        let answered = reply.header("content-type").unwrap();
+        assert_eq!(answered, content_type, "{path} {key:?}");
+        let media_type = answered.split(';').next().unwrap();
+        assert!(
+            documented.contains_key(media_type),
+            "{path} {key:?}: {media_type} is not in {documented:?}"
+        );
+    }
+}
+
 #[actix_web::test]
 async fn the_documented_shapes_are_the_real_ones() {
     let server = ReferenceServer::start(&[]);

@@ -78,14 +78,41 @@ impl Default for ServerConfig {
 pub struct ConfigError {
     /// The variable.
     pub variable: &'static str,
-    /// Its value, lossily decoded.
+    /// Its value, lossily decoded; empty for the variables whose values are URLs
+    /// ([`URL_VARIABLES`]), as a URL may hold a password and errors end up in logs.
     pub value: String,
     /// What it should be.
     pub expected: String,
 }
 
+/// The variables whose values are URLs, which may hold a password: an error never shows
+/// their values.
+pub const URL_VARIABLES: [&str; 3] = ["REDIS_URL", "REDIS_CLUSTER_URLS", "DATABASE_URL"];
+
+impl ConfigError {
+    fn new(variable: &'static str, value: &str, expected: String) -> Self {
+        let value = if URL_VARIABLES.contains(&variable) {
+            String::new()
+        } else {
+            value.to_owned()
+        };
+        Self {
+            variable,
+            value,
+            expected,
+        }
+    }
+}
+
 impl std::fmt::Display for ConfigError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if URL_VARIABLES.contains(&self.variable) {
+            return write!(
+                f,
+                "invalid {} (its value is not shown, as it may hold a password): expected {}",
+                self.variable, self.expected
+            );
+        }
         write!(
             f,
             "invalid {}={:?}: expected {}",
@@ -118,18 +145,16 @@ impl ServerConfig {
                 Some(value) => match value.into_string() {
                     Ok(value) if value.trim().is_empty() => Ok(None),
                     Ok(value) => Ok(Some(value.trim().to_owned())),
-                    Err(value) => Err(ConfigError {
+                    Err(value) => Err(ConfigError::new(
                         variable,
-                        value: value.to_string_lossy().into_owned(),
-                        expected: format!("{expected} (in UTF-8)"),
-                    }),
+                        &value.to_string_lossy(),
+                        format!("{expected} (in UTF-8)"),
+                    )),
                 },
             }
         };
-        let invalid = |variable: &'static str, value: &str, expected: &str| ConfigError {
-            variable,
-            value: value.to_owned(),
-            expected: expected.to_owned(),
+        let invalid = |variable: &'static str, value: &str, expected: &str| {
+            ConfigError::new(variable, value, expected.to_owned())
         };
         let mut config = Self::default();
 
@@ -381,9 +406,15 @@ mod tests {
             ("REDIS_CLUSTER_URLS", "DATABASE_URL"),
             ("REDIS_URL", "REDIS_CLUSTER_URLS"),
         ] {
-            let error = parse(&[(first, "x://a"), (second, "x://b")]).expect_err(second);
+            let error = parse(&[(first, "x://:secret-a@a"), (second, "x://:secret-b@b")])
+                .expect_err(second);
             assert!(error.to_string().contains(first), "{error}");
             assert!(error.to_string().contains(second), "{error}");
+            // Errors end up in logs: a URL's password never shows.
+            assert!(
+                !format!("{error} {error:?}").contains("secret"),
+                "{error:?}"
+            );
         }
         let config = parse(&[("DATABASE_URL", "postgres://postgres@127.0.0.1/postgres")]);
         assert_eq!(

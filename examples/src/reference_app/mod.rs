@@ -72,7 +72,19 @@ fn principal(req: &ServiceRequest) -> Option<String> {
     let mut values = req.headers().get_all(&PRINCIPAL);
     match (values.next(), values.next()) {
         (None, _) => Some("anonymous".to_owned()),
-        (Some(user), None) => Some(format!("user:{}", user.to_str().ok()?)),
+        (Some(user), None) => Some(match user.to_str() {
+            Ok(user) => format!("user:{user}"),
+            // Not visible ASCII (a name in UTF-8, say): its bytes in hex, in a space of their
+            // own, so no two names share a scope (a lossy decoding would merge some).
+            Err(_) => {
+                user.as_bytes()
+                    .iter()
+                    .fold(String::from("user-bytes:"), |mut scope, byte| {
+                        scope.push_str(&format!("{byte:02x}"));
+                        scope
+                    })
+            }
+        }),
         (Some(_), Some(_)) => None,
     }
 }
