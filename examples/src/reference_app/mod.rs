@@ -35,7 +35,7 @@ use idempotency_actix::{
     RedisStore, ReplayCache, ReplicatedWrites,
 };
 
-pub use self::config::{ConfigError, PROTECTABLE_METHODS, ServerConfig};
+pub use self::config::{ConfigError, PROTECTABLE_METHODS, ServerConfig, URL_VARIABLES};
 pub use self::ledger::{
     CRASH_HEADER, LEDGER_SCHEMA, LedgerEntry, LedgerRows, LedgerRuns, NewEntry,
 };
