@@ -250,7 +250,9 @@ impl IdempotencyPolicy {
     /// that the handler writes through with
     /// `IdempotentTransaction`; the handler's writes and its
     /// stored response commit together, or neither does. Needs `Idempotency::postgres`; on
-    /// any other store the route answers 503 and logs why.
+    /// any other store the route answers 503 and logs why. A session that the database ends
+    /// mid-handler rolls the claim back and a retry runs again, so side effects outside the
+    /// database belong on plain routes (see `IdempotentTransaction`).
     ///
     /// Only with the `postgres` feature: without it a transactional route does not compile
     /// (it would have no store to run in, and no fail mode may run it unprotected).

@@ -54,6 +54,15 @@ use crate::store::{BeginOutcome, LeaseToken, StoreError};
 /// a key to a transactional route also gets a transaction (committed or rolled back the same
 /// way), without any record.
 ///
+/// The claim lasts as long as the database session. It turns off the server's
+/// `idle_in_transaction_session_timeout` and `transaction_timeout` for its transaction, so
+/// the handler may be away from the database for as long as it runs; anything else that ends
+/// the session while the handler runs (a restart, a failover, `pg_terminate_backend`) rolls
+/// back the claim together with the handler's writes: the request fails, and a retry runs
+/// the handler again. What the handler did outside the transaction (a call to a payment
+/// provider, an email) is not rolled back: such side effects belong on plain routes, whose
+/// record is committed before the handler runs.
+///
 /// # Examples
 ///
 /// ```no_run

@@ -140,13 +140,26 @@ async fn start(connections: u32) -> Harness {
 
 /// As [`start`], answering a store error as `fail_mode` says.
 async fn start_failing(connections: u32, fail_mode: FailMode) -> Harness {
+    start_on(connections, fail_mode, None).await
+}
+
+/// As [`start_failing`], on a database that sets `setting` (`name = value`) for its
+/// sessions, as a managed PostgreSQL's parameter group does.
+async fn start_on(connections: u32, fail_mode: FailMode, setting: Option<&str>) -> Harness {
     let database = TestDatabase::create().await;
-    database
-        .connection()
-        .await
-        .batch_execute(LEDGER)
-        .await
-        .unwrap();
+    let admin = database.connection().await;
+    admin.batch_execute(LEDGER).await.unwrap();
+    if let Some(setting) = setting {
+        let name: String = admin
+            .query_one("SELECT current_database()", &[])
+            .await
+            .unwrap()
+            .get(0);
+        admin
+            .batch_execute(&format!("ALTER DATABASE \"{name}\" SET {setting}"))
+            .await
+            .unwrap();
+    }
     let manager = bb8_postgres::PostgresConnectionManager::new_from_stringlike(
         database.url(),
         tokio_postgres::NoTls,
@@ -555,4 +568,34 @@ async fn the_database_drops_a_silent_client_within_about_its_lease() {
         serde_json::json!({ "idle": "20", "interval": "10", "count": "3" }),
         "a 60 s lease: silent for 20 s, then 3 probes 10 s apart"
     );
+}
+
+/// A database that ends sessions idle in a transaction (`idle_in_transaction_session_timeout`,
+/// common on managed PostgreSQL) leaves a claim's transaction alone while its handler is away
+/// from the database (calling a payment provider, say): a duplicate still gets 409, and the
+/// handler runs once. (The server used to end the session at the timeout, rolling back the
+/// claim with its advisory lock: the duplicate ran the handler a second time while the first
+/// still ran, and the first got 503.)
+#[actix_web::test]
+async fn a_duplicate_gets_409_while_the_handler_idles_past_the_databases_timeout() {
+    let h = start_on(
+        4,
+        FailMode::Closed,
+        Some("idle_in_transaction_session_timeout = '1s'"),
+    )
+    .await;
+    let first = h.spawn_post("/ledger?hold=1", "k");
+    h.runs.wait_for(1).await;
+    // Past the timeout, the handler waiting at the gate and its transaction idle.
+    actix_rt::time::sleep(Duration::from_millis(1_500)).await;
+    // Not held, so that a second run would answer at once.
+    let duplicate = h.post("/ledger", Some("k")).await;
+    assert_eq!(duplicate.status, StatusCode::CONFLICT, "{duplicate:?}");
+    assert!(!first.is_finished());
+    h.gate.open();
+    let first = first.await.unwrap().unwrap();
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let replay = h.post("/ledger?hold=1", Some("k")).await;
+    assert!(replay.is_replay(), "{replay:?}");
+    assert_eq!((h.runs.get(), h.ledger_rows().await), (1, 1));
 }

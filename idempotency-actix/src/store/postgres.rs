@@ -646,12 +646,27 @@ const MAX_KEEPALIVE_SECONDS: u64 = 32_767;
 /// operating system's default. A live client's kernel answers the probes however long its
 /// handler takes. (Without effect on a Unix-socket connection, which needs none.) Both
 /// times are at most [`MAX_KEEPALIVE_SECONDS`], as Linux takes no more.
+///
+/// The server's own limits on the transaction are turned off for it, also `SET LOCAL`:
+/// `idle_in_transaction_session_timeout` (common on managed PostgreSQL) would end the
+/// session while the handler is away from the database (calling a payment provider, say),
+/// and `transaction_timeout` (PostgreSQL 17 and later; left alone where the server has no
+/// such setting) once the handler runs long; either would roll back the claim with its
+/// advisory lock and let a duplicate run the handler while the first still runs. Anything
+/// else that ends the session mid-handler (a restart, a failover, `pg_terminate_backend`)
+/// still rolls back the claim together with the handler's writes: the first request then
+/// fails, and a retry runs the handler again. Its writes in the transaction are gone, but
+/// what it did outside it (a call to a payment provider) is not: such side effects belong
+/// on plain routes, whose record is committed at once.
 fn begin_watching_the_client(lease: Duration) -> String {
     let idle = (lease.as_secs() / 3).clamp(1, MAX_KEEPALIVE_SECONDS);
     let interval = (lease.as_secs() / 6).clamp(1, MAX_KEEPALIVE_SECONDS);
     format!(
         "BEGIN; SET LOCAL tcp_keepalives_idle = {idle}; \
-         SET LOCAL tcp_keepalives_interval = {interval}; SET LOCAL tcp_keepalives_count = 3"
+         SET LOCAL tcp_keepalives_interval = {interval}; SET LOCAL tcp_keepalives_count = 3; \
+         SET LOCAL idle_in_transaction_session_timeout = 0; \
+         SELECT set_config('transaction_timeout', '0', true) \
+         WHERE current_setting('transaction_timeout', true) IS NOT NULL"
     )
 }
 
