@@ -111,6 +111,11 @@ async fn stalls(transaction: IdempotentTransaction, runs: web::Data<RunCounter>)
     HttpResponse::Created().streaming(chunks)
 }
 
+/// A plain (not transactional) route: counts its run and answers 201.
+async fn plain(runs: web::Data<RunCounter>) -> HttpResponse {
+    HttpResponse::Created().json(serde_json::json!({ "seq": runs.record() }))
+}
+
 /// The database's TCP keepalive settings for the request's transaction, as it reports them.
 async fn keepalives(transaction: IdempotentTransaction) -> HttpResponse {
     let mut settings = serde_json::Map::new();
@@ -216,6 +221,11 @@ async fn start_on(connections: u32, fail_mode: FailMode, setting: Option<&str>) 
                         .route(web::post().to(keepalives)),
                 )
                 .service(
+                    web::resource("/plain")
+                        .wrap(IdempotentRoute::new())
+                        .route(web::post().to(plain)),
+                )
+                .service(
                     web::resource("/not-transactional")
                         .wrap(IdempotentRoute::new())
                         .route(web::post().to(by_hand)),
@@ -268,6 +278,25 @@ impl Harness {
 
     async fn records(&self) -> i64 {
         self.count("SELECT count(*) FROM idempotency_records").await
+    }
+
+    /// Ends every other session on the test database, as a restart or a failover ends the
+    /// pool's connections, and waits until the server has let them go.
+    async fn end_the_other_sessions(&self) -> i64 {
+        let others = "FROM pg_stat_activity \
+                      WHERE datname = current_database() AND pid <> pg_backend_pid()";
+        let ended = self
+            .count(&format!(
+                "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) {others}) ended"
+            ))
+            .await;
+        for _ in 0..500 {
+            if self.count(&format!("SELECT count(*) {others}")).await == 0 {
+                break;
+            }
+            actix_rt::time::sleep(Duration::from_millis(10)).await;
+        }
+        ended
     }
 }
 
@@ -598,4 +627,57 @@ async fn a_duplicate_gets_409_while_the_handler_idles_past_the_databases_timeout
     let replay = h.post("/ledger?hold=1", Some("k")).await;
     assert!(replay.is_replay(), "{replay:?}");
     assert_eq!((h.runs.get(), h.ledger_rows().await), (1, 1));
+}
+
+/// After the server ended the pool's sessions (a restart, a failover), the pool still holds
+/// the closed connections: a transactional claim, the transaction of a request without a key
+/// and a plain route's steps each pass over them to a live one and are served. (A
+/// transactional request used to answer 503 for each closed connection it met; any request,
+/// when it met two.)
+#[actix_web::test]
+async fn requests_after_the_server_ended_the_pools_sessions_are_served() {
+    let h = start(8).await;
+    // Several connections in the pool: requests held at once.
+    let held: Vec<_> = (0..4)
+        .map(|n| h.spawn_post("/ledger?hold=1", &format!("before-{n}")))
+        .collect();
+    h.runs.wait_for(4).await;
+    h.gate.open();
+    for reply in held {
+        assert_eq!(reply.await.unwrap().unwrap().status, StatusCode::CREATED);
+    }
+    let ended = h.end_the_other_sessions().await;
+    assert!(ended >= 4, "{ended} sessions ended");
+    let keyed = h.post("/ledger", Some("after")).await;
+    assert_eq!(keyed.status, StatusCode::CREATED, "{keyed:?}");
+    let keyless = h.post("/ledger", None).await;
+    assert_eq!(keyless.status, StatusCode::CREATED, "{keyless:?}");
+    let plain = h.post("/plain", Some("after-plain")).await;
+    assert_eq!(plain.status, StatusCode::CREATED, "{plain:?}");
+    assert_eq!((h.runs.get(), h.ledger_rows().await), (7, 6));
+    let replay = h.post("/ledger", Some("after")).await;
+    assert!(replay.is_replay(), "{replay:?}");
+}
+
+/// A missing table (`migrate` never run, or the table dropped) is a store failure: 503 with
+/// `Retry-After` on a plain and on a transactional route, never a panic, and no handler runs.
+#[actix_web::test]
+async fn a_missing_table_is_503_on_both_kinds_of_route() {
+    let h = start(4).await;
+    h.database
+        .connection()
+        .await
+        .batch_execute("DROP TABLE idempotency_records")
+        .await
+        .unwrap();
+    for path in ["/plain", "/ledger"] {
+        let reply = h.post(path, Some("k")).await;
+        assert_eq!(
+            reply.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{path}: {reply:?}"
+        );
+        assert!(reply.header("retry-after").is_some(), "{path}");
+    }
+    assert_eq!((h.runs.get(), h.ledger_rows().await), (0, 0));
 }

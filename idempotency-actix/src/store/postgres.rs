@@ -55,7 +55,9 @@ pub const EXPIRY_BATCH: i64 = 1_000;
 ///
 /// The pool built by [`PostgresStore::pool`] skips bb8's health check on checkout; a
 /// connection that fails because the server went away is discarded and the statement retried
-/// once on another (every statement is safe to run twice).
+/// once on a live one, passing over the other closed connections the pool still holds (every
+/// statement is safe to run twice); so are a transactional route's claim and the `BEGIN` of
+/// a request without a key.
 ///
 /// # Examples
 ///
@@ -496,8 +498,26 @@ impl PostgresStore {
         }
     }
 
+    /// A connection of the pool after one turned out closed, passing over the others the
+    /// server closed too: after a restart or a failover the pool still holds every
+    /// connection it had, each of which would fail its statement. The pool discards a closed
+    /// connection when it comes back.
+    async fn live_connection(&self) -> Result<PostgresConnection, StoreError> {
+        // Bounded by what the pool holds now: each closed one taken leaves it for good.
+        let held = self.pool.state().connections;
+        let mut connection = self.pool.get_owned().await.map_err(unavailable)?;
+        for _ in 0..held {
+            if !connection.is_closed() {
+                break;
+            }
+            drop(connection);
+            connection = self.pool.get_owned().await.map_err(unavailable)?;
+        }
+        Ok(connection)
+    }
+
     /// Runs one statement on a pooled connection; if the connection turns out closed (the
-    /// server restarted), once more on another (the broken one is discarded by the pool).
+    /// server restarted), once more on a live one (the broken one is discarded by the pool).
     async fn query(
         &self,
         statement: &str,
@@ -508,7 +528,7 @@ impl PostgresStore {
             Err(error) if connection.is_closed() => {
                 tracing::debug!(%error, "idempotency: PostgreSQL connection lost; reconnecting");
                 drop(connection);
-                let connection = self.pool.get().await.map_err(unavailable)?;
+                let connection = self.live_connection().await?;
                 connection
                     .query_typed(statement, params)
                     .await
@@ -566,7 +586,8 @@ impl PostgresStore {
     /// trip: `BEGIN` is pipelined with the statement), the database watching the client for
     /// about the lease ([`begin_watching_the_client`]). When acquired, the transaction is
     /// returned, holding the key's advisory lock and the uncommitted in-flight row; otherwise
-    /// it is rolled back in the background and its connection goes back to the pool.
+    /// it is rolled back in the background and its connection goes back to the pool. On a
+    /// connection that turns out closed (the server restarted), once more on a live one.
     pub(crate) async fn claim_in_transaction(
         &self,
         key: &StorageKey,
@@ -575,28 +596,68 @@ impl PostgresStore {
         lease: Duration,
     ) -> Result<(BeginOutcome, Option<OpenTransaction>), StoreError> {
         let transaction = OpenTransaction(Some(self.pool.get_owned().await.map_err(unavailable)?));
+        let (transaction, outcome) = match self
+            .claim_on(&transaction, key, fingerprint, token, lease)
+            .await
+        {
+            // Safe to send again: nothing was committed on the closed connection, and the
+            // claim is idempotent for its token.
+            Err(error) if transaction.client().is_closed() => {
+                tracing::debug!(%error, "idempotency: PostgreSQL connection lost; reconnecting");
+                transaction.finished();
+                let transaction = OpenTransaction(Some(self.live_connection().await?));
+                let outcome = self
+                    .claim_on(&transaction, key, fingerprint, token, lease)
+                    .await?;
+                (transaction, outcome)
+            }
+            claimed => (transaction, claimed?),
+        };
+        match outcome {
+            BeginOutcome::Acquired => Ok((BeginOutcome::Acquired, Some(transaction))),
+            outcome => Ok((outcome, None)),
+        }
+    }
+
+    /// `BEGIN`, with the client watched ([`begin_watching_the_client`]), pipelined with
+    /// `begin` on `transaction`'s connection.
+    async fn claim_on(
+        &self,
+        transaction: &OpenTransaction,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        token: &LeaseToken,
+        lease: Duration,
+    ) -> Result<BeginOutcome, StoreError> {
         let client = transaction.client();
         let (opened, begun) = futures_util::future::join(
             client.batch_execute(&begin_watching_the_client(lease)),
             self.begin_on(client, key, fingerprint, token, lease),
         )
         .await;
-        match opened.map_err(unavailable).and(begun)? {
-            (BeginOutcome::Acquired, _) => Ok((BeginOutcome::Acquired, Some(transaction))),
-            (outcome, _) => Ok((outcome, None)),
-        }
+        let (outcome, _) = opened.map_err(unavailable).and(begun)?;
+        Ok(outcome)
     }
 
     /// A transaction on a connection of its own, without any record (a keyless request to a
-    /// transactional route).
+    /// transactional route); on a connection that turns out closed, once more on a live one.
     pub(crate) async fn open_transaction(&self) -> Result<OpenTransaction, StoreError> {
         let transaction = OpenTransaction(Some(self.pool.get_owned().await.map_err(unavailable)?));
-        transaction
-            .client()
-            .batch_execute("BEGIN")
-            .await
-            .map_err(unavailable)?;
-        Ok(transaction)
+        match transaction.client().batch_execute("BEGIN").await {
+            Ok(()) => Ok(transaction),
+            Err(error) if transaction.client().is_closed() => {
+                tracing::debug!(%error, "idempotency: PostgreSQL connection lost; reconnecting");
+                transaction.finished();
+                let transaction = OpenTransaction(Some(self.live_connection().await?));
+                transaction
+                    .client()
+                    .batch_execute("BEGIN")
+                    .await
+                    .map_err(unavailable)?;
+                Ok(transaction)
+            }
+            Err(error) => Err(unavailable(error)),
+        }
     }
 
     /// Completes the in-flight row of `token` with `response` and commits `transaction` (one
@@ -706,7 +767,8 @@ impl OpenTransaction {
         Ok(())
     }
 
-    /// The transaction ended: the connection goes back to the pool as it is.
+    /// The transaction ended (or its connection closed, which ended it): the connection goes
+    /// back to the pool as it is, and the pool discards a closed one.
     fn finished(mut self) {
         drop(self.0.take());
     }
@@ -896,7 +958,7 @@ impl IdempotencyStore for PostgresStore {
         {
             Err(_) if connection.is_closed() => {
                 drop(connection);
-                let connection = self.pool.get().await.map_err(unavailable)?;
+                let connection = self.live_connection().await?;
                 self.begin_on(&connection, key, fingerprint, token, lease)
                     .await
             }
