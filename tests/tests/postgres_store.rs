@@ -14,7 +14,7 @@ use idempotency_actix::{
     BeginOutcome, Fingerprint, IdempotencyKey, IdempotencyStore, Inspector, LeaseToken,
     PostgresStore, StorageKey, StoredResponse,
 };
-use idempotency_actix_tests::TestDatabase;
+use idempotency_actix_tests::{TestDatabase, postgres_admin_url};
 
 const LEASE: Duration = Duration::from_secs(30);
 
@@ -126,6 +126,110 @@ async fn a_table_of_the_previous_release_is_migrated_to_keep_abandoned_tokens() 
         .unwrap()
         .get(0);
     assert_eq!(checks, 1);
+}
+
+/// A login role of the test's own. Dropped when this is: declare it before the database it
+/// has rights in, which is then dropped first (with those rights), also when the test fails.
+struct TestRole {
+    name: String,
+    password: String,
+}
+
+impl TestRole {
+    async fn create() -> Self {
+        let suffix = uuid::Uuid::new_v4().simple().to_string();
+        let role = Self {
+            name: format!("idempotency_test_{}_{}", std::process::id(), &suffix[..12]),
+            password: suffix,
+        };
+        admin()
+            .await
+            .batch_execute(&format!(
+                "CREATE ROLE {} LOGIN PASSWORD '{}'",
+                role.name, role.password
+            ))
+            .await
+            .unwrap();
+        role
+    }
+
+    /// A store on `database` that connects as this role.
+    fn store(&self, database: &TestDatabase) -> PostgresStore {
+        let mut config: tokio_postgres::Config = database.url().parse().unwrap();
+        config.user(&self.name).password(&self.password);
+        let manager = bb8_postgres::PostgresConnectionManager::new(config, tokio_postgres::NoTls);
+        PostgresStore::new(bb8::Pool::builder().build_unchecked(manager))
+    }
+}
+
+impl Drop for TestRole {
+    fn drop(&mut self) {
+        let name = self.name.clone();
+        // Drop may run inside a test's runtime: do the I/O on a thread of its own.
+        let dropped = std::thread::spawn(move || {
+            actix_rt::System::new().block_on(async move {
+                admin()
+                    .await
+                    .batch_execute(&format!("DROP ROLE IF EXISTS {name}"))
+                    .await
+            })
+        })
+        .join();
+        if !matches!(dropped, Ok(Ok(()))) {
+            eprintln!("could not drop the test role {}", self.name);
+        }
+    }
+}
+
+async fn admin() -> tokio_postgres::Client {
+    let (client, connection) =
+        tokio_postgres::connect(&postgres_admin_url(), tokio_postgres::NoTls)
+            .await
+            .unwrap();
+    actix_rt::spawn(connection);
+    client
+}
+
+/// An app whose role may only read and write the table its DBA created (no right to create
+/// anything in the schema) calls `migrate()` at start like any other, and the store works.
+/// (`CREATE TABLE IF NOT EXISTS` checks the right to create even where the table exists:
+/// `migrate()` failed with "permission denied for schema public", and the app did not start.)
+#[actix_web::test]
+async fn migrate_needs_no_right_to_create_where_the_table_is_up_to_date() {
+    let role = TestRole::create().await;
+    let database = TestDatabase::create().await;
+    // The table, migrated by its owner.
+    database.store().await;
+    database
+        .connection()
+        .await
+        .batch_execute(&format!(
+            "REVOKE CREATE ON SCHEMA public FROM PUBLIC;
+             GRANT SELECT, INSERT, UPDATE, DELETE ON idempotency_records TO {}",
+            role.name
+        ))
+        .await
+        .unwrap();
+    let store = role.store(&database);
+    store.migrate().await.unwrap();
+    let token = LeaseToken::generate();
+    assert_eq!(
+        store
+            .begin(&key("k"), &print(), &token, LEASE)
+            .await
+            .unwrap(),
+        BeginOutcome::Acquired
+    );
+    assert!(
+        store
+            .commit(&key("k"), &print(), &token, &response(), LEASE)
+            .await
+            .unwrap()
+    );
+    // A table still to create takes the right to create it: the role's `migrate()` says so.
+    let missing = store.table("other_records").unwrap().migrate().await;
+    let refused = format!("{:?}", missing.unwrap_err());
+    assert!(refused.contains("permission denied"), "{refused}");
 }
 
 #[actix_web::test]

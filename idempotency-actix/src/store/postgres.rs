@@ -103,6 +103,7 @@ pub struct TableNameError(pub String);
 struct Statements {
     /// The name as given, for the lock namespace and `Debug`.
     table: String,
+    migrated: String,
     migrate: String,
     begin: String,
     renew: String,
@@ -157,6 +158,24 @@ impl Statements {
         let (lock_free_2, lock_free_3) = (lock_free(2), lock_free(3));
         Ok(Self {
             table: table.to_owned(),
+            // Whether `migrate` would change nothing: the table is there, its check on the
+            // state allows 'a' (and none that refuses it is left), and an index leads with
+            // `expires_at`. Only reads the catalogs, which any role may.
+            migrated: format!(
+                "SELECT EXISTS (SELECT 1 FROM pg_constraint
+                                WHERE conrelid = to_regclass('{t}') AND contype = 'c'
+                                  AND pg_get_constraintdef(oid) LIKE '%state%'
+                                  AND pg_get_constraintdef(oid) LIKE '%''a''%')
+                    AND NOT EXISTS (SELECT 1 FROM pg_constraint
+                                    WHERE conrelid = to_regclass('{t}') AND contype = 'c'
+                                      AND pg_get_constraintdef(oid) LIKE '%state%'
+                                      AND pg_get_constraintdef(oid) NOT LIKE '%''a''%')
+                    AND EXISTS (SELECT 1 FROM pg_index i
+                                JOIN pg_attribute a
+                                  ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
+                                WHERE i.indrelid = to_regclass('{t}')
+                                  AND a.attname = 'expires_at')"
+            ),
             // Serialized by an advisory lock: `CREATE … IF NOT EXISTS` run by two instances
             // at once can still collide.
             migrate: format!(
@@ -434,6 +453,11 @@ impl PostgresStore {
     /// Creates the table and its expiry index if they do not exist. Call it once when the
     /// app starts; safe to run from several instances at once.
     ///
+    /// A table that is already up to date (created by `migrate`, or by hand as in the README)
+    /// is left alone without any DDL, so an app whose role may only `SELECT`, `INSERT`,
+    /// `UPDATE` and `DELETE` on it can call it too. Creating or updating the table takes the
+    /// rights to do so.
+    ///
     /// # Errors
     ///
     /// When the database cannot be reached within 2 s ([`StoreError::Timeout`]) or refuses
@@ -457,6 +481,16 @@ impl PostgresStore {
                 }
                 StoreError::Unavailable(why.into())
             })?;
+        // `CREATE TABLE IF NOT EXISTS` checks the right to create even where the table exists.
+        let migrated: bool = connection
+            .query_one(&self.sql.migrated, &[])
+            .await
+            .map_err(unavailable)?
+            .try_get(0)
+            .map_err(|error| StoreError::Protocol(error.to_string()))?;
+        if migrated {
+            return Ok(());
+        }
         connection
             .batch_execute(&self.sql.migrate)
             .await
