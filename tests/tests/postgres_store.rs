@@ -402,6 +402,57 @@ async fn a_token_holds_its_key_while_another_statement_holds_the_lock() {
     );
 }
 
+/// A commit whose record is gone writes it anew where the key is free, also when the key's
+/// advisory lock is busy at that moment (another token's `abandon`, a late `begin` of an
+/// abandoned token: one statement each, here a transaction that lets it go after 40 ms), and
+/// a retry gets the replay. (It used to answer false at once: the record was not written
+/// anew, and a retry ran the handler again.) A lock that stays taken is a transaction's that
+/// holds the key: the commit then writes nothing.
+#[actix_web::test]
+async fn a_lost_record_is_written_anew_while_the_keys_lock_is_busy_for_a_moment() {
+    let database = TestDatabase::create().await;
+    let store = database.store().await;
+    let (key, token) = (key("k"), LeaseToken::generate());
+    assert_eq!(
+        store.begin(&key, &print(), &token, LEASE).await.unwrap(),
+        BeginOutcome::Acquired
+    );
+    let holder = database.connection().await;
+    holder
+        .batch_execute("DELETE FROM idempotency_records")
+        .await
+        .unwrap();
+    // The lock of `k`, as `a_token_holds_its_key_while_another_statement_holds_the_lock`
+    // pins it.
+    let hold = || holder.batch_execute("BEGIN; SELECT pg_advisory_xact_lock(6440539836243116760)");
+    hold().await.unwrap();
+    assert!(
+        !store
+            .commit(&key, &print(), &token, &response(), LEASE)
+            .await
+            .unwrap(),
+        "written anew while a transaction holds the key"
+    );
+    assert_eq!(rows(&database, "idempotency_records").await, 0);
+    let released = async {
+        actix_rt::time::sleep(Duration::from_millis(40)).await;
+        holder.batch_execute("ROLLBACK").await.unwrap();
+    };
+    let (committed, ()) = futures_util::future::join(
+        store.commit(&key, &print(), &token, &response(), LEASE),
+        released,
+    )
+    .await;
+    assert!(committed.unwrap(), "not written anew");
+    assert_eq!(
+        store
+            .begin(&key, &print(), &LeaseToken::generate(), LEASE)
+            .await
+            .unwrap(),
+        BeginOutcome::Completed(response())
+    );
+}
+
 #[actix_web::test]
 async fn an_unreachable_server_is_a_store_error() {
     // A pool on a port where nothing listens: every operation is a store error, never a

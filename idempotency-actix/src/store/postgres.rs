@@ -47,7 +47,8 @@ pub const EXPIRY_BATCH: i64 = 1_000;
 /// one `INSERT … ON CONFLICT … DO UPDATE … WHERE <expired or ours>` that returns the row it
 /// did not take), so a new key costs two round trips and a replay one. Only a commit that
 /// finds its lease lost sends a second statement, which writes the completed row where the
-/// key is free (see [`IdempotencyStore::commit`]). Statements are sent
+/// key is free (see [`IdempotencyStore::commit`]; sent again a few times within 150 ms while
+/// another statement holds the key's advisory lock). Statements are sent
 /// with their parameter types (no separate prepare round trip). Each statement first tries a
 /// transaction-scoped advisory lock on the key without waiting: a transactional route holds
 /// it for the whole of its transaction, so a duplicate never waits on that transaction's
@@ -261,8 +262,10 @@ impl Statements {
             // the key is free: no row (it was deleted), an expired one (the in-flight row's
             // lease lapsed), or another token's marker; true also when a resend finds it
             // completed by this token. Only under the key's advisory lock,
-            // which a transactional claim holds. A statement of its own, so that the commit
-            // of every new key stays as short as it was (planned on each run).
+            // which a transactional claim holds; the second column says whether the lock was
+            // free, so that a moment's holder is told from a key taken. A statement of its
+            // own, so that the commit of every new key stays as short as it was (planned on
+            // each run).
             recreate: format!(
                 "WITH lock AS MATERIALIZED (
                      SELECT pg_try_advisory_xact_lock($6) AS held
@@ -283,7 +286,9 @@ impl Statements {
                  )
                  SELECT EXISTS (SELECT 1 FROM anew)
                      OR EXISTS (SELECT 1 FROM {t} WHERE key = $1 AND token = $2 AND state = 'c'
-                                AND expires_at > clock_timestamp())"
+                                AND expires_at > clock_timestamp()),
+                        lock.held
+                 FROM lock"
             ),
             // $1 key, $2 token.
             release: format!(
@@ -827,6 +832,16 @@ impl Drop for OpenTransaction {
     }
 }
 
+/// The pauses before a commit's re-creation of its lost record is tried again while the
+/// key's advisory lock is busy: 150 ms in all, well within a store step's time limit (2 s by
+/// default), and far longer than one statement holds the lock.
+const RECREATE_PAUSES: [Duration; 4] = [
+    Duration::from_millis(10),
+    Duration::from_millis(20),
+    Duration::from_millis(40),
+    Duration::from_millis(80),
+];
+
 /// How often `begin` runs again when its snapshot missed a just-committed row: once is
 /// enough unless rows for the key come and go in between.
 const MAX_SNAPSHOT_RETRIES: usize = 4;
@@ -1046,11 +1061,31 @@ impl IdempotencyStore for PostgresStore {
             (&lock, Type::INT8),
             (&version, Type::INT2),
         ]);
-        let recreated = self.query_flag(&self.sql.recreate, &params).await?;
-        if recreated {
-            lost_record::report_written_anew();
+        // The lock can be busy for a moment where the key is free (another token's
+        // `abandon`, a late `begin` of an abandoned token: one statement each), so a busy
+        // lock is tried again a few times; one busy throughout is a transaction's, which
+        // holds the key.
+        let mut pauses = RECREATE_PAUSES.iter();
+        loop {
+            let rows = self.query(&self.sql.recreate, &params).await?;
+            let [row] = rows.as_slice() else {
+                return Err(StoreError::Protocol(format!(
+                    "the re-creation answered {} rows",
+                    rows.len()
+                )));
+            };
+            let protocol = |error: tokio_postgres::Error| StoreError::Protocol(error.to_string());
+            let recreated: bool = row.try_get(0).map_err(protocol)?;
+            let held: bool = row.try_get(1).map_err(protocol)?;
+            if recreated {
+                lost_record::report_written_anew();
+                return Ok(true);
+            }
+            match pauses.next() {
+                Some(pause) if !held => actix_rt::time::sleep(*pause).await,
+                _ => return Ok(false),
+            }
         }
-        Ok(recreated)
     }
 
     async fn release(&self, key: &StorageKey, token: &LeaseToken) -> Result<bool, StoreError> {
