@@ -404,7 +404,8 @@ async fn a_token_holds_its_key_while_another_statement_holds_the_lock() {
 
 /// A commit whose record is gone writes it anew where the key is free, also when the key's
 /// advisory lock is busy at that moment (another token's `abandon`, a late `begin` of an
-/// abandoned token: one statement each, here a transaction that lets it go after 40 ms), and
+/// abandoned token: one statement each, here a transaction that lets it go once the
+/// re-creation found it busy), and
 /// a retry gets the replay. (It used to answer false at once: the record was not written
 /// anew, and a retry ran the handler again.) A lock that stays taken is a transaction's that
 /// holds the key: the commit then writes nothing.
@@ -434,8 +435,33 @@ async fn a_lost_record_is_written_anew_while_the_keys_lock_is_busy_for_a_moment(
         "written anew while a transaction holds the key"
     );
     assert_eq!(rows(&database, "idempotency_records").await, 0);
+    // The lock is let go once a re-creation sent from now on has found it busy (a backend of
+    // this database ran one and is idle, paused before trying again), so the test shows the
+    // retry, whatever the machine's speed.
+    let watcher = database.connection().await;
+    watcher
+        .batch_execute("SELECT set_config('test.since', clock_timestamp()::text, false)")
+        .await
+        .unwrap();
     let released = async {
-        actix_rt::time::sleep(Duration::from_millis(40)).await;
+        // At most 5 s: a re-creation never sent fails the assertion below, not the run.
+        for _ in 0..2_500 {
+            let tried: bool = watcher
+                .query_one(
+                    "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+                     WHERE datname = current_database() AND state = 'idle'
+                       AND query LIKE '%anew AS%'
+                       AND query_start > current_setting('test.since')::timestamptz)",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if tried {
+                break;
+            }
+            actix_rt::time::sleep(Duration::from_millis(2)).await;
+        }
         holder.batch_execute("ROLLBACK").await.unwrap();
     };
     let (committed, ()) = futures_util::future::join(

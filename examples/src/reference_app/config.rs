@@ -29,7 +29,7 @@ pub const PROTECTABLE_METHODS: [Method; 4] =
 ///
 /// An empty variable counts as unset. At most one store variable may be set: `REDIS_URL`,
 /// `REDIS_CLUSTER_URLS` or `DATABASE_URL`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct ServerConfig {
     /// `BIND`.
     pub bind: String,
@@ -70,6 +70,30 @@ impl Default for ServerConfig {
             replay_cache: false,
             log_level: LevelFilter::WARN,
         }
+    }
+}
+
+/// Every field, but a store URL only as whether it is set: a URL may hold a password, and
+/// what is formatted with `{:?}` ends up in logs.
+impl std::fmt::Debug for ServerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let set = |url: bool| if url { "(set, not shown)" } else { "(unset)" };
+        f.debug_struct("ServerConfig")
+            .field("bind", &self.bind)
+            .field("redis_url", &set(self.redis_url.is_some()))
+            .field("database_url", &set(self.database_url.is_some()))
+            .field(
+                "redis_cluster_urls",
+                &set(self.redis_cluster_urls.is_some()),
+            )
+            .field("replicas", &self.replicas)
+            .field("idempotency", &self.idempotency)
+            .field("protect_methods", &self.protect_methods)
+            .field("key_prefix", &self.key_prefix)
+            .field("workers", &self.workers)
+            .field("replay_cache", &self.replay_cache)
+            .field("log_level", &self.log_level)
+            .finish()
     }
 }
 
@@ -416,6 +440,9 @@ mod tests {
                 "{error:?}"
             );
         }
+        let config = parse(&[("DATABASE_URL", "postgres://app:secret@127.0.0.1/app")]);
+        let shown = format!("{config:?}");
+        assert!(!shown.contains("secret"), "{shown}");
         let config = parse(&[("DATABASE_URL", "postgres://postgres@127.0.0.1/postgres")]);
         assert_eq!(
             config.expect("one store").database_url.as_deref(),

@@ -211,7 +211,7 @@ pub(super) mod tagged {
         responses(
             (status = 201, description = "Booked.", body = LedgerEntry),
             (status = 400, description = "The body is not an entry.", body = String, content_type = "text/plain"),
-            (status = 413, description = "A body over Actix's JSON limit (2 MB) without a key; with a key, over the middleware's limit (1 MiB), a problem.", body = String, content_type = "text/plain"),
+            (status = 413, description = "A body over Actix's JSON limit (2 MiB) without a key; with a key, over the middleware's limit (1 MiB), a problem.", body = String, content_type = "text/plain"),
             (status = 500, description = "The insert failed.", body = String, content_type = "text/plain"),
         ),
     )]

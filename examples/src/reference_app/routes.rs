@@ -200,7 +200,7 @@ pub(super) mod tagged {
                 ("Set-Cookie" = String, description = "`session=new; Path=/` (never replayed)"),
             )),
             (status = 400, description = "The body is not an order, or `delay_ms` is out of range.", body = String, content_type = "text/plain"),
-            (status = 413, description = "A body over Actix's JSON limit (2 MB) without a key; with a key, over the middleware's limit (1 MiB), a problem.", body = String, content_type = "text/plain"),
+            (status = 413, description = "A body over Actix's JSON limit (2 MiB) without a key; with a key, over the middleware's limit (1 MiB), a problem.", body = String, content_type = "text/plain"),
         ),
     )]
     #[post("/orders")]

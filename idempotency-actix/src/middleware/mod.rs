@@ -57,16 +57,19 @@ impl<S: Service<ServiceRequest>, B> IdempotencyFuture<S, B> {
     }
 }
 
-/// Refuses a request that an `Idempotency` further out took charge of (its
-/// `protect_methods` claimed it before routing, with its own store, key scope and settings)
-/// where a nearer `Idempotency`, or a route under it, would protect it: which store and key
-/// scope hold the key must not depend silently on the layout (a scope's store shared by
+/// Refuses a request that a layer further out took charge of (an `Idempotency` whose
+/// `protect_methods` claimed it before routing, or a route layer; with its own store, key
+/// scope and settings) where a nearer `Idempotency`, or a route under it, would protect it:
+/// which store and key scope hold the key must not depend silently on the layout (a scope's store shared by
 /// every instance, or its key scope per user, would be passed over). A configuration
 /// error: 500, and the log says what to change.
 fn refuse_claimed_further_out<B>(req: ServiceRequest) -> Response<B> {
     tracing::error!(
         path = req.path(),
-        "an Idempotency further out (the App's) claims this request with          Idempotency::protect_methods, before routing, with its own store and settings, so          the Idempotency nearer the route would be passed over: leave this method out of the          outer protect_methods, or remove the nearer Idempotency"
+        "a layer further out (an Idempotency's protect_methods, before routing, or a route \
+         layer) already took charge of this request, with its own store and settings, so the \
+         Idempotency nearer the route would be passed over: leave this method out of the \
+         outer protect_methods (or that route layer), or remove the nearer Idempotency"
     );
     refuse(req.into_parts().0, &IdempotencyError::NotConfigured)
 }
