@@ -304,10 +304,18 @@ impl Engine {
             storage_key,
             token: LeaseToken::generate(),
             armed: Cell::new(true),
+            sent_at: Cell::new(Instant::now()),
         };
         let (storage_key, token) = (&pending.storage_key, &pending.token);
         let (begun, transaction) = self
-            .begin_or_claim_transaction(storage_key, &fingerprint, token, &policy, &pending.armed)
+            .begin_or_claim_transaction(
+                storage_key,
+                &fingerprint,
+                token,
+                &policy,
+                &pending.armed,
+                &pending.sent_at,
+            )
             .await;
         pending.armed.set(false);
         if begun
@@ -348,7 +356,7 @@ impl Engine {
                     token: *token,
                     body_len,
                     lease: Cell::new(policy.lease),
-                    renewed_at: Cell::new(Instant::now()),
+                    renewed_at: Cell::new(pending.sent_at.get()),
                     applied_lease: Cell::new(policy.lease),
                     route_policy: RefCell::new(None),
                     lost_reported: Cell::new(false),
@@ -460,6 +468,7 @@ impl Engine {
         token: &LeaseToken,
         policy: &Policy,
         armed: &Cell<bool>,
+        sent_at: &Cell<Instant>,
     ) -> (Result<BeginOutcome, StoreError>, Option<Transaction>) {
         if policy.transactional {
             #[cfg(feature = "postgres")]
@@ -481,7 +490,7 @@ impl Engine {
             );
         }
         let begun = self
-            .begin_or_wait(storage_key, fingerprint, token, policy, armed)
+            .begin_or_wait(storage_key, fingerprint, token, policy, armed, sent_at)
             .await;
         (begun, None)
     }
@@ -498,6 +507,7 @@ impl Engine {
         token: &LeaseToken,
         policy: &Policy,
         armed: &Cell<bool>,
+        sent_at: &Cell<Instant>,
     ) -> Result<BeginOutcome, StoreError> {
         let cache = self.settings.replay_cache.as_ref();
         if let Some(cached) = cache.and_then(|cache| cache.lookup(storage_key, fingerprint)) {
@@ -508,9 +518,11 @@ impl Engine {
             .map(|bound| Instant::now() + bound);
         let mut pause = Duration::from_millis(20);
         loop {
-            // The store reports how long a completed record has left as of some moment of
-            // the round trip: counted from its start, a cached copy never outlives it.
-            let asked = cache.map(|_| Instant::now());
+            // The store starts the lease, and reports how long a completed record has left,
+            // as of some moment of the round trip: counted from its start, renewals are
+            // never late and a cached copy never outlives the record.
+            let sent = Instant::now();
+            sent_at.set(sent);
             let begun = self
                 .bounded(
                     StoreOperation::Begin,
@@ -530,8 +542,8 @@ impl Engine {
                     pause = (pause * 2).min(Duration::from_millis(250));
                 }
                 (Ok((BeginOutcome::Completed(response), Some(remaining))), _) => {
-                    if let (Some(cache), Some(asked)) = (cache, asked) {
-                        let remaining = remaining.saturating_sub(asked.elapsed());
+                    if let Some(cache) = cache {
+                        let remaining = remaining.saturating_sub(sent.elapsed());
                         cache.insert(storage_key, *fingerprint, response.clone(), remaining);
                     }
                     return Ok(BeginOutcome::Completed(response));
@@ -638,9 +650,14 @@ impl Engine {
                 let lease = lock.lease.get();
                 let commit: Commit = Box::new(move |body| {
                     Box::pin(async move {
+                        // Renewals stop once the body is whole, as they do after a handler
+                        // whose response was stored at once: one sent during the commit
+                        // would find the record completed by it and report it lost. A commit
+                        // that fails renews the lease itself while it is retried.
+                        drop(renewals);
                         let stored = StoredResponse { body, ..stored };
                         engine.commit(&lock, stored, ttl, held.as_ref()).await;
-                        drop((renewals, held));
+                        drop(held);
                     })
                 });
                 let body = CapturingBody::new(body, limit, lease, commit, slot);
@@ -886,6 +903,8 @@ struct PendingBegin {
     token: LeaseToken,
     /// Cleared once `begin` has answered (or failed): the request takes it from there.
     armed: Cell<bool>,
+    /// When the last `begin` was sent: its lease runs from no earlier.
+    sent_at: Cell<Instant>,
 }
 
 impl Drop for PendingBegin {
@@ -1033,12 +1052,14 @@ impl Drop for AbortOnDrop {
 /// How often a running request checks whether its lease is due for renewal.
 const RENEWAL_TICK: Duration = Duration::from_millis(100);
 
-/// Logs, once per process, a lease that a renewal may outlast: renewals start a third of
-/// the way through the lease and may take up to the store timeout, so a lease under one and
-/// a half times the store timeout can lapse while its renewal is still on its way, slow but
-/// successful, and let a duplicate run the handler.
+/// Logs, once per process, a lease that a renewal may outlast. The lease is counted from
+/// when a `begin` or renewal is sent; the next renewal is sent a third of the lease later,
+/// but not before the previous one answered (up to the store timeout), and on the next
+/// renewal tick; it may then take up to the store timeout to reach the store. So a lease of
+/// at most twice the store timeout plus a tick can lapse while a renewal is on its way, every
+/// step slow but within the timeout, and let a duplicate run the handler.
 pub(crate) fn warn_if_renewals_can_outlast(lease: Duration, store_timeout: Duration) {
-    if lease.as_nanos() * 2 >= store_timeout.as_nanos() * 3 {
+    if !renewals_can_outlast(lease, store_timeout) {
         return;
     }
     static WARNED: std::sync::Once = std::sync::Once::new();
@@ -1046,11 +1067,17 @@ pub(crate) fn warn_if_renewals_can_outlast(lease: Duration, store_timeout: Durat
         tracing::warn!(
             lease_ms = lease.as_millis(),
             store_timeout_ms = store_timeout.as_millis(),
-            "idempotency: a lease under 1.5 times the store timeout can lapse while its renewal, \
-             slow but within the timeout, is on its way, and let a duplicate run the handler: \
-             lengthen the lease or shorten the store timeout"
+            "idempotency: a lease of at most twice the store timeout (plus 100 ms) can lapse \
+             while its renewal, slow but within the timeout, is on its way, and let a \
+             duplicate run the handler: lengthen the lease or shorten the store timeout"
         );
     });
+}
+
+/// Whether `lease` can lapse while a renewal is on its way, every step slow but within
+/// `store_timeout` (see [`warn_if_renewals_can_outlast`]).
+fn renewals_can_outlast(lease: Duration, store_timeout: Duration) -> bool {
+    lease <= store_timeout * 2 + RENEWAL_TICK
 }
 
 /// How long a request that waits for its key's run (`wait_for_completion`) sleeps before it
@@ -1071,12 +1098,15 @@ impl HeldLock {
     }
 
     /// Extends the lease to its current length, bounded by the store timeout.
+    /// The lease is counted from when the renewal was sent: the store extends it as of some
+    /// moment of the round trip, no earlier.
     pub(crate) async fn renew(&self) -> Result<bool, StoreError> {
         let lease = self.lease.get();
+        let sent = Instant::now();
         let renewal = self.store.renew(&self.storage_key, &self.token, lease);
         let renewed = within(StoreOperation::Renew, self.store_timeout, renewal).await;
         if let Ok(true) = renewed {
-            self.renewed_at.set(Instant::now());
+            self.renewed_at.set(sent);
             self.applied_lease.set(lease);
         }
         renewed
@@ -1217,4 +1247,22 @@ pub(crate) fn is_safe_method(method: &actix_web::http::Method) -> bool {
         *method,
         Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Helper 41's run: a 3 s lease under a 2 s store timeout lapsed between two renewals that
+    /// each answered within the timeout; the old bound (1.5 times the timeout) let it pass.
+    #[test]
+    fn a_lease_is_short_where_two_slow_renewals_can_outlast_it() {
+        let (timeout, ms) = (Duration::from_secs(2), Duration::from_millis);
+        for short in [500, 3_000, 4_000, 4_100] {
+            assert!(renewals_can_outlast(ms(short), timeout), "{short} ms");
+        }
+        for long in [4_101, 30_000] {
+            assert!(!renewals_can_outlast(ms(long), timeout), "{long} ms");
+        }
+    }
 }

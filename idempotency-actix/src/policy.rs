@@ -19,10 +19,11 @@ pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 60 * 60);
 /// The shortest lease a policy accepts: 500 ms. A lease is renewed every third of it while
 /// the handler runs; one of a few milliseconds lapses before its first renewal can land (the
 /// runtime's timers tick in milliseconds, a Redis round trip takes a fraction of one), and a
-/// duplicate then takes the key and runs the handler a second time. The same holds for a
-/// renewal slower than two thirds of the lease, which the store timeout allows (2 s by
-/// default): keep a lease above one and a half times the store timeout (one below is
-/// logged as a warning, once).
+/// duplicate then takes the key and runs the handler a second time. The same holds for
+/// renewals slow enough for the lease to lapse between two of them, which the store timeout
+/// allows (2 s by default): a renewal waits for the previous one's answer, and each may
+/// take up to the store timeout, so keep a lease above twice the store timeout plus 100 ms
+/// (one at most that is logged as a warning, once).
 pub const MIN_LEASE: Duration = Duration::from_millis(500);
 
 /// Checks that `duration` is more than zero and at most [`MAX_DURATION`]: a zero lease would

@@ -11,7 +11,10 @@ use idempotency_actix::{
 };
 
 /// The memory store, with faults: its `begin` answers only after `delay`, as a Redis under
-/// `DEBUG SLEEP` does, its `commit` only after `commit_delay`; its next `failed_renewals`
+/// `DEBUG SLEEP` does, its `commit` only after `commit_delay`; a `begin` or `commit` that ran
+/// may answer only `begin_reply_delay` or `commit_reply_delay` later (a reply stuck behind a
+/// large one), and a renewal may reach the store only `renew_delay` after it was sent; its
+/// next `failed_renewals`
 /// renewals fail as a store that times out does, and its next `failed_commits` commits fail
 /// as a store that refuses them does (a Redis at its memory limit that still takes a small
 /// in-flight record). Clones share the store and the counts.
@@ -23,6 +26,12 @@ pub struct FaultyStore {
     pub delay: Duration,
     /// How long each `commit` waits before it reaches `inner`.
     pub commit_delay: Duration,
+    /// How long each `begin`'s answer comes after `inner` ran it.
+    pub begin_reply_delay: Duration,
+    /// How long each renewal waits before it reaches `inner`.
+    pub renew_delay: Duration,
+    /// How long each `commit`'s answer comes after `inner` ran it.
+    pub commit_reply_delay: Duration,
     /// How many renewals are still to fail.
     pub failed_renewals: Arc<AtomicU32>,
     /// How many commits are still to fail (`u32::MAX`: until the test sets it to 0).
@@ -46,7 +55,9 @@ impl IdempotencyStore for FaultyStore {
         lease: Duration,
     ) -> Result<BeginOutcome, StoreError> {
         actix_rt::time::sleep(self.delay).await;
-        self.inner.begin(key, fingerprint, token, lease).await
+        let begun = self.inner.begin(key, fingerprint, token, lease).await;
+        actix_rt::time::sleep(self.begin_reply_delay).await;
+        begun
     }
 
     async fn renew(
@@ -58,6 +69,7 @@ impl IdempotencyStore for FaultyStore {
         if fails(&self.failed_renewals) {
             return Err(StoreError::Timeout(Duration::from_secs(2)));
         }
+        actix_rt::time::sleep(self.renew_delay).await;
         self.inner.renew(key, token, lease).await
     }
 
@@ -73,9 +85,12 @@ impl IdempotencyStore for FaultyStore {
         if fails(&self.failed_commits) {
             return Err(StoreError::Protocol("commit refused on purpose".into()));
         }
-        self.inner
+        let committed = self
+            .inner
             .commit(key, fingerprint, token, response, ttl)
-            .await
+            .await;
+        actix_rt::time::sleep(self.commit_reply_delay).await;
+        committed
     }
 
     async fn release(&self, key: &StorageKey, token: &LeaseToken) -> Result<bool, StoreError> {

@@ -354,7 +354,7 @@ async fn a_lease_a_renewal_may_outlast_is_a_warning() {
     let logged = logged();
     let line = logged
         .lines()
-        .find(|line| line.contains("a lease under 1.5 times the store timeout"))
+        .find(|line| line.contains("a lease of at most twice the store timeout"))
         .unwrap_or_else(|| panic!("no warning of the short lease: {logged}"));
     assert!(line.contains("WARN"), "{line}");
     assert!(line.contains("store_timeout_ms=2000"), "{line}");

@@ -1,0 +1,115 @@
+//! When a lease runs, against answers that come late but within the store timeout: the
+//! store starts a lease when it runs the step, which may be long before its answer arrives,
+//! so the engine counts it from the send; and renewals end when the record completes. A
+//! file of its own: the lost-record count (`Idempotency::lost_records`) is for the whole
+//! process, and `cargo test` runs a file's tests in one.
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use actix_web::http::StatusCode;
+use actix_web::web::{self, Bytes};
+use actix_web::{App, HttpResponse};
+use idempotency_actix::{Idempotency, IdempotencyPolicy, IdempotentRoute, KeyScope};
+use idempotency_actix_tests::{FaultyStore, RunCounter};
+
+/// A server whose `/orders` runs `handler` under a `lease`, on `store` (2 s store timeout).
+fn start(
+    store: FaultyStore,
+    lease: Duration,
+    runs: &RunCounter,
+    handler: fn(
+        web::Data<RunCounter>,
+    ) -> futures_util::future::LocalBoxFuture<'static, HttpResponse>,
+) -> actix_test::TestServer {
+    let runs = runs.clone();
+    actix_test::start(move || {
+        App::new()
+            .app_data(web::Data::new(runs.clone()))
+            .wrap(
+                Idempotency::new(store.clone())
+                    .store_timeout(Duration::from_secs(2))
+                    .scope(KeyScope::global()),
+            )
+            .service(
+                web::resource("/orders")
+                    .wrap(IdempotentRoute::with_policy(
+                        IdempotencyPolicy::default().lease(lease),
+                    ))
+                    .route(web::post().to(handler)),
+            )
+    })
+}
+
+async fn post(server: &actix_test::TestServer, key: &str) -> (StatusCode, Bytes) {
+    let mut response = server
+        .post("/orders")
+        .timeout(Duration::from_secs(30))
+        .insert_header(("idempotency-key", key))
+        .send_body("{}")
+        .await
+        .unwrap();
+    (response.status(), response.body().await.unwrap())
+}
+
+/// A run of 6 s under a lease of 4.5 s (above twice the 2 s store timeout plus 100 ms, so no
+/// warning): the `begin` ran at once but its answer came 1.9 s later, and every renewal
+/// takes 1.5 s to reach the store. Counted from the answer, the first renewal went out at
+/// about 3.5 s and landed at 5 s, after the record had expired at 4.5 s, and a duplicate at
+/// 4.7 s ran the handler a second time (helper review). Counted from the send, it goes out
+/// once the `begin` answered, at about 2 s, and lands at 3.5 s.
+#[actix_web::test]
+async fn a_lease_counts_from_the_begin_that_started_it_not_from_its_answer() {
+    let store = FaultyStore {
+        begin_reply_delay: Duration::from_millis(1_900),
+        renew_delay: Duration::from_millis(1_500),
+        ..FaultyStore::default()
+    };
+    let runs = RunCounter::default();
+    let server = start(store, Duration::from_millis(4_500), &runs, |runs| {
+        Box::pin(async move {
+            let seq = runs.record();
+            actix_rt::time::sleep(Duration::from_secs(6)).await;
+            HttpResponse::Created().body(format!("run {seq}"))
+        })
+    });
+    let (first, duplicate) = futures_util::future::join(post(&server, "k"), async {
+        actix_rt::time::sleep(Duration::from_millis(4_700)).await;
+        post(&server, "k").await
+    })
+    .await;
+    assert_eq!(first, (StatusCode::CREATED, Bytes::from("run 1")));
+    assert_eq!(duplicate.0, StatusCode::CONFLICT, "{duplicate:?}");
+    assert_eq!(runs.get(), 1);
+}
+
+/// A streamed body whose commit answers 1.3 s after the store completed the record, under a
+/// 3 s lease: a renewal due meanwhile found the record completed by this very commit and
+/// reported it lost (an error in the log, and `lost_records` counted it) though the retry
+/// replays it (helper review). Renewals now end once the body is whole.
+#[actix_web::test]
+async fn a_streamed_response_s_own_commit_is_not_reported_as_a_lost_record() {
+    let store = FaultyStore {
+        commit_reply_delay: Duration::from_millis(1_300),
+        ..FaultyStore::default()
+    };
+    let runs = RunCounter::default();
+    let server = start(store, Duration::from_secs(3), &runs, |runs| {
+        Box::pin(async move {
+            let seq = runs.record();
+            let chunk = async move {
+                actix_rt::time::sleep(Duration::from_millis(100)).await;
+                Ok::<_, actix_web::Error>(Bytes::from(format!("run {seq}")))
+            };
+            HttpResponse::Ok().streaming(futures_util::stream::once(chunk))
+        })
+    });
+    let lost_before = Idempotency::lost_records();
+    let first = post(&server, "k").await;
+    assert_eq!(first, (StatusCode::OK, Bytes::from("run 1")));
+    let retry = post(&server, "k").await;
+    assert_eq!(retry, first);
+    assert_eq!(runs.get(), 1);
+    assert_eq!(Idempotency::lost_records(), lost_before, "reported lost");
+}
