@@ -48,7 +48,7 @@ use self::steps::Steps;
 /// (Valkey ≥ 8.1, Redis ≥ 8.4; a server without it refuses the first commit as a syntax
 /// error, writing nothing, and the store commits by function from then on). `renew`,
 /// `release`, and `commit` elsewhere, are each one `FCALL` of a short Lua function fenced by
-/// the lease token (the library `idempotency_actix_2_r5`, which the store loads with
+/// the lease token (the library `idempotency_actix_2_r6`, which the store loads with
 /// `FUNCTION LOAD` when it opens a connection, and again if a server lacks it later).
 ///
 /// Connections: the store opens one multiplexed connection and shares it between all its
@@ -107,6 +107,17 @@ impl RedisStore {
     /// The replication setting, if any.
     pub fn replication(&self) -> Option<ReplicatedWrites> {
         self.replication
+    }
+
+    /// Commits (and rewrites records for replicated writes) by function from the start, as
+    /// on a server without `SET … IFEQ` (Redis before 8.4, Valkey before 8.1), which this
+    /// store otherwise learns from the first commit such a server refuses: for tests that
+    /// run that protocol on a newer server. This store only, not its clones.
+    #[doc(hidden)]
+    #[must_use]
+    pub fn commits_by_function(self) -> Self {
+        self.conditional_set.refuse();
+        self
     }
 
     fn steps(&self) -> Steps<'_, SharedConnection> {

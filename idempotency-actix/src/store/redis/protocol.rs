@@ -78,7 +78,8 @@ impl Request {
 /// `SCRIPT FLUSH`. The name carries the record format and the library's revision (`r2`:
 /// renew and release flagged `allow-oom`; `r3`: `abandon` and `claim`, and `commit` only
 /// completes an in-flight record; `r4`: every function reads the record with `GET`; `r5`:
-/// `commit` is sent the whole completed record and compares the whole in-flight one), so
+/// `commit` is sent the whole completed record and compares the whole in-flight one; `r6`:
+/// `commit` answers 2 for a record its token completed earlier, and `rewrite`), so
 /// versions of this crate with another format or revision load their own library next to
 /// this one. Revisions of one format read and write the same records, so instances of
 /// two revisions share keys safely.
@@ -114,25 +115,35 @@ impl Request {
 /// under new keys). The comparison is the token's fence: a record holding `token` in flight
 /// is the one its `begin` wrote (same format, fingerprint and token), as no one else
 /// writes `token`. Only when it differs does `commit` look further, for the record its own
-/// earlier `commit` completed (a retry after a lost reply).
-pub(crate) const LIBRARY: &str = r"#!lua name=idempotency_actix_2_r5
+/// earlier `commit` completed (a retry after a lost reply), and answers 2 then: it wrote
+/// nothing, which replicated writes must know (see [`rewrite`]).
+///
+/// `rewrite` writes a record over itself, its expiry kept, if the key holds exactly that
+/// record: the function form of [`rewrite`]'s `SET … IFEQ … KEEPTTL`.
+pub(crate) const LIBRARY: &str = r"#!lua name=idempotency_actix_2_r6
 
 local function holds(found, token_field)
   return found and string.sub(found, 35, 34 + #token_field) == token_field
 end
 
-redis.register_function('idempotency_actix_2_r5_commit', function(keys, args)
+redis.register_function('idempotency_actix_2_r6_commit', function(keys, args)
   local found = redis.call('GET', keys[1])
   if found == args[1] then
     redis.call('SET', keys[1], args[2], 'PX', args[3])
     return 1
   end
-  if holds(found, string.sub(args[1], 35)) and string.byte(found, 2) == 99 then return 1 end
+  if holds(found, string.sub(args[1], 35)) and string.byte(found, 2) == 99 then return 2 end
   return 0
 end)
 
+redis.register_function('idempotency_actix_2_r6_rewrite', function(keys, args)
+  if redis.call('GET', keys[1]) ~= args[1] then return 0 end
+  redis.call('SET', keys[1], args[1], 'KEEPTTL')
+  return 1
+end)
+
 redis.register_function{
-  function_name = 'idempotency_actix_2_r5_renew',
+  function_name = 'idempotency_actix_2_r6_renew',
   flags = {'allow-oom'},
   callback = function(keys, args)
     local found = redis.call('GET', keys[1])
@@ -143,7 +154,7 @@ redis.register_function{
 }
 
 redis.register_function{
-  function_name = 'idempotency_actix_2_r5_release',
+  function_name = 'idempotency_actix_2_r6_release',
   flags = {'allow-oom'},
   callback = function(keys, args)
     local found = redis.call('GET', keys[1])
@@ -154,7 +165,7 @@ redis.register_function{
 }
 
 redis.register_function{
-  function_name = 'idempotency_actix_2_r5_abandon',
+  function_name = 'idempotency_actix_2_r6_abandon',
   flags = {'allow-oom'},
   callback = function(keys, args)
     local found = redis.call('GET', keys[1])
@@ -171,7 +182,7 @@ redis.register_function{
   end,
 }
 
-redis.register_function('idempotency_actix_2_r5_claim', function(keys, args)
+redis.register_function('idempotency_actix_2_r6_claim', function(keys, args)
   local found = redis.call('GET', keys[1])
   if found and found ~= args[1] then return found end
   redis.call('SET', keys[1], args[2], 'PX', args[3])
@@ -203,12 +214,12 @@ pub(crate) async fn load_library(
 /// must still work, and where commits go by `SET … IFEQ` no commit loads the library
 /// before a `renew` needs it. A failure is logged and left to the load on first use.
 ///
-/// It is also what keeps replicated writes honest on Redis before 8.4: a `WAIT` sent as a
+/// On Redis 7.0 and 7.1 it also keeps replicated writes honest: there a `WAIT` sent as a
 /// connection's very first command answers at once, whatever the replicas hold, where
-/// after any command (even a refused one) it counts the server's replication offset. A
-/// `begin` resent, or a function commit retried, on a new connection writes nothing, so its
-/// `WAIT` must not be that first command: every connection the stores open sends this
-/// first. Keep it so.
+/// after any command (even a refused one) it counts the server's replication offset; every
+/// connection the stores open sends this first. (Since 7.2 `WAIT` counts a connection's own
+/// writes, so a step that wrote nothing rewrites its record before its `WAIT`: see
+/// [`rewrite`].) Keep it so.
 pub(crate) async fn load_library_ahead(connection: &mut impl redis::aio::ConnectionLike) {
     if let Err(error) = load_library(connection).await {
         tracing::debug!(%error, "idempotency: functions not loaded yet; they are loaded on first use");
@@ -333,7 +344,7 @@ pub(crate) fn claim(
 /// whole) or nothing is; otherwise returns the record that is there.
 fn claim_over(key: &StorageKey, marker: Vec<u8>, record: Vec<u8>, expiry: Duration) -> Request {
     let bytes = marker.len() + record.len();
-    let call = function("idempotency_actix_2_r5_claim", key, 3, bytes)
+    let call = function("idempotency_actix_2_r6_claim", key, 3, bytes)
         .arg(marker)
         .arg(record)
         .number(record::millis(expiry))
@@ -387,7 +398,7 @@ pub(crate) fn commit(
         }
         CommitBy::Function => {
             let bytes = in_flight.len() + completed.len();
-            let call = function("idempotency_actix_2_r5_commit", key, 3, bytes)
+            let call = function("idempotency_actix_2_r6_commit", key, 3, bytes)
                 .arg(in_flight)
                 .arg(completed)
                 .number(record::millis(ttl))
@@ -468,21 +479,67 @@ pub(crate) fn recreated(reply: Value, token: &LeaseToken) -> Result<Option<Unwri
     }
 }
 
-/// Writes `record` over itself, its expiry kept (`SET … IFEQ … KEEPTTL`, Valkey ≥ 8.1,
-/// Redis ≥ 8.4): a write that changes nothing but is replicated, for a `WAIT` on this
-/// connection to count the record's replication, when the write that completed it went out
-/// on another connection (see `Steps::after_unwritten_commit`). Nothing is written if the record
-/// is no longer exactly `record`.
-pub(crate) fn rewrite(key: &StorageKey, record: &[u8]) -> Request {
-    let bytes = key.as_str().len() + 2 * record.len() + "IFEQKEEPTTL".len();
-    let command = PackedCommand::build("SET", 5, bytes)
-        .arg(key.as_str())
-        .arg(record)
-        .arg("IFEQ")
-        .arg(record)
-        .arg("KEEPTTL")
-        .done();
-    Request::Command(command)
+/// Writes `record` over itself, its expiry kept: a write that changes nothing but is
+/// replicated, for a `WAIT` on this connection to count the record's replication, when the
+/// write that made it went out on another connection or the step that found it wrote
+/// nothing (see `Steps::rewritten_for_replicas`). Since Redis 7.2 (and on Valkey) `WAIT`
+/// counts only what its own connection's writes were replicated to: after a command that
+/// wrote nothing it answers at once. Nothing is written if the record is no longer exactly
+/// `record`. `SET … IFEQ … KEEPTTL` where the server has it (Valkey ≥ 8.1, Redis ≥ 8.4),
+/// the library's `rewrite` elsewhere; its reply decodes with [`rewritten`].
+pub(crate) fn rewrite(by: CommitBy, key: &StorageKey, record: &[u8]) -> Request {
+    match by {
+        CommitBy::ConditionalSet => {
+            let bytes = key.as_str().len() + 2 * record.len() + "IFEQKEEPTTL".len();
+            let command = PackedCommand::build("SET", 5, bytes)
+                .arg(key.as_str())
+                .arg(record)
+                .arg("IFEQ")
+                .arg(record)
+                .arg("KEEPTTL")
+                .done();
+            Request::Command(command)
+        }
+        CommitBy::Function => {
+            let call = function("idempotency_actix_2_r6_rewrite", key, 1, record.len())
+                .arg(record)
+                .done();
+            Request::Function(call)
+        }
+    }
+}
+
+/// Decodes the reply to [`rewrite`] sent `by`: whether it wrote.
+pub(crate) fn rewritten(by: CommitBy, reply: Value) -> Result<bool, StoreError> {
+    match by {
+        CommitBy::ConditionalSet => written(reply),
+        CommitBy::Function => held(reply),
+    }
+}
+
+/// What a commit did: it wrote the completed record; it found the record its own token
+/// completed earlier and wrote nothing (the function commit says so, `SET … IFEQ` cannot);
+/// or it wrote nothing else.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Committed {
+    Written,
+    CompletedEarlier,
+    Unwritten,
+}
+
+/// Decodes the reply to a [`commit`] sent `by`.
+pub(crate) fn committed(by: CommitBy, reply: Value) -> Result<Committed, StoreError> {
+    match (by, reply) {
+        (CommitBy::ConditionalSet, reply) => Ok(if written(reply)? {
+            Committed::Written
+        } else {
+            Committed::Unwritten
+        }),
+        (CommitBy::Function, Value::Int(1)) => Ok(Committed::Written),
+        (CommitBy::Function, Value::Int(2)) => Ok(Committed::CompletedEarlier),
+        (CommitBy::Function, Value::Int(0)) => Ok(Committed::Unwritten),
+        (CommitBy::Function, other) => Err(unexpected(&other)),
+    }
 }
 
 /// Whether Redis refused the command as a syntax error: what a server without
@@ -503,7 +560,7 @@ pub(crate) fn is_syntax_error(error: &StoreError) -> bool {
 /// `renew`: extend the lease held by `token` to `lease` from now.
 pub(crate) fn renew(key: &StorageKey, token: &LeaseToken, lease: Duration) -> Request {
     let token = record::token_field(token);
-    let call = function("idempotency_actix_2_r5_renew", key, 2, token.len())
+    let call = function("idempotency_actix_2_r6_renew", key, 2, token.len())
         .arg(token)
         .number(record::millis(lease))
         .done();
@@ -513,7 +570,7 @@ pub(crate) fn renew(key: &StorageKey, token: &LeaseToken, lease: Duration) -> Re
 /// `release`: delete the in-flight record held by `token`.
 pub(crate) fn release(key: &StorageKey, token: &LeaseToken) -> Request {
     let token = record::token_field(token);
-    let call = function("idempotency_actix_2_r5_release", key, 1, token.len())
+    let call = function("idempotency_actix_2_r6_release", key, 1, token.len())
         .arg(token)
         .done();
     Request::Function(call)
@@ -524,7 +581,7 @@ pub(crate) fn release(key: &StorageKey, token: &LeaseToken) -> Request {
 pub(crate) fn abandon(key: &StorageKey, token: &LeaseToken, remember_for: Duration) -> Request {
     let (field, marker) = (record::token_field(token), record::abandoned(token));
     let bytes = field.len() + marker.len();
-    let call = function("idempotency_actix_2_r5_abandon", key, 4, bytes)
+    let call = function("idempotency_actix_2_r6_abandon", key, 4, bytes)
         .arg(field)
         .arg(marker)
         .number(record::millis(remember_for))
@@ -743,6 +800,24 @@ mod tests {
                 Ok(())
             })
             .unwrap();
+    }
+
+    #[test]
+    fn a_function_commit_tells_a_record_completed_earlier_from_one_it_wrote() {
+        let by = CommitBy::Function;
+        assert_eq!(committed(by, Value::Int(1)).unwrap(), Committed::Written);
+        assert_eq!(
+            committed(by, Value::Int(2)).unwrap(),
+            Committed::CompletedEarlier
+        );
+        assert_eq!(committed(by, Value::Int(0)).unwrap(), Committed::Unwritten);
+        assert!(committed(by, Value::Okay).is_err());
+        let by = CommitBy::ConditionalSet;
+        assert_eq!(committed(by, Value::Okay).unwrap(), Committed::Written);
+        assert_eq!(committed(by, Value::Nil).unwrap(), Committed::Unwritten);
+        assert!(rewritten(CommitBy::Function, Value::Int(1)).unwrap());
+        assert!(!rewritten(CommitBy::Function, Value::Int(0)).unwrap());
+        assert!(rewritten(CommitBy::ConditionalSet, Value::Okay).unwrap());
     }
 
     #[test]

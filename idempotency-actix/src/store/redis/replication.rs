@@ -20,7 +20,7 @@ use std::time::Duration;
 /// | setting | a primary crash loses… |
 /// |---|---|
 /// | none (the default) | any write of the last moments: a retry may run the handler again |
-/// | `ReplicatedWrites::new(n, t)` (strict) | nothing that `n` replicas acknowledged; the handler runs only once its lock is on `n` replicas, and a client gets its response only once the commit is |
+/// | `ReplicatedWrites::new(n, t)` (strict) | nothing that `n` replicas acknowledged, as long as a primary that crashed comes back with its data or not at all (a primary restarted empty before a replica took over, with persistence off and a supervisor restarting it, makes its replicas drop everything as they resync: turn on persistence, or let failovers happen); the handler runs only once its lock is on `n` replicas, and a client gets its response only once the commit is |
 /// | `ReplicatedWrites::new(n, t).or_warn()` | like strict when replicas keep up; when they do not, a warning and the write goes on unprotected |
 ///
 /// When fewer replicas acknowledge within the timeout (a replica down or lagging):
@@ -28,8 +28,8 @@ use std::time::Duration;
 /// * strict, in `begin`: the request is refused like any store failure (503 with
 ///   `Retry-After` when failing closed) and the lock it created is released; the handler
 ///   does not run. (A `begin` sent again after a reconnection that finds its own lock
-///   writes it over itself first where the server takes `SET … IFEQ`, so that its `WAIT`
-///   counts the lock.)
+///   writes it over itself first, so that its `WAIT` counts the lock: since Redis 7.2, and
+///   on Valkey, `WAIT` counts only its own connection's writes.)
 /// * strict, in the commit: the commit counts as failed. As for any failed commit, the
 ///   response is still sent (the handler ran; its response is never lost) and the commit
 ///   is retried in the background, each time with `WAIT`, until the replicas acknowledge it

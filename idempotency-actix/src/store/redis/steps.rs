@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use super::conditional_set::ConditionalSet;
-use super::exchange::{Acknowledgement, Exchange, Reply};
-use super::protocol::{Begun, CommitBy, Unwritten};
+use super::exchange::{Exchange, Reply};
+use super::protocol::{Begun, CommitBy, Committed, Unwritten};
 use super::replication::ReplicatedWrites;
 use super::{inspection, protocol};
 use crate::fingerprint::Fingerprint;
@@ -79,10 +79,7 @@ impl<T: Transport> Steps<'_, T> {
                     // Only a lock this request holds must be on the replicas; a record found
                     // is answered as it is.
                     let outcome = match found {
-                        Some(own) => {
-                            self.own_lock_replicated(key, &own, reply.replication)
-                                .await?
-                        }
+                        Some(own) => self.own_lock_replicated(key, &own).await?,
                         None => {
                             reply.replication.check("begin")?;
                             BeginOutcome::Acquired
@@ -106,54 +103,67 @@ impl<T: Transport> Steps<'_, T> {
     /// After a `begin` (or a claim) that found this token's own in-flight record, `own`,
     /// under replicated writes: whether that lock is on the replicas. The earlier send wrote
     /// it on whichever connection it had, and a `WAIT` on this one, which wrote nothing,
-    /// counts nothing on Valkey and passes at once; so, where the server takes
-    /// `SET … IFEQ`, the record is written over itself for the `WAIT` behind it to count (as
-    /// [`after_unwritten_commit`](Self::after_unwritten_commit) does for a commit). A server without it
-    /// (Redis before 8.4) answers `WAIT` from its replication offset, which the first
-    /// reply's `WAIT` already counted. `InFlight` when the record changed meanwhile.
+    /// counts nothing (Redis ≥ 7.2, Valkey) and passes at once; so the record is written
+    /// over itself for the `WAIT` behind it to count (as
+    /// [`after_unwritten_commit`](Self::after_unwritten_commit) does for a commit).
+    /// `InFlight` when the record changed meanwhile.
     async fn own_lock_replicated(
         &self,
         key: &StorageKey,
         own: &[u8],
-        first: Acknowledgement,
     ) -> Result<BeginOutcome, StoreError> {
-        if self.conditional_set.commit_by() == CommitBy::Function {
-            first.check("begin")?;
-            return Ok(BeginOutcome::Acquired);
-        }
-        match self.rewritten_for_replicas(key, own, "begin").await {
-            Ok(true) => Ok(BeginOutcome::Acquired),
-            Ok(false) => Ok(BeginOutcome::InFlight),
-            Err(error) if protocol::is_syntax_error(&error) => {
-                self.conditional_set.refuse();
-                first.check("begin")?;
-                Ok(BeginOutcome::Acquired)
-            }
-            Err(error) => Err(error),
-        }
+        Ok(if self.rewritten_for_replicas(key, own, "begin").await? {
+            BeginOutcome::Acquired
+        } else {
+            BeginOutcome::InFlight
+        })
     }
 
-    /// Writes `record` over itself (`protocol::rewrite`), waiting for the replicas behind
-    /// it, so that a `WAIT` on this connection counts a record another connection wrote:
-    /// `false` when the record is no longer exactly `record` (nothing written).
+    /// Writes `record` over itself (`protocol::rewrite`: `SET … IFEQ` where the server takes
+    /// it, else the library's function), waiting for the replicas behind it, so that a
+    /// `WAIT` on this connection counts a record another connection wrote, or that the step
+    /// before found and left as it was: `false` when the record is no longer exactly
+    /// `record` (nothing written).
     async fn rewritten_for_replicas(
         &self,
         key: &StorageKey,
         record: &[u8],
         step: &'static str,
     ) -> Result<bool, StoreError> {
-        let rewritten = self
-            .transport
-            .send(&Exchange::new(
-                protocol::rewrite(key, record),
-                self.replication,
-            ))
+        let (by, rewritten) = self
+            .send_conditional(|by| protocol::rewrite(by, key, record))
             .await?;
-        if !protocol::written(rewritten.value)? {
+        if !protocol::rewritten(by, rewritten.value)? {
             return Ok(false);
         }
         rewritten.replication.check(step)?;
         Ok(true)
+    }
+
+    /// Sends the request `build` makes for the way this server takes a compare-and-write
+    /// (`SET … IFEQ`, until a server refuses it as a syntax error, writing nothing; the
+    /// library's function from then on), waiting for the replicas behind it; with the way
+    /// its reply is to be read.
+    async fn send_conditional(
+        &self,
+        build: impl Fn(CommitBy) -> protocol::Request,
+    ) -> Result<(CommitBy, Reply), StoreError> {
+        let mut by = self.conditional_set.commit_by();
+        loop {
+            match self
+                .transport
+                .send(&Exchange::new(build(by), self.replication))
+                .await
+            {
+                Err(error)
+                    if by == CommitBy::ConditionalSet && protocol::is_syntax_error(&error) =>
+                {
+                    self.conditional_set.refuse();
+                    by = CommitBy::Function;
+                }
+                reply => return Ok((by, reply?)),
+            }
+        }
     }
 
     pub(crate) async fn renew(
@@ -177,34 +187,22 @@ impl<T: Transport> Steps<'_, T> {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        let mut by = self.conditional_set.commit_by();
-        let reply = loop {
-            let commit = protocol::commit(by, key, fingerprint, token, response, ttl);
-            match self
-                .transport
-                .send(&Exchange::new(commit, self.replication))
-                .await
-            {
-                Err(error)
-                    if by == CommitBy::ConditionalSet && protocol::is_syntax_error(&error) =>
-                {
-                    self.conditional_set.refuse();
-                    by = CommitBy::Function;
-                }
-                reply => break reply?,
+        let (by, reply) = self
+            .send_conditional(|by| protocol::commit(by, key, fingerprint, token, response, ttl))
+            .await?;
+        match protocol::committed(by, reply.value)? {
+            Committed::Written => {
+                reply.replication.check("commit")?;
+                Ok(true)
             }
-        };
-        let written = match by {
-            CommitBy::Function => protocol::held(reply.value)?,
-            CommitBy::ConditionalSet => protocol::written(reply.value)?,
-        };
-        if !written {
-            return self
-                .after_unwritten_commit(key, fingerprint, token, response, ttl)
-                .await;
+            // Sent again (its reply was lost, or its replicas fell short): nothing to wait
+            // for unless writes are replicated, where the record is read and rewritten.
+            Committed::CompletedEarlier if self.replication.is_none() => Ok(true),
+            Committed::CompletedEarlier | Committed::Unwritten => {
+                self.after_unwritten_commit(key, fingerprint, token, response, ttl)
+                    .await
+            }
         }
-        reply.replication.check("commit")?;
-        Ok(true)
     }
 
     /// After a commit that wrote nothing, what the key holds (see [`Unwritten`]): the record
@@ -244,15 +242,7 @@ impl<T: Transport> Steps<'_, T> {
                         reply.replication.check("commit")?;
                         return Ok(true);
                     }
-                    // Sent again after its connection died: the first send wrote it. A
-                    // server without `IFEQ` answers `WAIT` from its offset (see
-                    // `own_lock_replicated`).
-                    Some(Unwritten::CompletedEarlier(_))
-                        if self.conditional_set.commit_by() == CommitBy::Function =>
-                    {
-                        reply.replication.check("commit")?;
-                        return Ok(true);
-                    }
+                    // Sent again after its connection died: the first send wrote it.
                     Some(Unwritten::CompletedEarlier(completed)) => completed,
                     // Another request took the key meanwhile.
                     Some(_) => return Ok(false),
