@@ -155,6 +155,10 @@ pub(crate) struct HeldLock {
     pub(crate) route_policy: RefCell<Option<IdempotencyPolicy>>,
     /// Whether the loss of this lock's record has been reported (once per request).
     lost_reported: Cell<bool>,
+    /// The commit is on its way: a renewal that finds the record no longer in flight then
+    /// stops without reporting it lost, as the commit itself may have completed it (and
+    /// tells otherwise).
+    committing: Cell<bool>,
     store: Rc<dyn DynStore>,
     store_timeout: Duration,
 }
@@ -360,6 +364,7 @@ impl Engine {
                     applied_lease: Cell::new(policy.lease),
                     route_policy: RefCell::new(None),
                     lost_reported: Cell::new(false),
+                    committing: Cell::new(false),
                     store: Rc::clone(&self.store),
                     store_timeout: self.settings.store_timeout,
                 });
@@ -630,7 +635,11 @@ impl Engine {
                 stored,
                 ttl,
             } => {
-                self.commit(&lock, stored, ttl, slot.as_ref()).await;
+                // Renewed until the commit answers: a renewal dropped before it reached the
+                // store would leave the lease to lapse while the commit is on its way.
+                lock.committing.set(true);
+                let commit = self.commit(&lock, stored, ttl, slot.as_ref());
+                while_renewing_lease(commit, &lock).await;
                 Ok(response)
             }
             Handled::Streamed {
@@ -650,14 +659,13 @@ impl Engine {
                 let lease = lock.lease.get();
                 let commit: Commit = Box::new(move |body| {
                     Box::pin(async move {
-                        // Renewals stop once the body is whole, as they do after a handler
-                        // whose response was stored at once: one sent during the commit
-                        // would find the record completed by it and report it lost. A commit
-                        // that fails renews the lease itself while it is retried.
-                        drop(renewals);
+                        // Renewed until the commit answers (a commit that fails renews the
+                        // lease itself while it is retried); a renewal that finds the record
+                        // completed by this commit does not report it lost.
+                        lock.committing.set(true);
                         let stored = StoredResponse { body, ..stored };
                         engine.commit(&lock, stored, ttl, held.as_ref()).await;
-                        drop(held);
+                        drop((renewals, held));
                     })
                 });
                 let body = CapturingBody::new(body, limit, lease, commit, slot);
@@ -949,7 +957,7 @@ pub(crate) enum Handled<B> {
 }
 
 /// Runs `work` to completion while renewing the lease of `lock` every third of it.
-async fn while_renewing_lease<T>(work: impl Future<Output = T>, lock: &HeldLock) -> T {
+async fn while_renewing_lease<T>(work: impl Future<Output = T>, lock: &Rc<HeldLock>) -> T {
     let work = std::pin::pin!(work);
     let renewals = std::pin::pin!(keep_renewing(lock));
     match select(work, renewals).await {
@@ -960,17 +968,31 @@ async fn while_renewing_lease<T>(work: impl Future<Output = T>, lock: &HeldLock)
 
 /// Renews the lease of `lock` every third of it until the lease is lost. The lease is read
 /// afresh at every tick, so a route layer that changes it is honoured at once.
-async fn keep_renewing(lock: &HeldLock) {
+///
+/// Each renewal runs on a task of its own, so one that is on its way when this stops (the
+/// handler returned, the commit is next) still reaches the store: cancelled before it was
+/// written (while its connection reconnects, say), it would leave the lease to run out from
+/// the renewal before it while the commit is on its way.
+async fn keep_renewing(lock: &Rc<HeldLock>) {
     loop {
         let lease = lock.lease.get();
         actix_rt::time::sleep((lease / 3).min(RENEWAL_TICK)).await;
         if !lock.renewal_due() {
             continue;
         }
-        match lock.renew().await {
+        let renewal = actix_rt::spawn({
+            let lock = Rc::clone(lock);
+            async move { lock.renew().await }
+        });
+        let Ok(renewed) = renewal.await else {
+            continue;
+        };
+        match renewed {
             Ok(true) => {}
             Ok(false) => {
-                lock.report_lost(NoticedBy::Renewal);
+                if !lock.committing.get() {
+                    lock.report_lost(NoticedBy::Renewal);
+                }
                 return;
             }
             Err(error) => {

@@ -113,3 +113,60 @@ async fn a_streamed_response_s_own_commit_is_not_reported_as_a_lost_record() {
     assert_eq!(runs.get(), 1);
     assert_eq!(Idempotency::lost_records(), lost_before, "reported lost");
 }
+
+/// Every renewal takes 1.5 s to reach the store and the commit 1.9 s, under a 4.5 s lease
+/// (no warning) and a 2 s store timeout; the response is whole at 2.9 s, while a renewal
+/// sent at about 1.5 s is still on its way. Dropped with the renewals when the handler
+/// returned (or the body was whole), that renewal never landed, the lease ran out at 4.5 s
+/// while the commit was on its way (it lands at 4.8 s), and a duplicate at 4.65 s ran the
+/// handler a second time (helper review). Renewals now run on tasks of their own, and go on
+/// until the commit answers.
+async fn a_renewal_on_its_way_when_the_response_is_whole_still_lands(streamed: bool) {
+    let store = FaultyStore {
+        renew_delay: Duration::from_millis(1_500),
+        commit_delay: Duration::from_millis(1_900),
+        ..FaultyStore::default()
+    };
+    let runs = RunCounter::default();
+    let handler: fn(
+        web::Data<RunCounter>,
+    ) -> futures_util::future::LocalBoxFuture<'static, HttpResponse> = if streamed {
+        |runs| {
+            Box::pin(async move {
+                let seq = runs.record();
+                let chunk = async move {
+                    actix_rt::time::sleep(Duration::from_millis(2_900)).await;
+                    Ok::<_, actix_web::Error>(Bytes::from(format!("run {seq}")))
+                };
+                HttpResponse::Ok().streaming(futures_util::stream::once(chunk))
+            })
+        }
+    } else {
+        |runs| {
+            Box::pin(async move {
+                let seq = runs.record();
+                actix_rt::time::sleep(Duration::from_millis(2_900)).await;
+                HttpResponse::Ok().body(format!("run {seq}"))
+            })
+        }
+    };
+    let server = start(store, Duration::from_millis(4_500), &runs, handler);
+    let (first, duplicate) = futures_util::future::join(post(&server, "k"), async {
+        actix_rt::time::sleep(Duration::from_millis(4_650)).await;
+        post(&server, "k").await
+    })
+    .await;
+    assert_eq!(first, (StatusCode::OK, Bytes::from("run 1")));
+    assert_eq!(duplicate.0, StatusCode::CONFLICT, "{duplicate:?}");
+    assert_eq!(runs.get(), 1);
+}
+
+#[actix_web::test]
+async fn a_renewal_on_its_way_when_the_handler_returns_still_lands() {
+    a_renewal_on_its_way_when_the_response_is_whole_still_lands(false).await;
+}
+
+#[actix_web::test]
+async fn a_renewal_on_its_way_when_the_streamed_body_is_whole_still_lands() {
+    a_renewal_on_its_way_when_the_response_is_whole_still_lands(true).await;
+}

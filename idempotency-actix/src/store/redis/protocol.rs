@@ -24,7 +24,8 @@
 //! Every request touches one key and is safe to send twice with the same arguments (a
 //! retry after a connection dropped before the reply came): a repeated `begin` finds its
 //! own token and acquires, a repeated `commit` finds the record completed by its token and
-//! answers success without writing, `renew` and `release` compare the token first.
+//! writes nothing (the function commit answers 2 then, for replicated writes to rewrite the
+//! record before their `WAIT`), `renew` and `release` compare the token first.
 
 use std::time::Duration;
 
@@ -119,7 +120,9 @@ impl Request {
 /// nothing, which replicated writes must know (see [`rewrite`]).
 ///
 /// `rewrite` writes a record over itself, its expiry kept, if the key holds exactly that
-/// record: the function form of [`rewrite`]'s `SET … IFEQ … KEEPTTL`.
+/// record: the function form of [`rewrite`]'s `SET … IFEQ … KEEPTTL`. The same bytes take no
+/// more memory, so it is flagged `allow-oom`: a `begin` resent to a full server that finds
+/// its own lock can still have it counted by `WAIT`.
 pub(crate) const LIBRARY: &str = r"#!lua name=idempotency_actix_2_r6
 
 local function holds(found, token_field)
@@ -136,11 +139,15 @@ redis.register_function('idempotency_actix_2_r6_commit', function(keys, args)
   return 0
 end)
 
-redis.register_function('idempotency_actix_2_r6_rewrite', function(keys, args)
-  if redis.call('GET', keys[1]) ~= args[1] then return 0 end
-  redis.call('SET', keys[1], args[1], 'KEEPTTL')
-  return 1
-end)
+redis.register_function{
+  function_name = 'idempotency_actix_2_r6_rewrite',
+  flags = {'allow-oom'},
+  callback = function(keys, args)
+    if redis.call('GET', keys[1]) ~= args[1] then return 0 end
+    redis.call('SET', keys[1], args[1], 'KEEPTTL')
+    return 1
+  end,
+}
 
 redis.register_function{
   function_name = 'idempotency_actix_2_r6_renew',

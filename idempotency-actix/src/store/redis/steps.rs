@@ -212,8 +212,8 @@ impl<T: Transport> Steps<'_, T> {
     /// round trip or two: only when the lease was lost or the commit was sent twice.
     ///
     /// With replicated writes, an earlier send went out on whichever connection it had, and
-    /// a `WAIT` counts the writes of its own connection (Valkey): on this one, which wrote
-    /// nothing, it would count nothing and pass at once. So the record is written over
+    /// a `WAIT` counts the writes of its own connection (Redis ≥ 7.2, Valkey): on this one,
+    /// which wrote nothing, it would count nothing and pass at once. So the record is written over
     /// itself, a write that changes nothing, for the `WAIT` behind it to count.
     async fn after_unwritten_commit(
         &self,
