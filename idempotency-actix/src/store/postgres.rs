@@ -911,22 +911,37 @@ fn begin_outcome(
     Ok(outcome.map(|outcome| (outcome, Some(remaining))))
 }
 
+/// The one row a statement answers, or a protocol error naming `statement`.
+fn the_only_row<'a>(rows: &'a [Row], statement: &str) -> Result<&'a Row, StoreError> {
+    match rows {
+        [row] => Ok(row),
+        _ => Err(StoreError::Protocol(format!(
+            "{statement} answered {} rows",
+            rows.len()
+        ))),
+    }
+}
+
+/// A column that cannot be read as the statement defines it.
+fn unreadable(error: tokio_postgres::Error) -> StoreError {
+    StoreError::Protocol(error.to_string())
+}
+
 /// [`begin_outcome`] without the remaining ttl.
 fn outcome_without_ttl(
     row: &Row,
     fingerprint: &Fingerprint,
     token: &LeaseToken,
 ) -> Result<Option<BeginOutcome>, StoreError> {
-    let protocol = |error: tokio_postgres::Error| StoreError::Protocol(error.to_string());
-    let held: bool = row.try_get(0).map_err(protocol)?;
-    let acquired: bool = row.try_get(1).map_err(protocol)?;
+    let held: bool = row.try_get(0).map_err(unreadable)?;
+    let acquired: bool = row.try_get(1).map_err(unreadable)?;
     if acquired {
         return Ok(Some(BeginOutcome::Acquired));
     }
-    let state: Option<String> = row.try_get(2).map_err(protocol)?;
+    let state: Option<String> = row.try_get(2).map_err(unreadable)?;
     let marker = state.as_deref() == Some("a");
     if marker {
-        let marked: &str = row.try_get(5).map_err(protocol)?;
+        let marked: &str = row.try_get(5).map_err(unreadable)?;
         if marked
             .split(' ')
             .any(|abandoned| abandoned == token.as_str())
@@ -942,7 +957,7 @@ fn outcome_without_ttl(
         // the snapshot stopped it: read again.
         return Ok((!held).then_some(BeginOutcome::InFlight));
     };
-    let stored: Vec<u8> = row.try_get(3).map_err(protocol)?;
+    let stored: Vec<u8> = row.try_get(3).map_err(unreadable)?;
     if stored.as_slice() != fingerprint.as_bytes().as_slice() {
         return Ok(Some(BeginOutcome::FingerprintMismatch));
     }
@@ -950,12 +965,12 @@ fn outcome_without_ttl(
         // This token's own row: a `begin` sent again after its first landed (the store
         // resends on a new connection when one closes) holds the key, as `begin` is
         // idempotent for its token, also while another statement holds the lock for a moment.
-        "i" if row.try_get::<_, &str>(5).map_err(protocol)? == token.as_str() => {
+        "i" if row.try_get::<_, &str>(5).map_err(unreadable)? == token.as_str() => {
             Ok(Some(BeginOutcome::Acquired))
         }
         "i" => Ok(Some(BeginOutcome::InFlight)),
         "c" => {
-            let response: Option<Vec<u8>> = row.try_get(4).map_err(protocol)?;
+            let response: Option<Vec<u8>> = row.try_get(4).map_err(unreadable)?;
             let response = response.ok_or_else(|| {
                 StoreError::Protocol("a completed record without a response".to_owned())
             })?;
@@ -1072,15 +1087,9 @@ impl IdempotencyStore for PostgresStore {
         let mut pauses = RECREATE_PAUSES.iter();
         loop {
             let rows = self.query(&self.sql.recreate, &params).await?;
-            let [row] = rows.as_slice() else {
-                return Err(StoreError::Protocol(format!(
-                    "the re-creation answered {} rows",
-                    rows.len()
-                )));
-            };
-            let protocol = |error: tokio_postgres::Error| StoreError::Protocol(error.to_string());
-            let recreated: bool = row.try_get(0).map_err(protocol)?;
-            let held: bool = row.try_get(1).map_err(protocol)?;
+            let row = the_only_row(&rows, "the re-creation")?;
+            let recreated: bool = row.try_get(0).map_err(unreadable)?;
+            let held: bool = row.try_get(1).map_err(unreadable)?;
             if recreated {
                 lost_record::report_written_anew();
                 return Ok(true);
@@ -1135,17 +1144,11 @@ impl IdempotencyStore for PostgresStore {
                 &[(&key.as_str(), Type::TEXT), (&lock, Type::INT8)],
             )
             .await?;
-        let [row] = rows.as_slice() else {
-            return Err(StoreError::Protocol(format!(
-                "inspection answered {} rows",
-                rows.len()
-            )));
-        };
-        let protocol = |error: tokio_postgres::Error| StoreError::Protocol(error.to_string());
-        let held: bool = row.try_get(0).map_err(protocol)?;
-        let state: Option<String> = row.try_get(1).map_err(protocol)?;
-        let response: Option<Vec<u8>> = row.try_get(2).map_err(protocol)?;
-        let remaining: Option<i64> = row.try_get(3).map_err(protocol)?;
+        let row = the_only_row(&rows, "inspection")?;
+        let held: bool = row.try_get(0).map_err(unreadable)?;
+        let state: Option<String> = row.try_get(1).map_err(unreadable)?;
+        let response: Option<Vec<u8>> = row.try_get(2).map_err(unreadable)?;
+        let remaining: Option<i64> = row.try_get(3).map_err(unreadable)?;
         let expires_in = remaining
             .and_then(|millis| u64::try_from(millis).ok())
             .map(Duration::from_millis);
@@ -1178,16 +1181,10 @@ impl IdempotencyStore for PostgresStore {
                 ],
             )
             .await?;
-        let [row] = rows.as_slice() else {
-            return Err(StoreError::Protocol(format!(
-                "deletion answered {} rows",
-                rows.len()
-            )));
-        };
-        let protocol = |error: tokio_postgres::Error| StoreError::Protocol(error.to_string());
-        let held: bool = row.try_get(0).map_err(protocol)?;
-        let deleted: bool = row.try_get(1).map_err(protocol)?;
-        let state: Option<String> = row.try_get(2).map_err(protocol)?;
+        let row = the_only_row(&rows, "deletion")?;
+        let held: bool = row.try_get(0).map_err(unreadable)?;
+        let deleted: bool = row.try_get(1).map_err(unreadable)?;
+        let state: Option<String> = row.try_get(2).map_err(unreadable)?;
         Ok(match (deleted, state.as_deref()) {
             (true, _) => Deletion::Deleted,
             (false, Some(_)) => Deletion::InFlight,
