@@ -109,7 +109,8 @@ impl IdempotencyOpenApi {
         self
     }
 
-    /// Documents the key as required on every route, for an app that calls
+    /// Documents the key as required on every route but those tagged
+    /// `#[idempotent(optional)]` ([`ProtectedRoute::optional`]), for an app that calls
     /// [`Idempotency::policy`](crate::Idempotency::policy) with
     /// [`IdempotencyPolicy::required`](crate::IdempotencyPolicy::required).
     #[must_use]
@@ -126,7 +127,7 @@ impl IdempotencyOpenApi {
             .entry(PROBLEM_SCHEMA.to_owned())
             .or_insert_with(problem_schema);
         for route in self.routes.iter() {
-            let required = self.keys_required || route.requires_key();
+            let required = route.requires_key() || (self.keys_required && !route.is_optional());
             let mut found = false;
             for (path, item) in &mut openapi.paths.paths {
                 for method in PROTECTED_METHODS {
@@ -408,6 +409,13 @@ mod tests {
         OperationBuilder::new().operation_id(Some(id)).build()
     }
 
+    /// Whether the key parameter of the `POST` at `path` is documented as required.
+    fn key_required(spec: &OpenApi, path: &str) -> Option<bool> {
+        let parameters = spec.paths.paths[path].post.as_ref()?.parameters.as_ref()?;
+        let parameter = parameters.iter().find(|p| p.name == "Idempotency-Key")?;
+        Some(parameter.required == utoipa::openapi::Required::True)
+    }
+
     fn documented(spec: &OpenApi, path: &str, method: HttpMethod) -> bool {
         let item = &spec.paths.paths[path];
         let operation = match method {
@@ -447,6 +455,47 @@ mod tests {
         );
         assert!(!documented(&spec, "/comments", HttpMethod::Post));
         assert!(!documented(&spec, "/orders/export", HttpMethod::Get));
+    }
+
+    #[test]
+    fn an_optional_route_keeps_its_key_optional_where_the_app_requires_keys() {
+        const ROUTES: [ProtectedRoute; 3] = [
+            ProtectedRoute::new("create", &[("post", "/orders")]),
+            ProtectedRoute::new("hook", &[("post", "/webhooks")]).optional(),
+            ProtectedRoute::new("pay", &[("post", "/payments")]).required(),
+        ];
+        let spec = || {
+            OpenApiBuilder::new()
+                .paths(
+                    PathsBuilder::new()
+                        .path(
+                            "/orders",
+                            PathItem::new(HttpMethod::Post, operation("create")),
+                        )
+                        .path(
+                            "/webhooks",
+                            PathItem::new(HttpMethod::Post, operation("hook")),
+                        )
+                        .path(
+                            "/payments",
+                            PathItem::new(HttpMethod::Post, operation("pay")),
+                        ),
+                )
+                .build()
+        };
+        let mut app_requires = spec();
+        IdempotencyOpenApi::new(&ROUTES)
+            .keys_required()
+            .apply(&mut app_requires);
+        assert_eq!(key_required(&app_requires, "/orders"), Some(true));
+        assert_eq!(key_required(&app_requires, "/webhooks"), Some(false));
+        assert_eq!(key_required(&app_requires, "/payments"), Some(true));
+
+        let mut app_default = spec();
+        IdempotencyOpenApi::new(&ROUTES).apply(&mut app_default);
+        assert_eq!(key_required(&app_default, "/orders"), Some(false));
+        assert_eq!(key_required(&app_default, "/webhooks"), Some(false));
+        assert_eq!(key_required(&app_default, "/payments"), Some(true));
     }
 
     #[test]

@@ -2,7 +2,8 @@
 //! documentation (the OpenAPI support of the `utoipa` feature reads it).
 
 /// A protected route as its documentation needs it: the handler's name, its methods and
-/// paths, and whether it requires a key.
+/// paths, and whether it requires a key, leaves that to the app, or lets requests without
+/// one through whatever the app says (`#[idempotent(optional)]`).
 ///
 /// `#[idempotent]` puts one on the handler as `<handler>::IDEMPOTENCY`, so a spec can be
 /// documented from the attribute itself, never from a hand-copied list. For a route
@@ -28,18 +29,20 @@
 /// // The same for a route registered by hand:
 /// const REFUNDS: ProtectedRoute = ProtectedRoute::new("refund", &[("post", "/refunds")]);
 /// assert!(!REFUNDS.requires_key());
+/// assert!(!REFUNDS.is_optional());
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ProtectedRoute {
     handler: &'static str,
     routes: &'static [(&'static str, &'static str)],
-    required: bool,
+    required: Option<bool>,
 }
 
 impl ProtectedRoute {
     /// The route of `handler` (its function name, which utoipa uses as the operation id)
     /// at each `(method, path)` of `routes` (methods in lower case, paths as Actix writes
-    /// them, e.g. `("post", "/orders/{id}")`); a key is optional.
+    /// them, e.g. `("post", "/orders/{id}")`); whether a key is required is the app's
+    /// policy.
     pub const fn new(
         handler: &'static str,
         routes: &'static [(&'static str, &'static str)],
@@ -47,14 +50,38 @@ impl ProtectedRoute {
         Self {
             handler,
             routes,
-            required: false,
+            required: None,
         }
     }
 
     /// The same route, refusing requests without a key (`#[idempotent(required)]`).
     #[must_use]
     pub const fn required(mut self) -> Self {
-        self.required = true;
+        self.required = Some(true);
+        self
+    }
+
+    /// The same route, letting requests without a key through even under an app policy
+    /// that requires one (`#[idempotent(optional)]`).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::{HttpResponse, post};
+    /// use idempotency_actix::idempotent;
+    ///
+    /// #[idempotent(optional)]
+    /// #[post("/webhooks")]
+    /// async fn webhook() -> HttpResponse {
+    ///     HttpResponse::Ok().finish()
+    /// }
+    ///
+    /// assert!(webhook::IDEMPOTENCY.is_optional());
+    /// assert!(!webhook::IDEMPOTENCY.requires_key());
+    /// ```
+    #[must_use]
+    pub const fn optional(mut self) -> Self {
+        self.required = Some(false);
         self
     }
 
@@ -68,8 +95,13 @@ impl ProtectedRoute {
         self.routes
     }
 
-    /// Whether a request without a key is refused with 400.
+    /// Whether a request without a key is refused with 400, whatever the app says.
     pub const fn requires_key(&self) -> bool {
-        self.required
+        matches!(self.required, Some(true))
+    }
+
+    /// Whether a request without a key is let through, whatever the app says.
+    pub const fn is_optional(&self) -> bool {
+        matches!(self.required, Some(false))
     }
 }

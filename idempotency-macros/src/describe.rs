@@ -1,6 +1,7 @@
 //! The route's description for API documentation: `<handler>::IDEMPOTENCY`, a
 //! `ProtectedRoute` holding the handler's name, its unsafe methods and paths, and whether
-//! a key is required (what the `utoipa` feature of the runtime crate documents).
+//! a key is required or optional whatever the app says (what the `utoipa` feature of the
+//! runtime crate documents).
 
 use proc_macro2::{TokenStream, TokenTree};
 use quote::{ToTokens, quote};
@@ -24,7 +25,11 @@ pub(crate) fn protected_route(arguments: &Arguments, handler: &ItemFn) -> TokenS
             let method = LitStr::new(&method, proc_macro2::Span::call_site());
             quote!((#method, #path))
         });
-    let required = arguments.required.then(|| quote!(.required()));
+    let required = if arguments.required {
+        Some(quote!(.required()))
+    } else {
+        arguments.optional.then(|| quote!(.optional()))
+    };
     quote! {
         impl #name {
             /// What `#[idempotent]` says about this route, for API documentation.

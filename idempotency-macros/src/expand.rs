@@ -372,6 +372,22 @@ mod tests {
     }
 
     #[test]
+    fn an_optional_route_is_described_as_optional() {
+        let expanded = expand(
+            quote!(optional),
+            quote!(
+                #[post("/hooks")]
+                async fn hook() -> HttpResponse {
+                    HttpResponse::Ok().finish()
+                }
+            ),
+        );
+        let expected =
+            "ProtectedRoute :: new (\"hook\" , & [(\"post\" , \"/hooks\")]) . optional () ;";
+        assert!(expanded.contains(expected), "{expanded}");
+    }
+
+    #[test]
     fn a_handler_without_route_attribute_is_an_order_error() {
         let expanded = expand(
             quote!(ttl = "1h"),
