@@ -29,7 +29,8 @@ type Chunk = Option<Result<Bytes, Box<dyn StdError>>>;
 /// stream ends its record (and its lease renewals) there. A body that fails or panics, or
 /// one of known size that ends before that size, is committed without a body, and the
 /// client's response ends with the error. Of a body of known size that runs past its size,
-/// what the client gets (that size) is stored.
+/// what the client gets (that size) is stored. Empty chunks are left out, as Actix's own
+/// streams leave them out: Actix would end a chunked response at one.
 ///
 /// If the client goes away first, the rest of the body is read on a task of its own, up to
 /// the limit, and committed the same way. A body that then produces nothing for `idle` (the
@@ -111,6 +112,10 @@ where
             let polled = std::panic::catch_unwind(AssertUnwindSafe(|| body.as_mut().poll_next(cx)));
             let chunk: Chunk = match polled {
                 Ok(Poll::Pending) => return Poll::Pending,
+                // Actix ends a chunked response at an empty chunk (its own streams leave
+                // them out): passed on, the client would have the body so far as complete
+                // while the record waits for the rest.
+                Ok(Poll::Ready(Some(Ok(bytes)))) if bytes.is_empty() => continue,
                 Ok(Poll::Ready(chunk)) => chunk.map(|result| result.map_err(Into::into)),
                 Err(_panic) => {
                     tracing::error!(

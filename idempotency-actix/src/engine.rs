@@ -29,6 +29,7 @@ use crate::key::IdempotencyKey;
 use crate::lost_record::{self, NoticedBy};
 use crate::policy::{IdempotencyPolicy, Policy};
 use crate::record::StoredResponse;
+use crate::rendered_error::RenderedError;
 use crate::replay::{ReplayedHeaders, replay_response};
 use crate::replay_cache::ReplayCache;
 use crate::run_to_completion::{RunToCompletion, panic_message};
@@ -771,22 +772,21 @@ impl Engine {
     }
 
     /// What an error of the inner service comes to: the key is released, unless the policy
-    /// stores responses of its status (`store_errors`), as Actix renders it for the client
-    /// (a layer inside this one that fails after the handler ran, say).
+    /// stores responses of its status (`store_errors`, or a status under 400), as Actix
+    /// renders it (a layer inside this one that fails after the handler ran, say); the client
+    /// then gets the rendering that was stored, not one of its own.
     fn failed<B>(&self, error: actix_web::Error, policy: &Policy) -> Handled<B> {
         if !policy.stores_status(error.as_response_error().status_code()) {
             return Handled::Failed(error);
         }
+        // Rendered once, and the client gets that rendering (see `RenderedError`).
         let rendered = error.error_response();
         let status = rendered.status();
         let headers = self.settings.replayed_headers.select(rendered.headers());
-        let body = rendered
-            .into_body()
-            .try_into_bytes()
-            .ok()
-            .filter(|body| body.len() <= policy.max_stored_body);
+        let (error, body) = RenderedError::new(error, rendered);
+        let body = body.filter(|body| body.len() <= policy.max_stored_body);
         Handled::FailedStored {
-            error,
+            error: error.into(),
             stored: StoredResponse {
                 status,
                 headers,

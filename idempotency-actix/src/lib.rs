@@ -236,6 +236,7 @@ mod openapi;
 mod policy;
 mod protected_route;
 mod record;
+mod rendered_error;
 mod replay;
 mod replay_cache;
 mod run_to_completion;

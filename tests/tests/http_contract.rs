@@ -202,6 +202,32 @@ fn start(backend: Backend, test: &str, configure: fn(Idempotency) -> Idempotency
                         .route(web::post().to(create)),
                 )
                 .service(
+                    // A layer under the middleware whose error carries a response of its
+                    // own, which `InternalError` hands out once (a card declined after the
+                    // handler reserved the order, say).
+                    web::resource("/stored-error-with-its-own-response")
+                        .wrap_fn(|req, service| {
+                            let handled = service.call(req);
+                            async move {
+                                handled.await?;
+                                let declined = HttpResponse::PaymentRequired()
+                                    .insert_header(("x-decline-code", "card_declined"))
+                                    .body("card declined");
+                                Err::<actix_web::dev::ServiceResponse, _>(
+                                    actix_web::error::InternalError::from_response(
+                                        "card declined",
+                                        declined,
+                                    )
+                                    .into(),
+                                )
+                            }
+                        })
+                        .wrap(IdempotentRoute::with_policy(
+                            IdempotencyPolicy::default().store_errors(),
+                        ))
+                        .route(web::post().to(create)),
+                )
+                .service(
                     web::resource("/panic")
                         .wrap(IdempotentRoute::new())
                         .route(web::post().to(panics)),
@@ -532,6 +558,22 @@ async fn a_route_that_stores_errors_stores_an_inner_layers_error(backend: Backen
     assert_eq!(h.runs.get(), 1);
 }
 
+async fn an_inner_layers_error_reaches_its_client_as_it_is_replayed(backend: Backend) {
+    let h = start(backend, "store_inner_error_response", |i| i);
+    let key = h.key("e");
+    let path = "/stored-error-with-its-own-response";
+    let first = h.post(path, Some(&key), "{}").await;
+    assert_eq!(first.status, StatusCode::PAYMENT_REQUIRED, "{first:?}");
+    assert_eq!(first.header("x-decline-code"), Some("card_declined"));
+    assert_eq!(first.body, "card declined");
+    let retry = h.post(path, Some(&key), "{}").await;
+    assert!(retry.is_replay(), "the handler ran again: {retry:?}");
+    assert_eq!(retry.status, first.status);
+    assert_eq!(retry.header("x-decline-code"), Some("card_declined"));
+    assert_eq!(retry.body, first.body);
+    assert_eq!(h.runs.get(), 1);
+}
+
 async fn a_panicking_handler_is_500_and_releases_the_key(backend: Backend) {
     let h = start(backend, "panic", |i| i);
     let key = h.key("p");
@@ -786,6 +828,7 @@ every_backend!(
     error_responses_release_the_key,
     a_route_can_store_error_responses,
     a_route_that_stores_errors_stores_an_inner_layers_error,
+    an_inner_layers_error_reaches_its_client_as_it_is_replayed,
     a_panicking_handler_is_500_and_releases_the_key,
     a_layer_panicking_in_call_is_500_and_releases_the_key,
     an_oversized_request_body_is_413_without_running,
