@@ -3,6 +3,7 @@
 use std::sync::{Mutex, PoisonError};
 
 use super::MemoryStore;
+use super::entry::MIN_SHARD_BUDGET;
 
 /// The settings of a [`MemoryStore`]: how many bytes it may hold and across how many
 /// independently locked shards.
@@ -91,13 +92,37 @@ impl MemoryStoreBuilder {
     }
 
     /// A new store of its own with these settings.
+    ///
+    /// # Panics
+    ///
+    /// If a shard's share of the budget cannot hold even one in-flight record (about 1.2 KB:
+    /// a budget that small, or that many shards, is a configuration mistake): such a store
+    /// would refuse every new key.
     pub fn build(self) -> MemoryStore {
+        self.check();
         MemoryStore::from_settings(self)
+    }
+
+    /// Panics if a shard's share of the budget cannot hold one in-flight record.
+    fn check(&self) {
+        let share = self.max_bytes / self.shard_count();
+        assert!(
+            share >= MIN_SHARD_BUDGET,
+            "MemoryStoreBuilder: a shard's share of max_bytes ({share} of {} bytes in {} \
+             shards) cannot hold one in-flight record (it takes at least {MIN_SHARD_BUDGET}): \
+             raise max_bytes or lower shards",
+            self.max_bytes,
+            self.shard_count()
+        );
     }
 
     /// The process-wide store with these settings, made on first use: every call with the
     /// same settings (from any worker or app in the process) gets a handle on the same
     /// records.
+    ///
+    /// # Panics
+    ///
+    /// As [`build`](Self::build) does.
     ///
     /// # Examples
     ///
@@ -120,6 +145,7 @@ impl MemoryStoreBuilder {
     pub fn shared(self) -> MemoryStore {
         static SHARED: Mutex<Vec<(MemoryStoreBuilder, MemoryStore)>> = Mutex::new(Vec::new());
         let settings = self.resolved();
+        settings.check();
         // Nothing panics while this lock is held, so a poisoned lock is still consistent.
         let mut shared = SHARED.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some((_, store)) = shared.iter().find(|(known, _)| *known == settings) {

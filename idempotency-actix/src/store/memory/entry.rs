@@ -72,6 +72,11 @@ const ALLOCATION_OVERHEAD: usize = 32;
 const ENTRY_OVERHEAD: usize =
     2 * size_of::<Entry>() + 2 * size_of::<(ExpiryKey, u64)>() + 2 * ALLOCATION_OVERHEAD;
 
+/// The least budget a shard can work with: its in-flight half holds one in-flight record
+/// under a storage key of 64 hex digits after a prefix of up to 64 bytes. A smaller shard
+/// would refuse every new key, empty as it is.
+pub(super) const MIN_SHARD_BUDGET: usize = 2 * (ENTRY_OVERHEAD + 64 + 64 + 32);
+
 /// The bytes an in-flight record under `key` held by `token` is charged.
 pub(super) fn in_flight_bytes(key: &str, token: &LeaseToken) -> usize {
     ENTRY_OVERHEAD + key.len() + token.as_str().len()

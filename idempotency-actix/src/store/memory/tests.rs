@@ -257,3 +257,25 @@ async fn a_marker_remembers_the_latest_abandoned_tokens_in_bounded_memory() {
     );
     assert!(consistent(&store));
 }
+
+#[actix_web::test]
+async fn a_store_whose_shards_cannot_hold_one_record_is_refused_when_built() {
+    // 1 KiB a shard: its in-flight half is less than one in-flight record, so every new key
+    // would be refused (503) as if the empty store were full of them.
+    let too_small = std::panic::catch_unwind(|| {
+        MemoryStore::builder()
+            .max_bytes(16 * 1024)
+            .shards(16)
+            .build()
+    });
+    assert!(
+        too_small.is_err(),
+        "a store that can hold no record was built"
+    );
+    // The least share accepted takes a new key under a 64-byte prefix.
+    let least = one_shard(entry::MIN_SHARD_BUDGET);
+    let prefixed = StorageKey::new(&"p".repeat(64), b"", &IdempotencyKey::parse(b"k").unwrap());
+    let token = LeaseToken::generate();
+    let begun = least.begin(&prefixed, &print(), &token, LONG).await;
+    assert_eq!(begun.unwrap(), BeginOutcome::Acquired);
+}
