@@ -1005,7 +1005,10 @@ async fn keep_renewing(lock: &Rc<HeldLock>) {
 /// Retries the commit of `stored` after it failed (Redis out of memory, unreachable, slow),
 /// renewing the lease meanwhile so that the key stays locked: retries get 409, never a
 /// second run of a handler whose response went out. Backoff 50 ms doubling to 1 s (at most a
-/// third of the lease, so renewals stay on time).
+/// third of the lease). The lease is renewed on a task of its own, on the schedule it keeps
+/// while the handler runs ([`keep_renewing`]), not between two attempts: a renewal and an
+/// attempt that each take almost the store timeout, and the pause after them, would add up
+/// to more than the lease, and let a retry in.
 ///
 /// Bounded by `ttl`, how long the record was wanted: had the commit landed, it would have
 /// expired by then and a retry would have run the handler again anyway. Stops at the first
@@ -1015,21 +1018,17 @@ async fn keep_renewing(lock: &Rc<HeldLock>) {
 async fn keep_committing(lock: Rc<HeldLock>, stored: StoredResponse, ttl: Duration) {
     let deadline = Instant::now() + ttl;
     let mut pause = Duration::from_millis(50);
-    // Renewal stops at the first "not held": the commit then tells whether the record was
-    // lost or already completed by this token (a commit that timed out but landed).
-    let mut renewing = true;
+    // Renewal stops at the first "not held", unreported: the commit then tells whether the
+    // record was lost or already completed by this token (a commit that timed out but
+    // landed). It ends when this does.
+    lock.committing.set(true);
+    let _renewals = AbortOnDrop(actix_rt::spawn({
+        let lock = Rc::clone(&lock);
+        async move { keep_renewing(&lock).await }
+    }));
     let mut attempts = 0_u32;
     while Instant::now() + pause < deadline {
         actix_rt::time::sleep(pause).await;
-        if renewing && lock.renewal_due() {
-            match lock.renew().await {
-                Ok(true) => {}
-                Ok(false) => renewing = false,
-                Err(error) => {
-                    tracing::warn!(%error, "idempotency: lease renewal failed while the commit is retried")
-                }
-            }
-        }
         attempts += 1;
         instrument::background_retry(StoreOperation::Commit);
         let commit = lock.store.commit(

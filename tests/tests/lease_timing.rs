@@ -23,13 +23,26 @@ fn start(
         web::Data<RunCounter>,
     ) -> futures_util::future::LocalBoxFuture<'static, HttpResponse>,
 ) -> actix_test::TestServer {
+    start_with_timeout(store, Duration::from_secs(2), lease, runs, handler)
+}
+
+/// [`start`] with a store timeout of `store_timeout`.
+fn start_with_timeout(
+    store: FaultyStore,
+    store_timeout: Duration,
+    lease: Duration,
+    runs: &RunCounter,
+    handler: fn(
+        web::Data<RunCounter>,
+    ) -> futures_util::future::LocalBoxFuture<'static, HttpResponse>,
+) -> actix_test::TestServer {
     let runs = runs.clone();
     actix_test::start(move || {
         App::new()
             .app_data(web::Data::new(runs.clone()))
             .wrap(
                 Idempotency::new(store.clone())
-                    .store_timeout(Duration::from_secs(2))
+                    .store_timeout(store_timeout)
                     .scope(KeyScope::global()),
             )
             .service(
@@ -169,4 +182,45 @@ async fn a_renewal_on_its_way_when_the_handler_returns_still_lands() {
 #[actix_web::test]
 async fn a_renewal_on_its_way_when_the_streamed_body_is_whole_still_lands() {
     a_renewal_on_its_way_when_the_response_is_whole_still_lands(true).await;
+}
+
+/// A commit that keeps failing, each attempt answering only after 0.98 s, under a 1 s store
+/// timeout and a 2.15 s lease (above twice the timeout plus 100 ms, so no warning), with
+/// renewals that take 0.98 s to reach the store. The commit was retried in the background
+/// with a renewal before each attempt, one after the other: a renewal, an attempt, and the
+/// pause before the next (growing to a third of the lease) came to more than the lease, so
+/// the lease ran out between two renewals, some seven seconds in, and a retry in that gap
+/// ran the handler a second time (helper review). The lease is now renewed on its own
+/// schedule while the commit is retried, as while the handler runs.
+#[actix_web::test]
+async fn a_commit_retried_in_the_background_keeps_its_lease_on_schedule() {
+    let store = FaultyStore {
+        renew_delay: Duration::from_millis(980),
+        commit_delay: Duration::from_millis(980),
+        failed_commits: std::sync::Arc::new(u32::MAX.into()),
+        ..FaultyStore::default()
+    };
+    let runs = RunCounter::default();
+    let server = start_with_timeout(
+        store,
+        Duration::from_secs(1),
+        Duration::from_millis(2_150),
+        &runs,
+        |runs| {
+            Box::pin(async move {
+                let seq = runs.record();
+                HttpResponse::Created().body(format!("run {seq}"))
+            })
+        },
+    );
+    let first = post(&server, "k").await;
+    assert_eq!(first, (StatusCode::CREATED, Bytes::from("run 1")));
+    // Retries while the commit is retried in the background: each must find the key held.
+    let until = std::time::Instant::now() + Duration::from_secs(16);
+    while std::time::Instant::now() < until {
+        let retry = post(&server, "k").await;
+        assert_eq!(retry.0, StatusCode::CONFLICT, "{retry:?}");
+        actix_rt::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(runs.get(), 1);
 }
