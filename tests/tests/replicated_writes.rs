@@ -60,6 +60,27 @@ async fn with_the_replica_up_the_record_is_on_it_when_the_response_arrives() {
     assert_eq!(runs.total(), 20);
 }
 
+/// The longest timeout `ReplicatedWrites::new` takes (365 days, as for every duration of
+/// the middleware) is one Redis accepts: with the replica up, `WAIT` answers at once and the
+/// key runs and replays. A longer one panics when built (a unit test of `replication.rs`):
+/// Redis answered `ERR timeout is not an integer or out of range` to every replicated write
+/// of a `Duration::MAX`, so every new key was a 503.
+#[actix_web::test]
+async fn the_longest_timeout_is_one_redis_accepts() {
+    let primary = PrivateRedis::start().await;
+    let _replica = PrivateRedis::start_replica_of(&primary).await;
+    let runs = RunsByKey::default();
+    let longest = ReplicatedWrites::new(1, idempotency_actix::MAX_DURATION);
+    let (app, _prefix) = app(&primary, longest, &runs);
+
+    let first = app.post("k").await.unwrap();
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let replay = app.post("k").await.unwrap();
+    assert!(replay.is_replay(), "{replay:?}");
+    assert_eq!(replay.body, first.body);
+    assert_eq!(runs.total(), 1);
+}
+
 #[actix_web::test]
 async fn strict_refuses_new_keys_while_the_replica_is_down_and_replays_go_on() {
     let primary = PrivateRedis::start().await;

@@ -82,7 +82,18 @@ pub struct ReplicatedWrites {
 impl ReplicatedWrites {
     /// Wait for `replicas` replicas, at most `timeout` (at least 1 ms), per write; strict:
     /// fewer acknowledgements fail the step.
+    ///
+    /// # Panics
+    ///
+    /// If `timeout` is over [`MAX_DURATION`](crate::MAX_DURATION) (365 days), like the
+    /// middleware's other durations: Redis refuses a `WAIT` timeout that large, so every
+    /// replicated write would fail. (`WAIT` has no "forever" here: a zero `timeout` waits
+    /// 1 ms.)
     pub const fn new(replicas: u32, timeout: Duration) -> Self {
+        assert!(
+            timeout.as_secs() <= crate::MAX_DURATION.as_secs(),
+            "a replicated write's timeout must be at most 365 days"
+        );
         Self {
             replicas,
             timeout,
@@ -138,4 +149,36 @@ fn timeout_millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis())
         .unwrap_or(u64::MAX)
         .max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::ReplicatedWrites;
+    use crate::MAX_DURATION;
+
+    #[test]
+    fn the_longest_timeout_is_taken_as_whole_milliseconds() {
+        let writes = ReplicatedWrites::new(1, MAX_DURATION);
+        let command = writes.command();
+        let args: Vec<_> = command.args_iter().collect();
+        assert_eq!(args.len(), 3);
+        assert!(matches!(args[2], redis::Arg::Simple(b"31536000000")));
+    }
+
+    #[test]
+    fn a_zero_timeout_waits_one_millisecond_not_forever() {
+        let command = ReplicatedWrites::new(1, Duration::ZERO).command();
+        assert!(matches!(
+            command.args_iter().nth(2),
+            Some(redis::Arg::Simple(b"1"))
+        ));
+    }
+
+    #[test]
+    #[should_panic(expected = "at most 365 days")]
+    fn a_timeout_over_365_days_is_refused_when_built() {
+        let _ = ReplicatedWrites::new(1, Duration::MAX);
+    }
 }
