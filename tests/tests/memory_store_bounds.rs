@@ -207,3 +207,64 @@ async fn new_keys_refused_by_a_store_full_of_in_flight_records_evict_no_complete
     }
     assert_eq!(server.runs.get(), runs, "a completed payment ran again");
 }
+
+/// A response whose headers alone are larger than the store (10 000 bytes of header in a
+/// store of 8 KiB): it used to be refused even without its body, the commit was
+/// retried in the background for the whole ttl, and every retry of the request got 409
+/// meanwhile, never its replay (helper review). It is now completed with its status alone:
+/// the retry is a replay, marked `Idempotent-Body-Omitted`, and the handler ran once.
+#[actix_web::test]
+async fn a_response_whose_headers_outgrow_the_store_is_replayed_with_its_status_alone() {
+    use actix_web::{App, HttpResponse, web};
+    use idempotency_actix::{KeyScope, REPLAYED_HEADER};
+    use idempotency_actix_tests::RunCounter;
+
+    let store = MemoryStore::builder().max_bytes(8 * 1024).shards(1).build();
+    let runs = RunCounter::default();
+    let server = {
+        let (store, runs) = (store.clone(), runs.clone());
+        actix_test::start(move || {
+            let runs = runs.clone();
+            App::new()
+                .wrap(
+                    Idempotency::new(store.clone())
+                        .scope(KeyScope::global())
+                        .protect_methods([Method::POST]),
+                )
+                .route(
+                    "/receipts",
+                    web::post().to(move || {
+                        let seq = runs.record();
+                        async move {
+                            HttpResponse::Created()
+                                .insert_header(("x-receipt", "r".repeat(10_000)))
+                                .body(format!("receipt {seq}"))
+                        }
+                    }),
+                )
+        })
+    };
+    let post = || async {
+        let mut response = server
+            .post("/receipts")
+            .insert_header(("idempotency-key", "large-headers"))
+            .send_body("{}")
+            .await
+            .unwrap();
+        let body = response.body().await.unwrap();
+        (response.status(), response.headers().clone(), body)
+    };
+
+    let (status, headers, body) = post().await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(headers.get("x-receipt").unwrap().len(), 10_000);
+    assert_eq!(body, Bytes::from("receipt 1"));
+
+    let (status, headers, body) = post().await;
+    assert_eq!(status, StatusCode::CREATED, "{headers:?} {body:?}");
+    assert_eq!(runs.get(), 1, "{headers:?} {body:?}");
+    assert_eq!(headers.get(REPLAYED_HEADER).unwrap(), "true");
+    assert_eq!(headers.get("idempotent-body-omitted").unwrap(), "true");
+    assert!(body.is_empty(), "{body:?}");
+    assert!(store.used_bytes() <= store.max_bytes());
+}

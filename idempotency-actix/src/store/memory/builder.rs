@@ -67,7 +67,7 @@ impl MemoryStoreBuilder {
     /// least 1 and at most [`DEFAULT_MAX_SHARDS`](Self::DEFAULT_MAX_SHARDS) (16 for the
     /// default 64 MiB). More shards let more workers use the store at once; fewer leave
     /// each shard room for larger records (a response larger than a shard's share is
-    /// stored without its body).
+    /// stored without its body, or with its status alone if its headers are that large).
     ///
     /// # Panics
     ///

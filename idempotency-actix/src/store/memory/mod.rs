@@ -50,7 +50,9 @@ use self::shard::{Begun, Found, Full, HashedKey, Shard};
 /// leaves nothing behind: 503 when failing closed) only when in-flight records alone hold
 /// half the budget, and accepted again as soon as some complete or are released. A
 /// response that does not fit even then is stored without its body, as a response over the
-/// stored-body limit is, so its retries are still never run again.
+/// stored-body limit is, so its retries are still never run again; one whose headers alone
+/// do not fit either is stored with its status alone (replayed with
+/// `Idempotent-Body-Omitted: true` and none of its headers).
 ///
 /// The budget is split evenly between shards, each with its own lock, chosen by a hash of
 /// the key ([`MemoryStoreBuilder::shards`]), so workers rarely wait for one another; the

@@ -211,8 +211,9 @@ impl Shard {
     /// Completes the record held by `token`. A record that does not fit even once every
     /// completed record is evicted (in-flight records fill the shard, or the response alone
     /// is larger than the shard) is completed without its body, as a response over the
-    /// stored-body limit is, so a retry still never runs the handler again; [`Full`] if
-    /// even that does not fit.
+    /// stored-body limit is, so a retry still never runs the handler again; if that does
+    /// not fit either (headers larger than the room completions have), with its status
+    /// alone; [`Full`] if even that does not fit.
     ///
     /// Where the key is free, the completed record (of `fingerprint`) is written anew, and a
     /// retry gets the replay: nothing is there, or an expired record (the in-flight one of
@@ -270,7 +271,8 @@ impl Shard {
 
     /// `response` encoded for the completed record of `token` under `key`, and that record's
     /// bytes, with room made for them beyond the `replaced` bytes of the record it replaces:
-    /// without its body if the whole does not fit (see [`commit`](Self::commit)).
+    /// without its body if the whole does not fit, with its status alone if that does not
+    /// fit either (see [`commit`](Self::commit)).
     fn fit(
         &mut self,
         key: HashedKey<'_>,
@@ -293,10 +295,23 @@ impl Shard {
         };
         let stored = Bytes::from(without_body.encode());
         let bytes = entry::completed_bytes(key.key, token, stored.len());
+        if self.make_room(bytes - replaced, now).is_ok() {
+            tracing::warn!(
+                max_bytes = self.max_bytes,
+                "idempotency: a response did not fit in the memory store; completed without its body"
+            );
+            return Ok((stored, bytes));
+        }
+        // Headers too large for the room that completions have: completed with the status
+        // alone rather than refused, or the commit would be retried for the whole ttl and
+        // every retry of the request would get 409 meanwhile, never its replay.
+        let status_only = StoredResponse::new(response.status, Vec::new(), None);
+        let stored = Bytes::from(status_only.encode());
+        let bytes = entry::completed_bytes(key.key, token, stored.len());
         self.make_room(bytes - replaced, now)?;
         tracing::warn!(
             max_bytes = self.max_bytes,
-            "idempotency: a response did not fit in the memory store; completed without its body"
+            "idempotency: a response's headers did not fit in the memory store; completed with its status alone"
         );
         Ok((stored, bytes))
     }
