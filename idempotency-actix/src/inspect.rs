@@ -18,11 +18,11 @@ use crate::store::{Deletion, IdempotencyStore, RecordSnapshot, StoreError};
 ///
 /// Deleting a completed record makes the next request with its key run the handler again.
 /// Deleting an in-flight record is refused ([`Deletion::InFlight`]) unless forced: its
-/// handler may still be running, and forcing loses that run's response for good. Its commit
-/// finds the record gone and stores nothing (it is reported as a lost record,
-/// [`Idempotency::lost_records`](crate::Idempotency::lost_records)), so every later retry
-/// with the key runs the handler again, even one sent after the client got its response.
-/// Force only a record whose request is known to be dead. Instances with a
+/// handler may still be running, and forcing lets a retry run it again meanwhile. Its
+/// commit finds the record gone: where the key is still free, it writes the completed
+/// record anew (a warning in the log), and later retries get the replay; where a retry
+/// has taken the key meanwhile, it stores nothing, and that retry's run is the one that is
+/// kept. Force only a record whose request is known to be dead. Instances with a
 /// [`ReplayCache`](crate::ReplayCache) keep replaying a deleted completed record they have
 /// cached until its TTL runs out.
 ///

@@ -72,7 +72,7 @@
 //! | retry while the first is still running | 409 problem with `Retry-After` |
 //! | handler answers 1xx (not a final response) | passed through as Actix sends it; never stored, key released |
 //! | handler answers 204 or 304 | stored and replayed without a body or `Content-Length` |
-//! | handler answers >= 400 or panics | response returned (a panic becomes a 500 problem); key released, a retry runs again (`store_errors` stores them instead) |
+//! | handler answers >= 400 or panics | response returned (a panic becomes a 500 problem); key released, a retry runs again (`store_errors` stores error responses instead; a panic always releases the key) |
 //! | keyed request body over the limit (1 MiB) | 413 problem; the handler does not run |
 //! | response body over the stored limit (1 MiB) | sent whole; the record completes without a body, so a retry never re-runs; the replay has the stored status and headers, an empty body and `Idempotent-Body-Omitted: true` |
 //! | the worker at its cap of keyed work (1024 in flight, 256 detached) | 503 problem with `Retry-After`; the handler does not run |

@@ -34,7 +34,7 @@ use crate::key::IdempotencyKey;
 /// scope that silently fell back to "everyone" would hand one principal's response to
 /// another. Return `Some(String::new())` for requests that may share the global space.
 ///
-/// An app-level [`Idempotency`](crate::Idempotency) runs before the middleware registered
+/// An app-level [`Idempotency`](crate::Idempotency) runs after the middleware registered
 /// after it on the `App` (Actix runs the last `wrap` first): a scope function that reads
 /// what an authentication middleware stores needs that middleware wrapped *after*
 /// `Idempotency` (so it runs first), or the route-level `#[idempotent]`, which runs after

@@ -30,7 +30,7 @@ pub struct MemoryStoreBuilder {
 
 impl MemoryStoreBuilder {
     /// The default byte budget: 64 MiB, room for about 60 000 records of a few hundred
-    /// bytes of body and headers each (a record costs about 800 bytes more than its body and
+    /// bytes of body and headers each (a record costs about 600 bytes more than its body and
     /// headers), or 60 of the largest stored bodies (1 MiB).
     pub const DEFAULT_MAX_BYTES: usize = 64 * 1024 * 1024;
 
