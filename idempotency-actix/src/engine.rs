@@ -1191,8 +1191,12 @@ async fn within<T>(
     result
 }
 
-/// Reads the request body, refusing more than `limit` bytes.
+/// Reads the request body, refusing more than `limit` bytes, and refusing a body that has
+/// no end (see [`asks_for_websocket_upgrade`]).
 async fn read_body(req: &mut ServiceRequest, limit: usize) -> Result<Bytes, IdempotencyError> {
+    if asks_for_websocket_upgrade(req.headers()) {
+        return Err(IdempotencyError::UpgradeRequested);
+    }
     let declared = req
         .headers()
         .get(header::CONTENT_LENGTH)
@@ -1222,6 +1226,18 @@ async fn read_body(req: &mut ServiceRequest, limit: usize) -> Result<Bytes, Idem
         }
     }
     Ok(first.unwrap_or_else(|| body.freeze()))
+}
+
+/// Whether the request names `websocket` in an `Upgrade` header: Actix's HTTP/1 decoder then
+/// makes its body whatever the connection carries until it ends, whatever its
+/// `Content-Length` says, so reading it for the fingerprint would wait for the client to
+/// close the connection.
+fn asks_for_websocket_upgrade(headers: &header::HeaderMap) -> bool {
+    headers.get_all(header::UPGRADE).any(|value| {
+        value
+            .to_str()
+            .is_ok_and(|value| value.trim().eq_ignore_ascii_case("websocket"))
+    })
 }
 
 /// Claims `req` for `engine`, in the handle the layer that took it left (updated in place:

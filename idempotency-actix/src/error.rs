@@ -50,6 +50,14 @@ pub enum IdempotencyError {
     /// the source says what went wrong.
     #[error("the request body could not be read")]
     RequestBodyUnreadable(#[source] PayloadError),
+    /// A keyed request asks to upgrade its connection (`Upgrade: websocket`): Actix reads
+    /// the body of such a request until the connection ends, so it has no end to
+    /// fingerprint, and the client would wait for an answer that never came. 400 at once;
+    /// the handler did not run. Send it without a key.
+    #[error(
+        "a request that asks to upgrade its connection (Upgrade: websocket) cannot be made idempotent: its body has no end; send it without an idempotency key"
+    )]
+    UpgradeRequested,
     /// A request with this key is still being processed. 409 with `Retry-After`.
     #[error("a request with this idempotency key is still being processed")]
     InFlight {
@@ -120,6 +128,7 @@ impl IdempotencyError {
             Self::MissingScope => ("missing-scope", "Idempotency scope missing"),
             Self::RequestBodyTooLarge { .. } => ("body-too-large", "Request body too large"),
             Self::RequestBodyUnreadable(_) => ("body-unreadable", "Request body unreadable"),
+            Self::UpgradeRequested => ("upgrade-requested", "Connection upgrade with a key"),
             Self::InFlight { .. } => ("in-flight", "Request in progress"),
             Self::FingerprintMismatch => ("key-reused", "Idempotency-Key reused"),
             Self::StoreUnavailable { .. } => ("store-unavailable", "Idempotency store unavailable"),
@@ -158,7 +167,8 @@ impl ResponseError for IdempotencyError {
             Self::MissingKey
             | Self::InvalidKey(_)
             | Self::MissingScope
-            | Self::RequestBodyUnreadable(_) => StatusCode::BAD_REQUEST,
+            | Self::RequestBodyUnreadable(_)
+            | Self::UpgradeRequested => StatusCode::BAD_REQUEST,
             Self::RequestBodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::InFlight { .. } => StatusCode::CONFLICT,
             Self::FingerprintMismatch => StatusCode::UNPROCESSABLE_ENTITY,

@@ -60,7 +60,8 @@ pub enum Outcome {
     NoKey,
     /// 400: the key's scope could not be determined.
     MissingScope,
-    /// 400: the request body could not be read.
+    /// 400: the request body could not be read, or has no end (a keyed request that asks
+    /// for a WebSocket upgrade).
     BodyUnreadable,
     /// 413: the request body is over the limit.
     TooLarge,
@@ -123,7 +124,9 @@ impl Outcome {
             IdempotencyError::InvalidKey(_) => Self::InvalidKey,
             IdempotencyError::MissingScope => Self::MissingScope,
             IdempotencyError::RequestBodyTooLarge { .. } => Self::TooLarge,
-            IdempotencyError::RequestBodyUnreadable(_) => Self::BodyUnreadable,
+            IdempotencyError::RequestBodyUnreadable(_) | IdempotencyError::UpgradeRequested => {
+                Self::BodyUnreadable
+            }
             IdempotencyError::InFlight { .. } => Self::Conflict,
             IdempotencyError::FingerprintMismatch => Self::Mismatch,
             IdempotencyError::StoreUnavailable { .. } => Self::StoreError,

@@ -74,6 +74,7 @@
 //! | handler answers 204 or 304 | stored and replayed without a body or `Content-Length` |
 //! | handler answers >= 400 or panics | response returned (a panic becomes a 500 problem); key released, a retry runs again (`store_errors` stores error responses instead; a panic always releases the key) |
 //! | keyed request body over the limit (1 MiB) | 413 problem; the handler does not run |
+//! | keyed request that asks for a WebSocket upgrade (`Upgrade: websocket`) | 400 problem at once; the handler does not run (its body has no end to fingerprint) |
 //! | response body over the stored limit (1 MiB) | sent whole; the record completes without a body, so a retry never re-runs; the replay has the stored status and headers, an empty body and `Idempotent-Body-Omitted: true` |
 //! | the worker at its cap of keyed work (1024 in flight, 256 detached) | 503 problem with `Retry-After`; the handler does not run |
 //! | a new key while the process drains before it stops ([`Idempotency::drain`]) | 503 problem with `Retry-After` and `Connection: close`; the handler does not run |

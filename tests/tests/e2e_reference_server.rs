@@ -669,6 +669,63 @@ async fn without_redis_url_the_in_memory_store_protects_routes() {
     assert_eq!(count(&client, &server, "orders").await, 1);
 }
 
+/// Sends `POST /flaky` with `Upgrade: websocket` (and `key`, if any) and an empty body,
+/// keeps its side of the connection open, and returns what arrived within 5 s.
+fn post_naming_an_upgrade(server: &ReferenceServer, key: Option<&str>) -> String {
+    use std::io::{Read, Write};
+    let mut socket = std::net::TcpStream::connect(server.addr()).unwrap();
+    socket
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let key = key
+        .map(|key| format!("Idempotency-Key: {key}\r\n"))
+        .unwrap_or_default();
+    write!(
+        socket,
+        "POST /flaky HTTP/1.1\r\nHost: x\r\nConnection: close\r\nUpgrade: websocket\r\n\
+         {key}Content-Length: 0\r\n\r\n"
+    )
+    .unwrap();
+    let mut received = Vec::new();
+    let mut buffer = [0; 4096];
+    // Until the server closes the connection or 5 s pass without a byte.
+    while let Ok(read @ 1..) = socket.read(&mut buffer) {
+        received.extend_from_slice(&buffer[..read]);
+    }
+    String::from_utf8_lossy(&received).into_owned()
+}
+
+/// A POST or PUT naming `Upgrade: websocket` (which no WebSocket handshake is: that is a
+/// GET) makes Actix read its body up to the end of the connection, whatever its
+/// `Content-Length`. A handler that does not read the body answers it at once, as plain
+/// Actix does without a key; with a key, the middleware waited for that body to take the
+/// fingerprint, so the client got nothing until it closed its side (then a 400
+/// `body-unreadable`; helper review). DESIGN §7: bad input gets a clear error, never a
+/// held connection. It is now refused at once: 400 `upgrade-requested`, handler not run.
+#[actix_rt::test]
+async fn a_keyed_request_naming_an_upgrade_is_answered_while_its_client_waits() {
+    let server = ReferenceServer::start(&[]);
+    let client = client();
+    let keyless = post_naming_an_upgrade(&server, None);
+    assert!(keyless.starts_with("HTTP/1.1 200 "), "{keyless:?}");
+    let keyed = post_naming_an_upgrade(&server, Some(&new_key()));
+    assert!(
+        keyed.starts_with("HTTP/1.1 400 "),
+        "no answer within 5 s to a keyed request the same request without a key gets \
+         at once: {keyed:?}"
+    );
+    assert!(
+        keyed.contains("application/problem+json")
+            && keyed.contains("tag:idempotency-actix,2026:upgrade-requested"),
+        "{keyed:?}"
+    );
+    assert_eq!(
+        count(&client, &server, "flaky").await,
+        1,
+        "only the keyless one ran"
+    );
+}
+
 /// Waits up to 10 s until the Redis at `REDIS_URL` holds a record under `prefix`: a request
 /// has taken its key and its handler runs.
 async fn record_under(prefix: &str) {
