@@ -681,3 +681,90 @@ async fn a_missing_table_is_503_on_both_kinds_of_route() {
     }
     assert_eq!((h.runs.get(), h.ledger_rows().await), (0, 0));
 }
+
+/// A database whose default isolation is stricter than READ COMMITTED (as an app sets it
+/// with `default_transaction_isolation` for its transactional routes to run serializable):
+/// duplicates sent at once, on a plain route and on a transactional one that waits, get
+/// the replay, and each key's handler runs once, on a fail-open app too. (A duplicate whose
+/// `begin` or claim met the first request's record, committed after its snapshot, failed to
+/// serialize: a store error, so a 503, and on a fail-open app a second run of the handler.)
+#[actix_web::test]
+async fn duplicates_run_once_under_a_stricter_default_isolation() {
+    let keys = 10;
+    for isolation in ["repeatable read", "serializable"] {
+        let setting = format!("default_transaction_isolation = '{isolation}'");
+        // Connections for every duplicate at once: none waits for one and times out.
+        let h = start_on(40, FailMode::Open, Some(&setting)).await;
+        for path in ["/plain", "/ledger-waits"] {
+            for n in 0..keys {
+                let key = format!("{path}-{n}");
+                let duplicates: Vec<_> = (0..30).map(|_| h.spawn_post(path, &key)).collect();
+                for duplicate in duplicates {
+                    let reply = duplicate.await.unwrap().unwrap();
+                    assert!(
+                        [StatusCode::CREATED, StatusCode::CONFLICT].contains(&reply.status),
+                        "{isolation} {path}: {reply:?}"
+                    );
+                }
+            }
+            let ran = if path == "/plain" { keys } else { 2 * keys };
+            assert_eq!(h.runs.get(), ran, "{isolation} {path}: runs once per key");
+        }
+        assert_eq!(
+            h.ledger_rows().await,
+            i64::try_from(keys).unwrap(),
+            "{isolation}"
+        );
+    }
+}
+
+/// The race of the test above, step by step, under `REPEATABLE READ` by default: a
+/// duplicate's `begin` (plain route) or claim (transactional route) takes its snapshot, then
+/// meets the key's row being written (here by hand, as another request's commit writes it)
+/// and committed after that snapshot. It gets the replay, on a fail-open app too, and the
+/// handler ran once. (It failed to serialize: a 503, and with fail-open a second run.)
+#[actix_web::test]
+async fn a_duplicate_that_meets_a_row_committed_after_its_snapshot_is_replayed() {
+    let h = start_on(
+        4,
+        FailMode::Open,
+        Some("default_transaction_isolation = 'repeatable read'"),
+    )
+    .await;
+    for (n, path) in ["/plain", "/ledger"].into_iter().enumerate() {
+        let first = h.post(path, Some(path)).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{path}: {first:?}");
+        // The record lapses, and a writer holds its row: the duplicate's statement, which
+        // would take an expired row over, waits for it after taking its snapshot.
+        let writer = h.database.connection().await;
+        writer
+            .batch_execute(
+                "UPDATE idempotency_records SET expires_at = now() - interval '1 second';
+                 BEGIN; SELECT 1 FROM idempotency_records FOR UPDATE",
+            )
+            .await
+            .unwrap();
+        let duplicate = h.spawn_post(path, path);
+        let waiting = "SELECT count(*) FROM pg_stat_activity \
+                       WHERE datname = current_database() AND wait_event_type = 'Lock'";
+        for _ in 0..500 {
+            if h.count(waiting).await > 0 {
+                break;
+            }
+            actix_rt::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(h.count(waiting).await, 1, "{path}: the duplicate waits");
+        // The record is live again, committed after the duplicate's snapshot.
+        writer
+            .batch_execute(
+                "UPDATE idempotency_records SET expires_at = now() + interval '1 hour'; COMMIT",
+            )
+            .await
+            .unwrap();
+        let duplicate = duplicate.await.unwrap().unwrap();
+        assert!(duplicate.is_replay(), "{path}: {duplicate:?}");
+        assert_eq!(duplicate.body, first.body, "{path}");
+        assert_eq!(h.runs.get(), n + 1, "{path}: the handler ran once");
+    }
+    assert_eq!(h.ledger_rows().await, 1);
+}

@@ -14,6 +14,10 @@ use crate::lost_record;
 use crate::record::{RECORD_VERSION, StoredResponse};
 use crate::scope::StorageKey;
 
+mod serialization;
+
+use serialization::{again_while_unserializable, failed_to_serialize};
+
 /// The pool type [`PostgresStore::new`] takes: bb8 over bb8-postgres, without TLS.
 pub type PostgresPool = bb8::Pool<PostgresConnectionManager<NoTls>>;
 
@@ -560,8 +564,18 @@ impl PostgresStore {
     }
 
     /// Runs one statement on a pooled connection; if the connection turns out closed (the
-    /// server restarted), once more on a live one (the broken one is discarded by the pool).
+    /// server restarted), once more on a live one (the broken one is discarded by the pool);
+    /// and again while it fails to serialize (see [`serialization`]).
     async fn query(
+        &self,
+        statement: &str,
+        params: &[(&(dyn ToSql + Sync), Type)],
+    ) -> Result<Vec<Row>, StoreError> {
+        again_while_unserializable(|| self.query_once(statement, params)).await
+    }
+
+    /// [`query`](Self::query), without running it again when it fails to serialize.
+    async fn query_once(
         &self,
         statement: &str,
         params: &[(&(dyn ToSql + Sync), Type)],
@@ -630,8 +644,22 @@ impl PostgresStore {
     /// about the lease ([`begin_watching_the_client`]). When acquired, the transaction is
     /// returned, holding the key's advisory lock and the uncommitted in-flight row; otherwise
     /// it is rolled back in the background and its connection goes back to the pool. On a
-    /// connection that turns out closed (the server restarted), once more on a live one.
+    /// connection that turns out closed (the server restarted), once more on a live one; on a
+    /// transaction that failed to serialize (a stricter default isolation than READ
+    /// COMMITTED, whose snapshot predates a record just committed), again on a new one.
     pub(crate) async fn claim_in_transaction(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        token: &LeaseToken,
+        lease: Duration,
+    ) -> Result<(BeginOutcome, Option<OpenTransaction>), StoreError> {
+        again_while_unserializable(|| self.claim_once(key, fingerprint, token, lease)).await
+    }
+
+    /// [`claim_in_transaction`](Self::claim_in_transaction), without claiming again when the
+    /// transaction fails to serialize.
+    async fn claim_once(
         &self,
         key: &StorageKey,
         fingerprint: &Fingerprint,
@@ -653,6 +681,14 @@ impl PostgresStore {
                     .claim_on(&transaction, key, fingerprint, token, lease)
                     .await?;
                 (transaction, outcome)
+            }
+            // Rolled back at once rather than in the background, so that the claim made
+            // again finds the key's lock free.
+            Err(error) if failed_to_serialize(&error) => {
+                if let Err(rollback) = transaction.roll_back().await {
+                    tracing::debug!(%rollback, "idempotency: rollback after a serialization failure failed");
+                }
+                return Err(error);
             }
             claimed => (transaction, claimed?),
         };
@@ -1019,19 +1055,22 @@ impl IdempotencyStore for PostgresStore {
         token: &LeaseToken,
         lease: Duration,
     ) -> Result<(BeginOutcome, Option<Duration>), StoreError> {
-        let connection = self.pool.get().await.map_err(unavailable)?;
-        match self
-            .begin_on(&connection, key, fingerprint, token, lease)
-            .await
-        {
-            Err(_) if connection.is_closed() => {
-                drop(connection);
-                let connection = self.live_connection().await?;
-                self.begin_on(&connection, key, fingerprint, token, lease)
-                    .await
+        again_while_unserializable(|| async {
+            let connection = self.pool.get().await.map_err(unavailable)?;
+            match self
+                .begin_on(&connection, key, fingerprint, token, lease)
+                .await
+            {
+                Err(_) if connection.is_closed() => {
+                    drop(connection);
+                    let connection = self.live_connection().await?;
+                    self.begin_on(&connection, key, fingerprint, token, lease)
+                        .await
+                }
+                other => other,
             }
-            other => other,
-        }
+        })
+        .await
     }
 
     async fn renew(
