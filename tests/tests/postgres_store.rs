@@ -232,6 +232,50 @@ async fn migrate_needs_no_right_to_create_where_the_table_is_up_to_date() {
     assert!(refused.contains("permission denied"), "{refused}");
 }
 
+/// The longest table name `table()` takes (63 bytes) gets its expiry index too, so the
+/// table counts as up to date and a role that may not create anything migrates it at start.
+/// (The index was named after the table plus `_expires_at`, which PostgreSQL cuts to 63
+/// bytes: the table's own name, so `CREATE INDEX IF NOT EXISTS` skipped it. Every later
+/// `migrate()` then ran its DDL, which such a role may not, and the app did not start; and
+/// the reaper sorted the whole table for each batch.)
+#[actix_web::test]
+async fn a_table_of_the_longest_name_gets_its_expiry_index() {
+    let role = TestRole::create().await;
+    let database = TestDatabase::create().await;
+    let name = "r".repeat(63);
+    let pool = PostgresStore::pool(database.url()).unwrap();
+    let owners = PostgresStore::new(pool).table(&name).unwrap();
+    owners.migrate().await.unwrap();
+    let admin = database.connection().await;
+    let indexed: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM pg_indexes WHERE tablename = $1 AND indexdef LIKE '%(expires_at)'",
+            &[&name],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(indexed, 1, "the expiry index");
+    admin
+        .batch_execute(&format!(
+            "REVOKE CREATE ON SCHEMA public FROM PUBLIC;
+             GRANT SELECT, INSERT, UPDATE, DELETE ON \"{name}\" TO {}",
+            role.name
+        ))
+        .await
+        .unwrap();
+    let store = role.store(&database).table(&name).unwrap();
+    store.migrate().await.unwrap();
+    let token = LeaseToken::generate();
+    assert_eq!(
+        store
+            .begin(&key("k"), &print(), &token, LEASE)
+            .await
+            .unwrap(),
+        BeginOutcome::Acquired
+    );
+}
+
 #[actix_web::test]
 async fn names_that_are_not_identifiers_never_reach_sql() {
     let database = TestDatabase::create().await;

@@ -144,7 +144,6 @@ impl Statements {
             .map(|part| format!("\"{part}\""))
             .collect::<Vec<_>>()
             .join(".");
-        let index = format!("\"{}_expires_at\"", parts[parts.len() - 1]);
         // Whether no transaction holds the advisory lock whose id is parameter `$n`, looked
         // up in `pg_locks` rather than taken: taking it, however briefly, made a `begin` or
         // a transactional claim of the key at that moment answer 409.
@@ -195,10 +194,21 @@ impl Statements {
                      expires_at  timestamptz NOT NULL,
                      response    bytea
                  );
-                 CREATE INDEX IF NOT EXISTS {index} ON {t} (expires_at);
                  DO $$
                  DECLARE old record;
                  BEGIN
+                     -- Unless an index leads with `expires_at` (the one an earlier release
+                     -- named `<table>_expires_at`, or one made by hand), one named by
+                     -- PostgreSQL: a name made of the table's would be cut to 63 bytes, and
+                     -- could be the table's own or another relation's, which `CREATE INDEX IF
+                     -- NOT EXISTS` takes for the index and skips.
+                     IF NOT EXISTS (SELECT 1 FROM pg_index i
+                                    JOIN pg_attribute a
+                                      ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
+                                    WHERE i.indrelid = '{t}'::regclass
+                                      AND a.attname = 'expires_at') THEN
+                         CREATE INDEX ON {t} (expires_at);
+                     END IF;
                      -- Tables of 0.2 allow only the states 'i' and 'c'; allow 'a' too.
                      FOR old IN SELECT conname FROM pg_constraint
                                 WHERE conrelid = '{t}'::regclass AND contype = 'c'
