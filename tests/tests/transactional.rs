@@ -768,27 +768,3 @@ async fn a_duplicate_that_meets_a_row_committed_after_its_snapshot_is_replayed()
     }
     assert_eq!(h.ledger_rows().await, 1);
 }
-
-/// A database whose default isolation is `serializable`: transactional requests for
-/// different keys at once all commit. (The claim read the key's index page and the
-/// completion looked the key up again, each a predicate lock on that page; the claims of
-/// other keys on the page wrote into it, and most of the transactions failed to serialize
-/// at their commit: 503 after the handler ran, most of thirty at once on a young table.)
-#[actix_web::test]
-async fn transactions_of_different_keys_commit_side_by_side_under_serializable() {
-    let h = start_on(
-        40,
-        FailMode::Closed,
-        Some("default_transaction_isolation = 'serializable'"),
-    )
-    .await;
-    let sent: Vec<_> = (0..30)
-        .map(|n| h.spawn_post("/ledger", &format!("key-{n}")))
-        .collect();
-    for reply in sent {
-        let reply = reply.await.unwrap().unwrap();
-        assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
-    }
-    assert_eq!((h.runs.get(), h.ledger_rows().await), (30, 30));
-    assert_eq!(h.records().await, 30);
-}

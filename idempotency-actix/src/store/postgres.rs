@@ -224,14 +224,9 @@ impl Statements {
             // $1 key, $2 fingerprint, $3 token, $4 lease (ms), $5 lock id, $6 version.
             // One row always: whether the advisory lock was free, whether the record was
             // acquired (created, taken over from an expired row or another token's marker,
-            // or already ours), and the live record otherwise; last, the acquired row's
-            // `ctid`, which a transactional claim's completion updates. `claimed` sees the latest committed row (ON CONFLICT
+            // or already ours), and the live record otherwise. `claimed` sees the latest committed row (ON CONFLICT
             // waits for and re-reads it); the LEFT JOIN reads the statement's snapshot, which
-            // can predate a row committed meanwhile: the caller then runs it again. The live
-            // record is read only when none was acquired (the `OFFSET 0` keeps the condition
-            // in front of the scan): inside a SERIALIZABLE transaction a read of the key's
-            // index page is a predicate lock on it, and the claims of other keys on that page
-            // made the transaction fail to serialize at its commit.
+            // can predate a row committed meanwhile: the caller then runs it again.
             begin: format!(
                 "WITH lock AS MATERIALIZED (
                      SELECT pg_try_advisory_xact_lock($5) AS held
@@ -247,19 +242,13 @@ impl Statements {
                         OR (r.state = 'i' AND r.token = EXCLUDED.token)
                         OR (r.state = 'a'
                             AND NOT EXCLUDED.token = ANY (string_to_array(r.token, ' ')))
-                     RETURNING ctid
-                 ), taken AS MATERIALIZED (
-                     SELECT (SELECT ctid::text FROM claimed) AS row
+                     RETURNING 1
                  )
-                 SELECT lock.held, taken.row IS NOT NULL,
+                 SELECT lock.held, EXISTS (SELECT 1 FROM claimed) AS acquired,
                         r.state::text, r.fingerprint, r.response, r.token,
-                        (extract(epoch FROM r.expires_at - clock_timestamp()) * 1000)::bigint,
-                        taken.row
-                 FROM lock CROSS JOIN taken LEFT JOIN LATERAL (
-                     SELECT * FROM {t}
-                     WHERE taken.row IS NULL AND key = $1 AND expires_at > clock_timestamp()
-                     OFFSET 0
-                 ) r ON true"
+                        (extract(epoch FROM r.expires_at - clock_timestamp()) * 1000)::bigint
+                 FROM lock LEFT JOIN {t} r
+                   ON r.key = $1 AND r.expires_at > clock_timestamp()"
             ),
             // $1 key, $2 token, $3 lease (ms).
             renew: format!(
@@ -351,18 +340,14 @@ impl Statements {
                                 AND expires_at > clock_timestamp())"
             ),
             // The completion inside a transactional route's transaction: $1 key, $2 token,
-            // $3 response, $4 ttl (ms), $5 the claimed row's `ctid`. Divides by zero unless
-            // exactly our in-flight row was completed, which aborts the transaction, so the
-            // COMMIT sent right behind it rolls back instead of committing the handler's
-            // writes without their record. The row is found by its `ctid` (no other statement
-            // changes it while the claim holds it), not by the key's index: inside a
-            // SERIALIZABLE transaction that read is a predicate lock on the index page, and
-            // the claims of other keys on that page made the commit fail to serialize.
+            // $3 response, $4 ttl (ms). Divides by zero unless exactly our in-flight row was
+            // completed, which aborts the transaction, so the COMMIT sent right behind it
+            // rolls back instead of committing the handler's writes without their record.
             complete: format!(
                 "WITH done AS (
                      UPDATE {t} SET state = 'c', response = $3,
                          expires_at = clock_timestamp() + $4 * interval '1 millisecond'
-                     WHERE ctid = $5::tid AND key = $1 AND token = $2 AND state = 'i'
+                     WHERE key = $1 AND token = $2 AND state = 'i'
                      RETURNING 1
                  )
                  SELECT 1 / (SELECT count(*) FROM done)::int"
@@ -640,7 +625,7 @@ impl PostgresStore {
 
     /// `begin` on `client` (pooled, or a transaction's), repeated while its snapshot missed
     /// a row committed by a concurrent statement; with a completed record, how much longer
-    /// the table keeps it; with a record acquired, its row's `ctid`.
+    /// the table keeps it.
     async fn begin_on(
         &self,
         client: &tokio_postgres::Client,
@@ -648,16 +633,15 @@ impl PostgresStore {
         fingerprint: &Fingerprint,
         token: &LeaseToken,
         lease: Duration,
-    ) -> Result<(BeginOutcome, Option<Duration>, Option<String>), StoreError> {
+    ) -> Result<(BeginOutcome, Option<Duration>), StoreError> {
         let params = BeginParams::new(&self.sql, key, fingerprint, token, lease);
         for _ in 0..MAX_SNAPSHOT_RETRIES {
             let row = client
                 .query_typed_one(&self.sql.begin, &params.as_params())
                 .await
                 .map_err(unavailable)?;
-            if let Some((outcome, remaining)) = begin_outcome(&row, fingerprint, token)? {
-                let claimed_row = row.try_get(7).map_err(unreadable)?;
-                return Ok((outcome, remaining, claimed_row));
+            if let Some(outcome) = begin_outcome(&row, fingerprint, token)? {
+                return Ok(outcome);
             }
         }
         Err(StoreError::Protocol(
@@ -692,8 +676,8 @@ impl PostgresStore {
         token: &LeaseToken,
         lease: Duration,
     ) -> Result<(BeginOutcome, Option<OpenTransaction>), StoreError> {
-        let transaction = OpenTransaction::on(self.pool.get_owned().await.map_err(unavailable)?);
-        let (mut transaction, (outcome, claimed_row)) = match self
+        let transaction = OpenTransaction(Some(self.pool.get_owned().await.map_err(unavailable)?));
+        let (transaction, outcome) = match self
             .claim_on(&transaction, key, fingerprint, token, lease)
             .await
         {
@@ -702,7 +686,7 @@ impl PostgresStore {
             Err(error) if transaction.client().is_closed() => {
                 tracing::debug!(%error, "idempotency: PostgreSQL connection lost; reconnecting");
                 transaction.finished();
-                let transaction = OpenTransaction::on(self.live_connection().await?);
+                let transaction = OpenTransaction(Some(self.live_connection().await?));
                 let outcome = self
                     .claim_on(&transaction, key, fingerprint, token, lease)
                     .await?;
@@ -719,16 +703,13 @@ impl PostgresStore {
             claimed => (transaction, claimed?),
         };
         match outcome {
-            BeginOutcome::Acquired => {
-                transaction.claimed_row = claimed_row;
-                Ok((BeginOutcome::Acquired, Some(transaction)))
-            }
+            BeginOutcome::Acquired => Ok((BeginOutcome::Acquired, Some(transaction))),
             outcome => Ok((outcome, None)),
         }
     }
 
     /// `BEGIN`, with the client watched ([`begin_watching_the_client`]), pipelined with
-    /// `begin` on `transaction`'s connection; with a record acquired, its row's `ctid`.
+    /// `begin` on `transaction`'s connection.
     async fn claim_on(
         &self,
         transaction: &OpenTransaction,
@@ -736,27 +717,27 @@ impl PostgresStore {
         fingerprint: &Fingerprint,
         token: &LeaseToken,
         lease: Duration,
-    ) -> Result<(BeginOutcome, Option<String>), StoreError> {
+    ) -> Result<BeginOutcome, StoreError> {
         let client = transaction.client();
         let (opened, begun) = futures_util::future::join(
             client.batch_execute(&begin_watching_the_client(lease)),
             self.begin_on(client, key, fingerprint, token, lease),
         )
         .await;
-        let (outcome, _, claimed_row) = opened.map_err(unavailable).and(begun)?;
-        Ok((outcome, claimed_row))
+        let (outcome, _) = opened.map_err(unavailable).and(begun)?;
+        Ok(outcome)
     }
 
     /// A transaction on a connection of its own, without any record (a keyless request to a
     /// transactional route); on a connection that turns out closed, once more on a live one.
     pub(crate) async fn open_transaction(&self) -> Result<OpenTransaction, StoreError> {
-        let transaction = OpenTransaction::on(self.pool.get_owned().await.map_err(unavailable)?);
+        let transaction = OpenTransaction(Some(self.pool.get_owned().await.map_err(unavailable)?));
         match transaction.client().batch_execute("BEGIN").await {
             Ok(()) => Ok(transaction),
             Err(error) if transaction.client().is_closed() => {
                 tracing::debug!(%error, "idempotency: PostgreSQL connection lost; reconnecting");
                 transaction.finished();
-                let transaction = OpenTransaction::on(self.live_connection().await?);
+                let transaction = OpenTransaction(Some(self.live_connection().await?));
                 transaction
                     .client()
                     .batch_execute("BEGIN")
@@ -782,15 +763,11 @@ impl PostgresStore {
     ) -> Result<(), StoreError> {
         let encoded = response.encode();
         let ttl = millis(ttl);
-        let row = transaction.claimed_row.as_deref().ok_or_else(|| {
-            StoreError::Protocol("a transaction without a claimed record to complete".to_owned())
-        })?;
-        let params: [(&(dyn ToSql + Sync), Type); 5] = [
+        let params: [(&(dyn ToSql + Sync), Type); 4] = [
             (&key.as_str(), Type::TEXT),
             (&token.as_str(), Type::TEXT),
             (&encoded, Type::BYTEA),
             (&ttl, Type::INT8),
-            (&row, Type::TEXT),
         ];
         let client = transaction.client();
         let (completed, committed) = futures_util::future::join(
@@ -849,27 +826,13 @@ fn begin_watching_the_client(lease: Duration) -> String {
 /// connection never carries an open transaction to its next user. The server answers in
 /// order, so that `ROLLBACK` also ends whatever a statement still running left open (and
 /// after a `COMMIT` that went through it changes nothing).
-pub(crate) struct OpenTransaction {
-    /// The connection, until the transaction ends.
-    connection: Option<PostgresConnection>,
-    /// The `ctid` of the record's row that a transactional claim acquired, for its
-    /// completion; `None` for a transaction without a record.
-    claimed_row: Option<String>,
-}
+pub(crate) struct OpenTransaction(Option<PostgresConnection>);
 
 impl OpenTransaction {
-    /// A transaction to open on `connection`, without a record yet.
-    fn on(connection: PostgresConnection) -> Self {
-        Self {
-            connection: Some(connection),
-            claimed_row: None,
-        }
-    }
-
     /// The connection, to run statements in the transaction.
     pub(crate) fn client(&self) -> &tokio_postgres::Client {
         // Only `finished` and `drop`, which both consume the transaction, take it out.
-        self.connection
+        self.0
             .as_deref()
             .expect("an open transaction keeps its connection until it ends")
     }
@@ -896,13 +859,13 @@ impl OpenTransaction {
     /// The transaction ended (or its connection closed, which ended it): the connection goes
     /// back to the pool as it is, and the pool discards a closed one.
     fn finished(mut self) {
-        drop(self.connection.take());
+        drop(self.0.take());
     }
 }
 
 impl Drop for OpenTransaction {
     fn drop(&mut self) {
-        let Some(connection) = self.connection.take() else {
+        let Some(connection) = self.0.take() else {
             return;
         };
         let rollback = async move {
@@ -1118,7 +1081,6 @@ impl IdempotencyStore for PostgresStore {
             }
         })
         .await
-        .map(|(outcome, remaining, _)| (outcome, remaining))
     }
 
     async fn renew(
