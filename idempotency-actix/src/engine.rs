@@ -191,15 +191,13 @@ impl Engine {
     /// the request's span; its outcome is recorded once, when it is done, and then `client`
     /// is marked served.
     ///
-    /// `slot` is the request's share of the worker's workload (keyed requests); a streamed
-    /// response keeps it until its record is complete.
+    /// A keyed request takes its share of the worker's workload (its slot) once its body
+    /// has arrived; a streamed response keeps it until its record is complete.
     pub(crate) async fn process<S, B>(
         self: Rc<Self>,
         policy: Policy,
         req: ServiceRequest,
         service: Rc<S>,
-        slot: Option<Rc<WorkSlot>>,
-        client: ClientAttached,
     ) -> Result<Response<B>, actix_web::Error>
     where
         S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = actix_web::Error>
@@ -207,11 +205,13 @@ impl Engine {
         B: MessageBody + 'static,
     {
         let record = RequestRecord::start(&req);
+        // Marks the request's slot detached if this future is dropped before it is done.
+        let client = ClientAttached::new(None);
         // Each branch builds `protect`'s future where it is awaited (see `wanted_span`).
         let result = match record.wanted_span() {
-            None => self.protect(policy, req, service, slot).await,
+            None => self.protect(policy, req, service, &client).await,
             Some(span) => {
-                self.protect(policy, req, service, slot)
+                self.protect(policy, req, service, &client)
                     .instrument(span)
                     .await
             }
@@ -251,7 +251,7 @@ impl Engine {
         policy: Policy,
         mut req: ServiceRequest,
         service: Rc<S>,
-        slot: Option<Rc<WorkSlot>>,
+        client: &ClientAttached,
     ) -> Result<Response<B>, actix_web::Error>
     where
         S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = actix_web::Error>
@@ -294,6 +294,15 @@ impl Engine {
             Ok(body) => body,
             Err(error) => return Ok(self.refuse(req, error)),
         };
+        // The request's share of the worker's keyed work, taken only now: a client that
+        // stalls its upload holds no slot, so stalled uploads cannot fill the cap.
+        let Some(slot) = self.workload.admit() else {
+            tracing::debug!("idempotency: worker at its keyed-work cap; answering 503");
+            let retry_after = self.settings.retry_after;
+            return Ok(self.refuse(req, IdempotencyError::Overloaded { retry_after }));
+        };
+        client.attach(&slot);
+        let slot = Some(slot);
         let fingerprint = self.settings.fingerprint.of(&req, &body);
         let body_len = body.len();
         // The body goes back into the request (`set_payload`) only where a handler will

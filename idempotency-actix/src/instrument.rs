@@ -387,7 +387,7 @@ pub(crate) fn decided(extensions: &Extensions, outcome: Outcome) {
 }
 
 /// Records the outcome of a request refused with `error`: in its record when the engine
-/// keeps one, else (refused before the engine took it, e.g. overloaded) counted at once.
+/// keeps one, else (refused before the engine took it) counted at once.
 pub(crate) fn refused(request: &HttpRequest, error: &IdempotencyError) {
     let Some(outcome) = Outcome::of_refusal(error) else {
         return;

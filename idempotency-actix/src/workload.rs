@@ -1,7 +1,9 @@
 //! [`WorkLimits`]: how much keyed work one worker takes on, and the accounting behind it.
 //!
-//! A keyed request holds a slot from the moment a layer takes it until its handler finished
-//! and its response was committed or released, whether or not its client is still there.
+//! A keyed request holds a slot from the moment its body has arrived until its handler
+//! finished and its response was committed or released, whether or not its client is still
+//! there. A request still sending its body holds none, so clients that stall their uploads
+//! cannot keep a worker from taking keyed work.
 //! Its slot counts as *detached* once the client is gone (Actix dropped the response) while
 //! the work goes on. Beyond either cap new keyed requests are refused with 503 at once;
 //! nothing already running is cancelled.
@@ -100,16 +102,21 @@ impl Drop for WorkSlot {
 /// Held by whatever serves the client (the response future, then the response body): if it
 /// is dropped before [`ClientAttached::finish`], the client went away and the work it leaves
 /// behind counts as detached.
-pub(crate) struct ClientAttached(Option<Rc<WorkSlot>>);
+pub(crate) struct ClientAttached(Cell<Option<Rc<WorkSlot>>>);
 
 impl ClientAttached {
     pub(crate) fn new(slot: Option<Rc<WorkSlot>>) -> Self {
-        Self(slot)
+        Self(Cell::new(slot))
+    }
+
+    /// The client's work took `slot` (once its request's body had arrived).
+    pub(crate) fn attach(&self, slot: &Rc<WorkSlot>) {
+        self.0.set(Some(Rc::clone(slot)));
     }
 
     /// The client got what it waited for.
-    pub(crate) fn finish(mut self) {
-        self.0 = None;
+    pub(crate) fn finish(self) {
+        self.0.set(None);
     }
 }
 
@@ -152,5 +159,15 @@ mod tests {
         let slot = workload.admit().unwrap();
         ClientAttached::new(Some(Rc::clone(&slot))).finish();
         assert!(workload.admit().is_some());
+    }
+
+    #[test]
+    fn a_slot_attached_later_is_detached_when_its_client_goes() {
+        let workload = workload(10, 1);
+        let client = ClientAttached::new(None);
+        let slot = workload.admit().unwrap();
+        client.attach(&slot);
+        drop(client);
+        assert!(workload.admit().is_none());
     }
 }

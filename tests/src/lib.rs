@@ -938,6 +938,24 @@ impl RawExchange {
     ///
     /// When the server cannot be reached.
     pub fn post(addr: std::net::SocketAddr, path: &str, headers: &[(&str, &str)]) -> Self {
+        let mut headers = headers.to_vec();
+        headers.push(("Content-Length", "0"));
+        Self::post_partial(addr, path, &headers, b"")
+    }
+
+    /// Sends `POST path` with `headers` (its `Content-Length` among them) and
+    /// `Connection: close` to `addr`, followed by `body` (which may stop short of the length
+    /// the headers declare: the rest can follow through [`stream`](Self::stream)).
+    ///
+    /// # Panics
+    ///
+    /// When the server cannot be reached.
+    pub fn post_partial(
+        addr: std::net::SocketAddr,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Self {
         use std::io::Write;
         let stream = std::net::TcpStream::connect(addr)
             .unwrap_or_else(|error| panic!("connect to {addr}: {error}"));
@@ -948,13 +966,20 @@ impl RawExchange {
         for (name, value) in headers {
             request.push_str(&format!("{name}: {value}\r\n"));
         }
-        request.push_str("Content-Length: 0\r\n\r\n");
+        request.push_str("\r\n");
+        let mut request = request.into_bytes();
+        request.extend_from_slice(body);
         (&stream)
-            .write_all(request.as_bytes())
+            .write_all(&request)
             .unwrap_or_else(|error| panic!("send to {addr}: {error}"));
         Self {
             reader: std::io::BufReader::new(stream),
         }
+    }
+
+    /// The connection, to send more of the request on.
+    pub fn stream(&mut self) -> &mut std::net::TcpStream {
+        self.reader.get_mut()
     }
 
     /// Reads the status line and the headers.

@@ -188,6 +188,51 @@ async fn a_worker_at_its_in_flight_cap_answers_503_at_once() {
     assert_eq!(routes.quick_runs.get(), 2, "the keyless one and `third`");
 }
 
+/// A keyed request takes its slot once its body has arrived: clients that stall their
+/// uploads (a slow network, or someone trying to exhaust the cap) leave the worker's keyed
+/// work to everyone else, and are served when their bodies arrive.
+#[actix_rt::test]
+async fn stalled_uploads_leave_the_keyed_work_cap_to_others() {
+    use std::io::Write;
+
+    let redis = PrivateRedis::start().await;
+    let routes = GatedRoutes::default();
+    let server = start(&redis, &routes, |i| i.max_in_flight(2));
+
+    // Three keyed uploads, more than the cap, each stopped 7 bytes short of its body.
+    let mut stalled: Vec<RawExchange> = (0..3)
+        .map(|n| {
+            let key = format!("stalled-{n}");
+            RawExchange::post_partial(
+                server.addr,
+                "/quick",
+                &[("Idempotency-Key", &key), ("Content-Length", "10")],
+                b"{\"n\"",
+            )
+        })
+        .collect();
+
+    // For half a second, while the worker has long read the stalled requests' heads, other
+    // clients' keyed requests are served.
+    for attempt in 0..50 {
+        let reply = post(&server, "/quick", Some(&format!("other-{attempt}"))).await;
+        assert_eq!(
+            reply.status,
+            StatusCode::CREATED,
+            "attempt {attempt}: {reply:?}"
+        );
+        actix_rt::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(routes.quick_runs.get(), 50);
+
+    // The stalled uploads go on where they stopped and are served.
+    for exchange in &mut stalled {
+        exchange.stream().write_all(b":1}   ").unwrap();
+        assert_eq!(exchange.read_head().status, 201);
+    }
+    assert_eq!(routes.quick_runs.get(), 53);
+}
+
 /// A commit that fails is retried in the background while the client already has its
 /// response; each such retry holds that response. They count as detached work, so a store
 /// that takes `begin`s but fails every commit fills the detached cap and new keys get 503,

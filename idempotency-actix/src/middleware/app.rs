@@ -269,7 +269,9 @@ impl Idempotency {
     /// The most keyed requests one worker processes at once (default
     /// [`DEFAULT_MAX_IN_FLIGHT`](crate::DEFAULT_MAX_IN_FLIGHT), 1024), counting those whose
     /// client went away. Beyond it new keyed requests get a 503 problem with `Retry-After` at
-    /// once; requests already running are never cancelled. Keyless requests are not counted.
+    /// once; requests already running are never cancelled. Keyless requests are not counted,
+    /// nor a keyed request whose body is still arriving: it takes its slot once the body is
+    /// in, so clients that stall their uploads cannot fill the cap.
     ///
     /// # Panics
     ///
@@ -356,8 +358,8 @@ impl Idempotency {
     /// then: 0 once drained. There is no way back: call it when the process is about to
     /// stop, then stop the server.
     ///
-    /// Keyed work is a keyed request from the moment a layer takes it until its response is
-    /// committed or its key released, whether or not its client is still there, and a
+    /// Keyed work is a keyed request from the moment its body has arrived until its response
+    /// is committed or its key released, whether or not its client is still there, and a
     /// commit retried in the background. (Not the background abandon of a `begin` that did
     /// not answer: it may retry for a whole lease, and what it guards against, a late
     /// `begin`, only locks a key for a lease.)

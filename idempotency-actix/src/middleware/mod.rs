@@ -14,7 +14,6 @@ use crate::built_in_box::built_in_box;
 use crate::engine::{Engine, Response, refuse, with_handler_body};
 use crate::error::IdempotencyError;
 use crate::policy::Policy;
-use crate::workload::ClientAttached;
 
 mod app;
 mod route;
@@ -97,11 +96,12 @@ where
     IdempotencyFuture::processing(Box::pin(async move { Ok(response) }))
 }
 
-/// Processes `req`. A keyed request takes a slot of the worker's workload first, or is
-/// refused with 503 when a cap is reached. The handler's run under a lock and its commit
-/// complete even when the client disconnects and Actix drops this future: they then go on
-/// on a task of their own (the engine's `RunToCompletion`); no request costs a task
-/// otherwise. A keyless request that its route lets through takes a short path of its own.
+/// Processes `req`. A keyed request takes a slot of the worker's workload once its body has
+/// arrived, or is refused with 503 when a cap is reached. The handler's run under a lock and
+/// its commit complete even when the client disconnects and Actix drops this future: they
+/// then go on on a task of their own (the engine's `RunToCompletion`); no request costs a
+/// task otherwise. A keyless request that its route lets through takes a short path of its
+/// own.
 fn process<S, B>(
     engine: Rc<Engine>,
     policy: Policy,
@@ -118,19 +118,5 @@ where
             engine.pass_without_key(req, service)
         }));
     }
-    let slot = if keyed {
-        let Some(slot) = engine.workload.admit() else {
-            tracing::debug!("idempotency: worker at its keyed-work cap; answering 503");
-            let retry_after = engine.settings.retry_after;
-            let error = IdempotencyError::Overloaded { retry_after };
-            return answer::<S, B>(refuse(req.into_parts().0, &error));
-        };
-        Some(slot)
-    } else {
-        None
-    };
-    let client = ClientAttached::new(slot.clone());
-    IdempotencyFuture::processing(built_in_box(move || {
-        engine.process(policy, req, service, slot, client)
-    }))
+    IdempotencyFuture::processing(built_in_box(move || engine.process(policy, req, service)))
 }
