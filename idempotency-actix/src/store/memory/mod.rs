@@ -14,6 +14,7 @@ mod builder;
 mod entry;
 mod eviction_log;
 mod shard;
+mod shard_report;
 
 pub use self::builder::MemoryStoreBuilder;
 use self::eviction_log::EvictionLog;
@@ -157,8 +158,8 @@ impl MemoryStore {
         self.inner.shards.iter().map(lock)
     }
 
-    /// Runs `operation` on the shard of `key`, then reports its evictions once the lock is
-    /// released.
+    /// Runs `operation` on the shard of `key`, then counts and logs what it reported (its
+    /// evictions, a response cut to fit) once the lock is released.
     fn on_shard<T>(
         &self,
         key: &StorageKey,
@@ -173,15 +174,17 @@ impl MemoryStore {
         // the low bits for the bucket and the top 7 for its control bytes): keys of one shard
         // still spread over all of its buckets.
         let index = ((key.hash >> 32) % shards.len() as u64) as usize;
-        let (result, evicted, now) = {
+        let (result, report, now) = {
             let mut shard = lock(&shards[index]);
             let now = Instant::now();
             let result = operation(&mut shard, key, now);
-            (result, shard.take_evictions(), now)
+            (result, shard.take_report(), now)
         };
+        let max_bytes = self.inner.max_bytes;
         self.inner
             .evictions
-            .record(evicted, self.inner.max_bytes, now);
+            .record(report.evictions, max_bytes, now);
+        report.log(max_bytes);
         result
     }
 

@@ -20,8 +20,8 @@ use actix_web::web::Bytes;
 use hashbrown::HashTable;
 
 use super::entry::{self, Entry, EntryState, ExpiryKey};
+use super::shard_report::{ShardReport, Trimmed};
 use crate::fingerprint::Fingerprint;
-use crate::lost_record;
 use crate::record::StoredResponse;
 use crate::store::{BeginOutcome, Deletion, LeaseToken};
 
@@ -68,8 +68,8 @@ pub(super) struct Shard {
     in_flight_bytes: usize,
     max_bytes: usize,
     next_seq: u64,
-    /// Live completed records evicted since [`take_evictions`](Self::take_evictions).
-    evictions: u64,
+    /// What to count and log once the lock is released, since [`take_report`](Self::take_report).
+    report: ShardReport,
 }
 
 impl Shard {
@@ -82,7 +82,7 @@ impl Shard {
             in_flight_bytes: 0,
             max_bytes,
             next_seq: 0,
-            evictions: 0,
+            report: ShardReport::default(),
         }
     }
 
@@ -94,9 +94,9 @@ impl Shard {
         self.used_bytes
     }
 
-    /// The live completed records evicted since the last call.
-    pub(super) fn take_evictions(&mut self) -> u64 {
-        std::mem::take(&mut self.evictions)
+    /// What happened since the last call that is to be counted or logged.
+    pub(super) fn take_report(&mut self) -> ShardReport {
+        std::mem::take(&mut self.report)
     }
 
     pub(super) fn begin(
@@ -250,7 +250,7 @@ impl Shard {
             let (stored, bytes) = self.fit(key, token, response, 0, now)?;
             let state = EntryState::Completed(*token, stored);
             self.insert(key, *fingerprint, state, expiry(now, ttl), bytes);
-            lost_record::report_written_anew();
+            self.report.written_anew = true;
             return Ok(true);
         };
         let (stored, bytes) = self.fit(key, token, response, in_flight_bytes, now)?;
@@ -296,10 +296,7 @@ impl Shard {
         let stored = Bytes::from(without_body.encode());
         let bytes = entry::completed_bytes(key.key, token, stored.len());
         if self.make_room(bytes - replaced, now).is_ok() {
-            tracing::warn!(
-                max_bytes = self.max_bytes,
-                "idempotency: a response did not fit in the memory store; completed without its body"
-            );
+            self.report.trimmed = Some(Trimmed::Body);
             return Ok((stored, bytes));
         }
         // Headers too large for the room that completions have: completed with the status
@@ -309,10 +306,7 @@ impl Shard {
         let stored = Bytes::from(status_only.encode());
         let bytes = entry::completed_bytes(key.key, token, stored.len());
         self.make_room(bytes - replaced, now)?;
-        tracing::warn!(
-            max_bytes = self.max_bytes,
-            "idempotency: a response's headers did not fit in the memory store; completed with its status alone"
-        );
+        self.report.trimmed = Some(Trimmed::Headers);
         Ok((stored, bytes))
     }
 
@@ -413,10 +407,14 @@ impl Shard {
             let Some((expiry_key, hash)) = self.completed.pop_first() else {
                 return Err(Full);
             };
-            if expiry_key.0 > now {
-                self.evictions += 1;
+            let evicted = self.forget(expiry_key, hash);
+            // A live marker of abandoned tokens goes too, but it is no record: no retry
+            // runs its handler again for its loss.
+            if expiry_key.0 > now
+                && evicted.is_some_and(|entry| matches!(entry.state, EntryState::Completed(..)))
+            {
+                self.report.evictions += 1;
             }
-            self.forget(expiry_key, hash);
         }
         Ok(())
     }
@@ -463,14 +461,13 @@ impl Shard {
 
     /// Removes the record that an index named (`expiry_key`, `hash`) from the map; its index
     /// entry is already gone.
-    fn forget(&mut self, expiry_key: ExpiryKey, hash: u64) {
+    fn forget(&mut self, expiry_key: ExpiryKey, hash: u64) -> Option<Entry> {
         let found = self
             .records
             .find_entry(hash, |record| record.expiry_key() == expiry_key);
-        if let Ok(found) = found {
-            let (record, _) = found.remove();
-            self.discharge(&record);
-        }
+        let (record, _) = found.ok()?.remove();
+        self.discharge(&record);
+        Some(record)
     }
 
     /// The record under `key`, if any (live or not).

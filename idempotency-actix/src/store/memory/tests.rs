@@ -279,3 +279,98 @@ async fn a_store_whose_shards_cannot_hold_one_record_is_refused_when_built() {
     let begun = least.begin(&prefixed, &print(), &token, LONG).await;
     assert_eq!(begun.unwrap(), BeginOutcome::Acquired);
 }
+
+#[actix_web::test]
+async fn a_marker_makes_room_without_counting_as_an_eviction() {
+    let store = one_shard(30_000);
+    // The marker of an abandoned token, soonest to expire.
+    let remember_for = Duration::from_secs(60);
+    let abandoned = LeaseToken::generate();
+    assert!(
+        store
+            .abandon(&key("marker"), &abandoned, remember_for)
+            .await
+            .unwrap()
+    );
+    let marker_bytes = store.used_bytes();
+    complete(&store, "first", 10_000, LONG).await;
+    let record_overhead = store.used_bytes() - marker_bytes - 10_000;
+    // A second record that fits once the marker is gone, and only then.
+    let room = store.max_bytes() - store.used_bytes();
+    complete(
+        &store,
+        "second",
+        room + marker_bytes / 2 - record_overhead,
+        LONG,
+    )
+    .await;
+
+    assert_eq!(store.evictions(), 0, "no record was lost");
+    assert!(
+        store
+            .inspect(&key("marker"), false)
+            .await
+            .unwrap()
+            .is_none(),
+        "the marker was evicted"
+    );
+    for kept in ["first", "second"] {
+        assert!(
+            matches!(outcome(&store, kept).await, BeginOutcome::Completed(_)),
+            "{kept} kept"
+        );
+    }
+    assert!(consistent(&store));
+}
+
+/// A subscriber that notes, at each event, whether the store's one shard could be locked.
+struct ShardLockProbe {
+    store: MemoryStore,
+    free_at_events: Arc<Mutex<Vec<bool>>>,
+}
+
+impl tracing::Subscriber for ShardLockProbe {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, _: &tracing::Event<'_>) {
+        let free = self.store.inner.shards[0].try_lock().is_ok();
+        self.free_at_events.lock().unwrap().push(free);
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+#[actix_web::test]
+async fn what_a_commit_logs_is_logged_once_the_shard_is_unlocked() {
+    let store = one_shard(20_000);
+    let free_at_events = Arc::new(Mutex::new(Vec::new()));
+    let probe = ShardLockProbe {
+        store: store.clone(),
+        free_at_events: Arc::clone(&free_at_events),
+    };
+    let _logging = tracing::subscriber::set_default(probe);
+    // A response too large for the store: completed without its body, with a warning.
+    complete(&store, "large", 100_000, LONG).await;
+    // Records evicted before their ttl, with a warning (at most one a minute).
+    for i in 0..4 {
+        complete(&store, &format!("filler{i}"), 5_000, LONG).await;
+    }
+    assert!(store.evictions() > 0);
+
+    let free_at_events = free_at_events.lock().unwrap();
+    assert_eq!(
+        free_at_events.len(),
+        2,
+        "one warning of each: {free_at_events:?}"
+    );
+    assert!(
+        free_at_events.iter().all(|free| *free),
+        "another request on the shard waited for a log line: {free_at_events:?}"
+    );
+}
