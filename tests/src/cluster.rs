@@ -222,6 +222,58 @@ impl RedisCluster {
         query(port, redis::cmd("CLUSTER").arg("KEYSLOT").arg(key)).expect("CLUSTER KEYSLOT")
     }
 
+    /// Starts a new, empty node and has it join the cluster as a primary without slots
+    /// (`CLUSTER MEET`, as a node added by hand: nothing is copied to it, functions
+    /// included, unlike `redis-cli --cluster add-node`); returns its port once every node
+    /// knows it. Give it slots with [`move_slots`](Self::move_slots).
+    ///
+    /// # Panics
+    ///
+    /// When the node does not start or join within 60 s.
+    pub fn add_empty_primary(&self) -> u16 {
+        let port = free_port_pair(
+            &self
+                .lock_nodes()
+                .iter()
+                .map(|node| node.port)
+                .collect::<Vec<_>>(),
+        );
+        let node = Node {
+            port,
+            child: spawn_node(&self.server, &self.dir, port),
+            alive: true,
+        };
+        let watchdog = spawn_watchdog(&self.dir, std::slice::from_ref(&node));
+        self.watchdogs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(watchdog);
+        let seed = self.ports()[0];
+        self.lock_nodes().push(node);
+        self.wait_for(&format!("node {port} to answer PING"), || {
+            query::<String>(port, &mut redis::cmd("PING")).ok()
+        });
+        let _: () = query(
+            seed,
+            redis::cmd("CLUSTER").arg("MEET").arg("127.0.0.1").arg(port),
+        )
+        .expect("CLUSTER MEET");
+        let id: String = query(port, redis::cmd("CLUSTER").arg("MYID")).expect("CLUSTER MYID");
+        self.wait_for(&format!("every node to know node {port}"), || {
+            self.ports()
+                .iter()
+                .all(|&other| {
+                    cluster_nodes(other).lines().any(|line| {
+                        line.starts_with(&id)
+                            && !line.contains("handshake")
+                            && line.contains("connected")
+                    })
+                })
+                .then_some(())
+        });
+        port
+    }
+
     /// Kills the node on `port` with SIGKILL (a crash: it keeps nothing).
     pub fn kill(&self, port: u16) {
         let mut nodes = self.lock_nodes();
@@ -266,14 +318,9 @@ impl RedisCluster {
     ///
     /// When redis-cli fails, with its output.
     pub fn move_slots(&self, from: u16, to: u16, count: u16) {
-        let primaries = self.primaries();
-        let id_of = |port: u16| {
-            primaries
-                .iter()
-                .find(|primary| primary.port == port)
-                .unwrap_or_else(|| panic!("no primary on port {port}"))
-                .id
-                .clone()
+        let id_of = |port: u16| -> String {
+            query(port, redis::cmd("CLUSTER").arg("MYID"))
+                .unwrap_or_else(|error| panic!("CLUSTER MYID on {port}: {error}"))
         };
         let output = Command::new("redis-cli")
             .args(["--cluster", "reshard", &format!("127.0.0.1:{from}")])

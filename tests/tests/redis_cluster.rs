@@ -1,6 +1,7 @@
 //! The Redis Cluster store on a local 6-node cluster (3 primaries, 3 replicas) that this
 //! test binary starts: records land on every primary, duplicates run once across app
-//! instances, and a record lost while its handler runs is written anew. The acceptance
+//! instances, a record lost while its handler runs is written anew, and a primary added
+//! without the functions loads them when its slots' keys need them. The acceptance
 //! suite and the HTTP contract run on it in their own files; resharding and failover in
 //! `redis_cluster_resharding` and `redis_cluster_failover`.
 
@@ -9,7 +10,9 @@
 use std::time::Duration;
 
 use actix_web::http::StatusCode;
-use idempotency_actix::{Idempotency, IdempotencyPolicy, RedisClusterStore};
+use idempotency_actix::{
+    Idempotency, IdempotencyPolicy, Inspector, MemoryStore, RedisClusterStore,
+};
 use idempotency_actix_tests::cluster::RedisCluster;
 use idempotency_actix_tests::keyed_app::{KeyedApp, RunsByKey};
 use idempotency_actix_tests::{FloodServer, unique_prefix};
@@ -20,6 +23,20 @@ fn app(prefix: &str, runs: &RunsByKey) -> KeyedApp {
     KeyedApp::start(
         move || Idempotency::redis_cluster(client.clone()).key_prefix(prefix.clone()),
         runs.clone(),
+    )
+}
+
+/// A server on `cluster` under `prefix` with 1 s leases, for `/slow` runs that outlast
+/// them.
+fn slow_server(cluster: &RedisCluster, prefix: &str) -> FloodServer {
+    let (client, prefix) = (cluster.client(), prefix.to_owned());
+    FloodServer::start(
+        move || {
+            Idempotency::redis_cluster(client.clone())
+                .key_prefix(prefix.clone())
+                .policy(IdempotencyPolicy::default().lease(Duration::from_secs(1)))
+        },
+        64,
     )
 }
 
@@ -56,17 +73,7 @@ async fn records_spread_over_all_three_primaries() {
 async fn a_lost_record_that_no_one_took_is_written_anew() {
     let cluster = RedisCluster::shared();
     let prefix = unique_prefix("written_anew");
-    let server = {
-        let (client, prefix) = (cluster.client(), prefix.clone());
-        FloodServer::start(
-            move || {
-                Idempotency::redis_cluster(client.clone())
-                    .key_prefix(prefix.clone())
-                    .policy(IdempotencyPolicy::default().lease(Duration::from_secs(1)))
-            },
-            64,
-        )
-    };
+    let server = slow_server(cluster, &prefix);
     let Ok(first) = server.start_slow("lost").await else {
         panic!("the slow run of `lost` was refused");
     };
@@ -136,4 +143,71 @@ async fn an_app_starts_while_the_cluster_is_down_and_answers_503() {
         assert!(reply.header("retry-after").is_some());
     }
     assert_eq!(runs.total(), 0, "fail closed: the handler did not run");
+}
+
+/// A primary added by hand (`CLUSTER MEET`: no functions copied to it) and given slots
+/// while an app is connected (a cluster of this test's own): its first fenced steps find
+/// no library there and load it (`FUNCTION LOAD` on every primary), so a slow run on one of
+/// its keys keeps its lease by renewals (a duplicate meanwhile gets 409) and commits, and
+/// new keys commit there; each is replayed. (On Redis before 8.4 every commit is a
+/// function call.)
+#[actix_web::test]
+async fn a_primary_added_without_the_functions_serves_the_slots_it_receives() {
+    let cluster = RedisCluster::start();
+    let prefix = unique_prefix("added_primary");
+    let server = slow_server(&cluster, &prefix);
+    // Connected, the library loaded on the three primaries.
+    let before = server.post("/orders", "before").await;
+    assert_eq!(before.status, StatusCode::CREATED);
+
+    let added = cluster.add_empty_primary();
+    let from = cluster.primaries()[0].port;
+    cluster.move_slots(from, added, 200);
+    let libraries = |port: u16| -> Vec<redis::Value> {
+        redis::cmd("FUNCTION")
+            .arg("LIST")
+            .query(&mut cluster.connection(port))
+            .unwrap()
+    };
+    assert!(
+        libraries(added).is_empty(),
+        "the added primary has no functions"
+    );
+
+    let inspector = Inspector::new(MemoryStore::new()).key_prefix(prefix.clone());
+    let on_added =
+        |key: &str| cluster.primary_of(inspector.storage_key(b"", key).unwrap().as_str()) == added;
+    let keys: Vec<String> = (0..2_000)
+        .map(|n| format!("key-{n}"))
+        .filter(|key| on_added(key))
+        .take(4)
+        .collect();
+    assert_eq!(keys.len(), 4, "keys on the added primary");
+
+    let Ok(first) = server.start_slow(&keys[0]).await else {
+        panic!("the slow run of {} was refused", keys[0]);
+    };
+    // Past two leases: only renewals kept the key.
+    actix_rt::time::sleep(Duration::from_millis(2_500)).await;
+    let duplicate = server.post("/slow", &keys[0]).await;
+    assert_eq!(duplicate.status, StatusCode::CONFLICT, "{duplicate:?}");
+    server.gate.open();
+    let first = first.await.unwrap();
+    assert_eq!(first.status, StatusCode::CREATED);
+    let retry = server.post("/slow", &keys[0]).await;
+    assert!(retry.is_replay(), "{retry:?}");
+    assert_eq!(retry.body, first.body);
+    assert_eq!(server.slow_runs.get(), 1, "the slow handler ran once");
+
+    for key in &keys[1..] {
+        let reply = server.post("/orders", key).await;
+        assert_eq!(reply.status, StatusCode::CREATED, "{key}: {reply:?}");
+        let replay = server.post("/orders", key).await;
+        assert!(replay.is_replay(), "{key}: {replay:?}");
+        assert_eq!(replay.body, reply.body);
+    }
+    assert!(
+        !libraries(added).is_empty(),
+        "the library is loaded there now"
+    );
 }
