@@ -1,6 +1,7 @@
 //! [`ReplayCache`]: completed records kept in process, so a replay costs no store round trip.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::fingerprint::Fingerprint;
@@ -23,7 +24,8 @@ use crate::store::BeginOutcome;
 /// * memory in every instance, bounded by `max_bytes` (bodies, headers and keys, and about
 ///   560 bytes per entry of the cache's own, so small records count for more than their
 ///   bytes; the least useful entries are evicted first, in batches: between two, the
-///   entries just cached may hold up to about as much again);
+///   entries just cached hold at most about an eighth of the bound more, and the entries
+///   the workers are caching at that moment);
 /// * a record deleted from the store by hand (an operator, `DEL` in Redis) stays replayable
 ///   from the caches that hold it until its TTL runs out. (Records expire by their TTL
 ///   everywhere; the TTL of a Redis record is computed from the clock of the instance that
@@ -56,6 +58,12 @@ use crate::store::BeginOutcome;
 pub struct ReplayCache {
     entries: moka::sync::Cache<String, Arc<Entry>>,
     max_bytes: u64,
+    /// What the entries cached since the cache last settled weigh, about: the cache counts
+    /// an insert, and evicts for it, only once it settles its pending writes.
+    unsettled: Arc<AtomicU64>,
+    /// Taken by an insert that settles: the others that would settle meanwhile wait for it,
+    /// rather than caching on while it runs.
+    settling: Arc<Mutex<()>>,
 }
 
 /// One cached completed record.
@@ -76,10 +84,14 @@ const ENTRY_OVERHEAD: usize = 480;
 /// What a header costs besides its name and value: its slot in the entry's `Vec`.
 const HEADER_OVERHEAD: usize = 80;
 
-/// An entry that weighs at least `max_bytes / HEAVY_SHARE` is evicted for at once, rather
-/// than in the cache's next batch: the batch may wait for dozens of writes, so only light
-/// entries wait, and the cache holds at most about twice its bound meanwhile.
-const HEAVY_SHARE: u64 = 64;
+/// Once the entries cached since the cache last settled weigh `max_bytes / SETTLE_SHARE`,
+/// an insert settles them (counts them and evicts for them) before it returns, rather than
+/// leaving them to the cache's next batch. The cache settles by itself only every 64 writes,
+/// and while one worker settles, the others' inserts queue up behind it, up to 384: bodies
+/// of a sixty-fourth of the bound, left to the batches, held 24 MiB in a 4 MiB cache with
+/// two workers. Counted in bytes, what waits stays at about an eighth of the bound, plus an
+/// entry per worker.
+const SETTLE_SHARE: u64 = 8;
 
 impl Entry {
     fn weight(&self, key: &str) -> u32 {
@@ -125,6 +137,8 @@ impl ReplayCache {
                 })
                 .build(),
             max_bytes,
+            unsettled: Arc::new(AtomicU64::new(0)),
+            settling: Arc::new(Mutex::new(())),
         }
     }
 
@@ -173,12 +187,21 @@ impl ReplayCache {
             remaining,
         };
         let key = key.as_str().to_owned();
-        let heavy = u64::from(entry.weight(&key)) >= self.max_bytes / HEAVY_SHARE;
+        let weight = u64::from(entry.weight(&key));
         self.entries.insert(key, Arc::new(entry));
-        if heavy {
-            // The cache evicts in batches, after some writes: without this, a run of large
-            // bodies held dozens of them beyond the bound (67 MiB in a 4 MiB cache).
-            self.entries.run_pending_tasks();
+        // Counted once the insert is among the cache's pending writes: a settling applies
+        // every insert counted before it starts.
+        let threshold = self.max_bytes / SETTLE_SHARE;
+        if self.unsettled.fetch_add(weight, Ordering::AcqRel) + weight >= threshold {
+            // Without this, a run of large bodies held dozens of them beyond the bound (67 MiB
+            // in a 4 MiB cache), and workers caching at once hundreds (see `SETTLE_SHARE`).
+            let _settling = self.settling.lock().unwrap_or_else(PoisonError::into_inner);
+            // Another insert may have settled this one while it waited.
+            let counted = self.unsettled.load(Ordering::Acquire);
+            if counted >= threshold {
+                self.entries.run_pending_tasks();
+                self.unsettled.fetch_sub(counted, Ordering::AcqRel);
+            }
         }
     }
 }
@@ -194,6 +217,8 @@ impl std::fmt::Debug for ReplayCache {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::AtomicBool;
+
     use actix_web::http::StatusCode;
     use actix_web::web::Bytes;
 
@@ -246,6 +271,53 @@ mod tests {
             most = most.max(held_bytes(&cache));
         }
         assert!(most <= 2 * max_bytes, "held {most} bytes at most");
+    }
+
+    #[test]
+    fn workers_caching_at_once_hold_at_most_about_an_eighth_more_than_the_bound() {
+        // Bodies just under a sixty-fourth of the bound: left to the cache's batches, the
+        // inserts of the other workers queued up while one settled a batch (up to 384 of
+        // them), and the cache held 24 to 29 MiB in its 4 MiB.
+        let max_bytes = 4 << 20;
+        let cache = ReplayCache::with_max_bytes(max_bytes);
+        let body = Bytes::from(vec![b'x'; usize::try_from(max_bytes / 64).unwrap() - 1024]);
+        let done = Arc::new(AtomicBool::new(false));
+        let watcher = {
+            let (cache, done) = (cache.clone(), Arc::clone(&done));
+            std::thread::spawn(move || {
+                let mut most = 0;
+                while !done.load(Ordering::Relaxed) {
+                    most = most.max(held_bytes(&cache));
+                }
+                most
+            })
+        };
+        let workers: Vec<_> = (0..4)
+            .map(|worker| {
+                let (cache, body) = (cache.clone(), body.clone());
+                std::thread::spawn(move || {
+                    for i in 0..1_000 {
+                        let light = StoredResponse {
+                            body: Some(body.clone()),
+                            ..response(b"")
+                        };
+                        let print = Fingerprint::from_bytes([1; 32]);
+                        let name = format!("w{worker}-{i}");
+                        cache.insert(&key(&name), print, light, Duration::from_secs(60));
+                    }
+                })
+            })
+            .collect();
+        for worker in workers {
+            worker.join().unwrap();
+        }
+        done.store(true, Ordering::Relaxed);
+        let most = watcher.join().unwrap();
+        // An eighth of the bound, and an entry per worker (64 KiB each): a quarter in all.
+        assert!(
+            most <= max_bytes + max_bytes / 4,
+            "held {most} bytes at most"
+        );
     }
 
     #[test]
