@@ -121,6 +121,10 @@ use proc_macro::TokenStream;
 ///   handler may also answer `GET`.
 /// - Without an `Idempotency` on the App or an enclosing scope, the route answers 500 and
 ///   logs that `.wrap(Idempotency::…)` is missing.
+/// - The code it adds names the runtime crate by its own name, `::idempotency_actix`. A
+///   crate that renames the dependency (`idem = { package = "idempotency-actix", .. }`)
+///   gets "could not find `idempotency_actix`" on every `#[idempotent]` unless its root
+///   also holds `extern crate idem as idempotency_actix;`.
 ///
 /// ```
 /// use actix_web::{App, HttpResponse, routes, web};
