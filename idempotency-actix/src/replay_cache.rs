@@ -173,21 +173,23 @@ impl ReplayCache {
         if remaining.is_zero() {
             return;
         }
-        // A body decoded from a store's reply may be a slice of a larger buffer (the whole
-        // record); a copy keeps only what the entry weighs alive.
-        let response = StoredResponse {
-            body: response
-                .body
-                .map(|body| actix_web::web::Bytes::copy_from_slice(&body)),
-            ..response
-        };
-        let entry = Entry {
+        let mut entry = Entry {
             fingerprint,
             response,
             remaining,
         };
         let key = key.as_str().to_owned();
         let weight = u64::from(entry.weight(&key));
+        if weight > self.max_bytes {
+            // The cache would turn it away: not worth a copy of its body.
+            return;
+        }
+        // A body decoded from a store's reply may be a slice of a larger buffer (the whole
+        // record); a copy keeps only what the entry weighs alive.
+        entry.response.body = entry
+            .response
+            .body
+            .map(|body| actix_web::web::Bytes::copy_from_slice(&body));
         self.entries.insert(key, Arc::new(entry));
         // Counted once the insert is among the cache's pending writes: a settling applies
         // every insert counted before it starts.
