@@ -76,6 +76,53 @@ async fn a_table_of_its_own_name_is_created_and_used() {
     assert_eq!(rows(&database, "billing.\"Idempotency_Keys\"").await, 1);
 }
 
+/// A name without a schema is created and used where `search_path` leads, also in a schema
+/// whose name is no plain identifier (a quote, spaces, a dollar quote): the statements name
+/// the table with that schema, quoted.
+#[actix_web::test]
+async fn an_unqualified_name_is_created_and_used_in_the_schema_search_path_names() {
+    let database = TestDatabase::create().await;
+    let admin = database.connection().await;
+    let name: String = admin
+        .query_one("SELECT current_database()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let schema = "\"tenant's $migrate$ 1\"";
+    admin
+        .batch_execute(&format!(
+            "CREATE SCHEMA {schema}; ALTER DATABASE \"{name}\" SET search_path = {schema}"
+        ))
+        .await
+        .unwrap();
+    let store = database.store().await;
+    store.migrate().await.unwrap();
+    let token = LeaseToken::generate();
+    assert_eq!(
+        store
+            .begin(&key("k"), &print(), &token, LEASE)
+            .await
+            .unwrap(),
+        BeginOutcome::Acquired
+    );
+    let ttl = Duration::from_secs(60);
+    assert!(
+        store
+            .commit(&key("k"), &print(), &token, &response(), ttl)
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        store
+            .begin(&key("k"), &print(), &LeaseToken::generate(), LEASE)
+            .await
+            .unwrap(),
+        BeginOutcome::Completed(response())
+    );
+    let table = format!("{schema}.idempotency_records");
+    assert_eq!(rows(&database, &table).await, 1);
+}
+
 #[actix_web::test]
 async fn a_table_of_the_previous_release_is_migrated_to_keep_abandoned_tokens() {
     let database = TestDatabase::create().await;

@@ -116,6 +116,37 @@ async fn plain(runs: web::Data<RunCounter>) -> HttpResponse {
     HttpResponse::Created().json(serde_json::json!({ "seq": runs.record() }))
 }
 
+#[derive(serde::Deserialize)]
+struct SearchPath {
+    /// `local` (`SET LOCAL`, for the transaction) or `session` (`SET`, which the pooled
+    /// connection keeps after the commit).
+    scope: String,
+}
+
+/// A schema-per-tenant handler: sets `search_path` to the tenant's schema, as such apps do,
+/// and inserts one row into the tenant's ledger through the request's transaction.
+async fn in_tenant_schema(
+    transaction: IdempotentTransaction,
+    runs: web::Data<RunCounter>,
+    search_path: web::Query<SearchPath>,
+) -> HttpResponse {
+    let seq = runs.record();
+    let set = match search_path.scope.as_str() {
+        "local" => "SET LOCAL search_path TO tenant_a",
+        _ => "SET search_path TO tenant_a",
+    };
+    transaction.batch_execute(set).await.unwrap();
+    let row = transaction
+        .query_one(
+            "INSERT INTO ledger (amount) VALUES (1) RETURNING entry_id",
+            &[],
+        )
+        .await
+        .unwrap();
+    let entry_id: i64 = row.get(0);
+    HttpResponse::Created().json(serde_json::json!({ "entry_id": entry_id, "seq": seq }))
+}
+
 /// The database's TCP keepalive settings for the request's transaction, as it reports them.
 async fn keepalives(transaction: IdempotentTransaction) -> HttpResponse {
     let mut settings = serde_json::Map::new();
@@ -178,66 +209,82 @@ async fn start_on(connections: u32, fail_mode: FailMode, setting: Option<&str>) 
     let store = PostgresStore::new(pool);
     store.migrate().await.unwrap();
     let (runs, gate) = (RunCounter::default(), Gate::default());
-    let server = {
-        let (runs, gate) = (runs.clone(), gate.clone());
-        actix_test::start(move || {
-            App::new()
-                .app_data(web::Data::new(runs.clone()))
-                .app_data(web::Data::new(gate.clone()))
-                .wrap(Idempotency::postgres(store.clone()).on_store_error(fail_mode))
-                .service(by_attribute)
-                .service(
-                    web::resource("/ledger-by-hand")
-                        .wrap(IdempotentRoute::with_policy(
-                            IdempotencyPolicy::default().transactional(),
-                        ))
-                        .route(web::post().to(by_hand)),
-                )
-                .service(
-                    web::resource("/ledger-waits")
-                        .wrap(IdempotentRoute::with_policy(
-                            IdempotencyPolicy::default()
-                                .transactional()
-                                .wait_for_completion(Duration::from_secs(10)),
-                        ))
-                        .route(web::post().to(by_hand)),
-                )
-                .service(
-                    web::resource("/ledger-stalls")
-                        .wrap(IdempotentRoute::with_policy(
-                            IdempotencyPolicy::default()
-                                .transactional()
-                                .lease(Duration::from_secs(1)),
-                        ))
-                        .route(web::post().to(stalls)),
-                )
-                .service(
-                    web::resource("/keepalives")
-                        .wrap(IdempotentRoute::with_policy(
-                            IdempotencyPolicy::default()
-                                .transactional()
-                                .lease(Duration::from_secs(60)),
-                        ))
-                        .route(web::post().to(keepalives)),
-                )
-                .service(
-                    web::resource("/plain")
-                        .wrap(IdempotentRoute::new())
-                        .route(web::post().to(plain)),
-                )
-                .service(
-                    web::resource("/not-transactional")
-                        .wrap(IdempotentRoute::new())
-                        .route(web::post().to(by_hand)),
-                )
-        })
-    };
+    let server = serve(store, fail_mode, &runs, &gate);
     Harness {
         server,
         database,
         runs,
         gate,
     }
+}
+
+/// A server with the transactional routes on `store`, counting runs in `runs` and holding
+/// handlers at `gate`.
+fn serve(
+    store: PostgresStore,
+    fail_mode: FailMode,
+    runs: &RunCounter,
+    gate: &Gate,
+) -> actix_test::TestServer {
+    let (runs, gate) = (runs.clone(), gate.clone());
+    actix_test::start(move || {
+        App::new()
+            .app_data(web::Data::new(runs.clone()))
+            .app_data(web::Data::new(gate.clone()))
+            .wrap(Idempotency::postgres(store.clone()).on_store_error(fail_mode))
+            .service(by_attribute)
+            .service(
+                web::resource("/ledger-by-hand")
+                    .wrap(IdempotentRoute::with_policy(
+                        IdempotencyPolicy::default().transactional(),
+                    ))
+                    .route(web::post().to(by_hand)),
+            )
+            .service(
+                web::resource("/ledger-waits")
+                    .wrap(IdempotentRoute::with_policy(
+                        IdempotencyPolicy::default()
+                            .transactional()
+                            .wait_for_completion(Duration::from_secs(10)),
+                    ))
+                    .route(web::post().to(by_hand)),
+            )
+            .service(
+                web::resource("/ledger-stalls")
+                    .wrap(IdempotentRoute::with_policy(
+                        IdempotencyPolicy::default()
+                            .transactional()
+                            .lease(Duration::from_secs(1)),
+                    ))
+                    .route(web::post().to(stalls)),
+            )
+            .service(
+                web::resource("/keepalives")
+                    .wrap(IdempotentRoute::with_policy(
+                        IdempotencyPolicy::default()
+                            .transactional()
+                            .lease(Duration::from_secs(60)),
+                    ))
+                    .route(web::post().to(keepalives)),
+            )
+            .service(
+                web::resource("/tenant-ledger")
+                    .wrap(IdempotentRoute::with_policy(
+                        IdempotencyPolicy::default().transactional(),
+                    ))
+                    .route(web::post().to(in_tenant_schema)),
+            )
+            .service(
+                web::resource("/plain")
+                    .wrap(IdempotentRoute::new())
+                    .route(web::post().to(plain)),
+            )
+            .service(
+                web::resource("/not-transactional")
+                    .wrap(IdempotentRoute::new())
+                    .route(web::post().to(by_hand)),
+            )
+    })
 }
 
 impl Harness {
@@ -767,4 +814,78 @@ async fn a_duplicate_that_meets_a_row_committed_after_its_snapshot_is_replayed()
         assert_eq!(h.runs.get(), n + 1, "{path}: the handler ran once");
     }
     assert_eq!(h.ledger_rows().await, 1);
+}
+
+/// Two instances that name one table differently (`idempotency_records`, and
+/// `public.idempotency_records` as another service's configuration spells it) exclude each
+/// other's transactional claims: a duplicate sent to the other instance while the first runs
+/// gets 409 at once, and its retry the replay. (The keys' advisory locks were named after
+/// the table's name as written: the duplicate's claim missed the first's lock and waited on
+/// its uncommitted row until the store timeout, a 503.)
+#[actix_web::test]
+async fn instances_that_spell_the_table_differently_exclude_each_other() {
+    let h = start(4).await;
+    let store = PostgresStore::new(PostgresStore::pool(h.database.url()).unwrap())
+        .table("public.idempotency_records")
+        .unwrap();
+    store.migrate().await.unwrap();
+    let other = serve(store, FailMode::Closed, &h.runs, &h.gate);
+    let send = |server: &actix_test::TestServer| {
+        let request = server
+            .post("/ledger?hold=1")
+            .insert_header(("idempotency-key", "k"));
+        async move { Reply::read(request.send().await.unwrap()).await.unwrap() }
+    };
+    let first = h.spawn_post("/ledger?hold=1", "k");
+    h.runs.wait_for(1).await;
+    let duplicate = send(&other).await;
+    assert_eq!(duplicate.status, StatusCode::CONFLICT, "{duplicate:?}");
+    h.gate.open();
+    let first = first.await.unwrap().unwrap();
+    assert_eq!(first.status, StatusCode::CREATED);
+    let retry = send(&other).await;
+    assert!(retry.is_replay(), "{retry:?}");
+    assert_eq!(retry.body, first.body);
+    assert_eq!((h.runs.get(), h.ledger_rows().await), (1, 1));
+}
+
+/// A handler that sets `search_path` (to its tenant's schema, say) inside the transaction it
+/// shares with the store: its write and the record commit, and the retry replays. With
+/// `scope` `session` the pool's one connection keeps that `search_path` for the requests
+/// after, which are served as ever. (The store named its table without a schema: its
+/// completion found no table, the transaction rolled back, and the client got a 503 after
+/// the handler ran.)
+async fn a_handler_that_sets_search_path_leaves_the_store_its_table(scope: &str) {
+    let h = start(1).await;
+    h.database
+        .connection()
+        .await
+        .batch_execute(&format!(
+            "CREATE SCHEMA tenant_a; {}",
+            LEDGER.replace("ledger", "tenant_a.ledger")
+        ))
+        .await
+        .unwrap();
+    let path = format!("/tenant-ledger?scope={scope}");
+    let first = h.post(&path, Some("k")).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let retry = h.post(&path, Some("k")).await;
+    assert!(retry.is_replay(), "{retry:?}");
+    assert_eq!(retry.body, first.body);
+    let plain = h.post("/plain", Some("p")).await;
+    assert_eq!(plain.status, StatusCode::CREATED, "{plain:?}");
+    assert!(h.post("/plain", Some("p")).await.is_replay());
+    assert_eq!(h.runs.get(), 2);
+    assert_eq!(h.count("SELECT count(*) FROM tenant_a.ledger").await, 1);
+    assert_eq!(h.records().await, 2);
+}
+
+#[actix_web::test]
+async fn a_handler_that_sets_search_path_for_its_transaction_leaves_the_store_its_table() {
+    a_handler_that_sets_search_path_leaves_the_store_its_table("local").await;
+}
+
+#[actix_web::test]
+async fn a_handler_that_sets_search_path_for_its_session_leaves_the_store_its_table() {
+    a_handler_that_sets_search_path_leaves_the_store_its_table("session").await;
 }

@@ -15,8 +15,12 @@ use crate::record::{RECORD_VERSION, StoredResponse};
 use crate::scope::StorageKey;
 
 mod serialization;
+mod table;
 
 use serialization::{again_while_unserializable, failed_to_serialize};
+use table::{Resolution, Table, quote_identifier};
+
+pub use table::TableNameError;
 
 /// The pool type [`PostgresStore::new`] takes: bb8 over bb8-postgres, without TLS.
 pub type PostgresPool = bb8::Pool<PostgresConnectionManager<NoTls>>;
@@ -85,30 +89,42 @@ pub const EXPIRY_BATCH: i64 = 1_000;
 #[derive(Clone)]
 pub struct PostgresStore {
     pool: PostgresPool,
-    sql: Arc<Statements>,
+    table: Arc<Table>,
 }
 
 impl std::fmt::Debug for PostgresStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PostgresStore")
-            .field("table", &self.sql.table)
+            .field("table", &self.table.configured)
             .finish_non_exhaustive()
     }
 }
 
-/// A table name that is not a plain SQL identifier (or `schema.table` of two).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "{0:?} is not a table name: use letters, digits and underscores (not first), at most 63 \
-     bytes, optionally qualified by a schema (`schema.table`)"
-)]
-pub struct TableNameError(pub String);
+/// Whether `migrate` would change nothing for the table named by $1 (its schema and name,
+/// quoted): the table is there, its check on the state allows 'a' (and none that refuses it
+/// is left), and an index leads with `expires_at`. Only reads the catalogs, which any role
+/// may.
+const MIGRATED: &str = "SELECT EXISTS (SELECT 1 FROM pg_constraint
+                        WHERE conrelid = to_regclass($1) AND contype = 'c'
+                          AND pg_get_constraintdef(oid) LIKE '%state%'
+                          AND pg_get_constraintdef(oid) LIKE '%''a''%')
+            AND NOT EXISTS (SELECT 1 FROM pg_constraint
+                            WHERE conrelid = to_regclass($1) AND contype = 'c'
+                              AND pg_get_constraintdef(oid) LIKE '%state%'
+                              AND pg_get_constraintdef(oid) NOT LIKE '%''a''%')
+            AND EXISTS (SELECT 1 FROM pg_index i
+                        JOIN pg_attribute a
+                          ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
+                        WHERE i.indrelid = to_regclass($1)
+                          AND a.attname = 'expires_at')";
 
-/// The SQL of one table, built once from its validated name.
+/// The SQL of one table, built once the table's schema is known
+/// ([`table`](self::table)).
 struct Statements {
-    /// The name as given, for the lock namespace and `Debug`.
-    table: String,
-    migrated: String,
+    /// The table's schema and name, the namespace of its keys' advisory locks.
+    lock_namespace: String,
+    /// The table as SQL: schema and name, each quoted.
+    relation: String,
     migrate: String,
     begin: String,
     renew: String,
@@ -122,28 +138,18 @@ struct Statements {
     delete: String,
 }
 
-/// Whether `name` is an identifier that needs no quoting care: `[A-Za-z_][A-Za-z0-9_]*`,
-/// at most 63 bytes (PostgreSQL's limit).
-fn is_identifier(name: &str) -> bool {
-    let mut bytes = name.bytes();
-    matches!(bytes.next(), Some(b'a'..=b'z' | b'A'..=b'Z' | b'_'))
-        && bytes.all(|b| b.is_ascii_alphanumeric() || b == b'_')
-        && name.len() <= 63
-}
-
 impl Statements {
-    fn new(table: &str) -> Result<Self, TableNameError> {
-        let parts: Vec<&str> = table.split('.').collect();
-        if parts.len() > 2 || !parts.iter().all(|part| is_identifier(part)) {
-            return Err(TableNameError(table.to_owned()));
+    /// The statements of the table `name` in `schema` (as the catalog spells them), which
+    /// name it schema-qualified, so that no `search_path` changes which table they use.
+    fn new(schema: &str, name: &str) -> Self {
+        let t = format!("{}.{}", quote_identifier(schema), quote_identifier(name));
+        // The name inside a string literal, and a dollar quote that it does not contain, for
+        // the body of the migration's `DO` block.
+        let literal = t.replace('\'', "''");
+        let mut tag = "$migrate$".to_owned();
+        while t.contains(&tag) {
+            tag.insert(1, '_');
         }
-        // Quoted, so the name is taken as written (case included); validated above, so the
-        // quotes cannot be escaped.
-        let t = parts
-            .iter()
-            .map(|part| format!("\"{part}\""))
-            .collect::<Vec<_>>()
-            .join(".");
         // Whether no transaction holds the advisory lock whose id is parameter `$n`, looked
         // up in `pg_locks` rather than taken: taking it, however briefly, made a `begin` or
         // a transactional claim of the key at that moment answer 409.
@@ -160,26 +166,9 @@ impl Statements {
             )
         };
         let (lock_free_2, lock_free_3) = (lock_free(2), lock_free(3));
-        Ok(Self {
-            table: table.to_owned(),
-            // Whether `migrate` would change nothing: the table is there, its check on the
-            // state allows 'a' (and none that refuses it is left), and an index leads with
-            // `expires_at`. Only reads the catalogs, which any role may.
-            migrated: format!(
-                "SELECT EXISTS (SELECT 1 FROM pg_constraint
-                                WHERE conrelid = to_regclass('{t}') AND contype = 'c'
-                                  AND pg_get_constraintdef(oid) LIKE '%state%'
-                                  AND pg_get_constraintdef(oid) LIKE '%''a''%')
-                    AND NOT EXISTS (SELECT 1 FROM pg_constraint
-                                    WHERE conrelid = to_regclass('{t}') AND contype = 'c'
-                                      AND pg_get_constraintdef(oid) LIKE '%state%'
-                                      AND pg_get_constraintdef(oid) NOT LIKE '%''a''%')
-                    AND EXISTS (SELECT 1 FROM pg_index i
-                                JOIN pg_attribute a
-                                  ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
-                                WHERE i.indrelid = to_regclass('{t}')
-                                  AND a.attname = 'expires_at')"
-            ),
+        Self {
+            lock_namespace: table::lock_namespace(schema, name),
+            relation: t.clone(),
             // Serialized by an advisory lock: `CREATE … IF NOT EXISTS` run by two instances
             // at once can still collide.
             migrate: format!(
@@ -194,7 +183,7 @@ impl Statements {
                      expires_at  timestamptz NOT NULL,
                      response    bytea
                  );
-                 DO $$
+                 DO {tag}
                  DECLARE old record;
                  BEGIN
                      -- Unless an index leads with `expires_at` (the one an earlier release
@@ -205,20 +194,21 @@ impl Statements {
                      IF NOT EXISTS (SELECT 1 FROM pg_index i
                                     JOIN pg_attribute a
                                       ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
-                                    WHERE i.indrelid = '{t}'::regclass
+                                    WHERE i.indrelid = '{literal}'::regclass
                                       AND a.attname = 'expires_at') THEN
                          CREATE INDEX ON {t} (expires_at);
                      END IF;
                      -- Tables of 0.2 allow only the states 'i' and 'c'; allow 'a' too.
                      FOR old IN SELECT conname FROM pg_constraint
-                                WHERE conrelid = '{t}'::regclass AND contype = 'c'
+                                WHERE conrelid = '{literal}'::regclass AND contype = 'c'
                                   AND pg_get_constraintdef(oid) LIKE '%state%'
                                   AND pg_get_constraintdef(oid) NOT LIKE '%''a''%'
                      LOOP
-                         EXECUTE format('ALTER TABLE {t} DROP CONSTRAINT %I', old.conname);
+                         EXECUTE format('ALTER TABLE %s DROP CONSTRAINT %I',
+                                        '{literal}'::regclass, old.conname);
                          ALTER TABLE {t} ADD CHECK (state IN ('i', 'c', 'a'));
                      END LOOP;
-                 END $$;
+                 END {tag};
                  COMMIT;"
             ),
             // $1 key, $2 fingerprint, $3 token, $4 lease (ms), $5 lock id, $6 version.
@@ -389,15 +379,19 @@ impl Statements {
                      FOR UPDATE SKIP LOCKED
                  )"
             ),
-        })
+        }
     }
 
-    /// The advisory lock of `key` in this table: 64 bits of a digest, so keys of two tables
-    /// (or of other users of advisory locks) practically never share one; a shared one would
-    /// only make a request answer 409 while the other runs.
+    /// The advisory lock of `key` in this table: 64 bits of a digest of the table's schema
+    /// and name as the catalog has them ([`table::lock_namespace`]), however an instance
+    /// spells the table, so keys of two tables (or of other users of advisory locks)
+    /// practically never share one; a shared one would only make a request answer 409 while
+    /// the other runs. The lock is not what keeps a key from running twice, the row's
+    /// primary key is: a claim that missed another's lock waits for that transaction's row
+    /// instead of answering 409 at once.
     fn lock_id(&self, key: &StorageKey) -> i64 {
         let mut hasher = blake3::Hasher::new_derive_key("idempotency-actix postgres lock v1");
-        hasher.update(self.table.as_bytes());
+        hasher.update(self.lock_namespace.as_bytes());
         hasher.update(&[0]);
         hasher.update(key.as_str().as_bytes());
         let digest = hasher.finalize();
@@ -410,10 +404,10 @@ impl Statements {
 impl PostgresStore {
     /// A store on `pool`, in the table [`DEFAULT_TABLE`] (`idempotency_records`).
     pub fn new(pool: PostgresPool) -> Self {
-        let sql = Statements::new(DEFAULT_TABLE).unwrap_or_else(|_| unreachable!());
+        let table = Table::new(DEFAULT_TABLE).unwrap_or_else(|_| unreachable!());
         Self {
             pool,
-            sql: Arc::new(sql),
+            table: Arc::new(table),
         }
     }
 
@@ -438,7 +432,7 @@ impl PostgresStore {
     pub fn table(self, name: &str) -> Result<Self, TableNameError> {
         Ok(Self {
             pool: self.pool,
-            sql: Arc::new(Statements::new(name)?),
+            table: Arc::new(Table::new(name)?),
         })
     }
 
@@ -477,6 +471,10 @@ impl PostgresStore {
     /// `UPDATE` and `DELETE` on it can call it too. Creating or updating the table takes the
     /// rights to do so.
     ///
+    /// It also finds the table's schema (for a name without one, where `search_path` leads:
+    /// the table's, or where it creates it), which every statement of the store names from
+    /// then on; without `migrate`, the store's first statement finds it.
+    ///
     /// # Errors
     ///
     /// When the database cannot be reached within 2 s ([`StoreError::Timeout`]) or refuses
@@ -500,24 +498,58 @@ impl PostgresStore {
                 }
                 StoreError::Unavailable(why.into())
             })?;
-        // `CREATE TABLE IF NOT EXISTS` checks the right to create even where the table exists.
-        let rows = connection
-            .query_typed(&self.sql.migrated, &[])
+        // Where the name leads on this connection, as it would on the pool's: the table's
+        // schema, or where `CREATE TABLE` puts it.
+        let row = connection
+            .query_typed_one(table::RESOLVE, &self.table.resolve_params())
             .await
             .map_err(unavailable)?;
-        let migrated = match rows.as_slice() {
-            [row] => row
-                .try_get(0)
-                .map_err(|error| StoreError::Protocol(error.to_string()))?,
-            _ => false,
+        let resolution = Resolution::read(&row)?;
+        let sql = resolution.statements(&self.table.configured)?;
+        // `CREATE TABLE IF NOT EXISTS` checks the right to create even where the table exists.
+        let migrated = resolution.exists && {
+            let rows = connection
+                .query_typed(MIGRATED, &[(&sql.relation, Type::TEXT)])
+                .await
+                .map_err(unavailable)?;
+            match rows.as_slice() {
+                [row] => row.try_get(0).map_err(unreadable)?,
+                _ => false,
+            }
         };
-        if migrated {
-            return Ok(());
+        if !migrated {
+            connection
+                .batch_execute(&sql.migrate)
+                .await
+                .map_err(unavailable)?;
         }
-        connection
-            .batch_execute(&self.sql.migrate)
-            .await
-            .map_err(unavailable)
+        self.table.settle(sql);
+        Ok(())
+    }
+
+    /// The statements of the store's table, resolved on first use where
+    /// [`migrate`](Self::migrate) did not run: an error while the table does not exist
+    /// (tried again on the next use).
+    async fn statements(&self) -> Result<&Statements, StoreError> {
+        if let Some(sql) = self.table.statements() {
+            return Ok(sql);
+        }
+        let rows = self
+            .query(table::RESOLVE, &self.table.resolve_params())
+            .await?;
+        let resolution = Resolution::read(the_only_row(&rows, "the table's resolution")?)?;
+        if !resolution.exists {
+            return Err(StoreError::Unavailable(
+                format!(
+                    "the table {:?} does not exist: run PostgresStore::migrate at start",
+                    self.table.configured
+                )
+                .into(),
+            ));
+        }
+        Ok(self
+            .table
+            .settle(resolution.statements(&self.table.configured)?))
     }
 
     /// Deletes expired rows, at most `batch` of them (up to [`EXPIRY_BATCH`] is sensible);
@@ -527,9 +559,10 @@ impl PostgresStore {
     ///
     /// When the database cannot be reached.
     pub async fn delete_expired(&self, batch: i64) -> Result<u64, StoreError> {
+        let sql = self.statements().await?;
         let connection = self.pool.get().await.map_err(unavailable)?;
         connection
-            .execute_typed(&self.sql.delete_expired, &[(&batch, Type::INT8)])
+            .execute_typed(&sql.delete_expired, &[(&batch, Type::INT8)])
             .await
             .map_err(unavailable)
     }
@@ -634,10 +667,11 @@ impl PostgresStore {
         token: &LeaseToken,
         lease: Duration,
     ) -> Result<(BeginOutcome, Option<Duration>), StoreError> {
-        let params = BeginParams::new(&self.sql, key, fingerprint, token, lease);
+        let sql = self.statements().await?;
+        let params = BeginParams::new(sql, key, fingerprint, token, lease);
         for _ in 0..MAX_SNAPSHOT_RETRIES {
             let row = client
-                .query_typed_one(&self.sql.begin, &params.as_params())
+                .query_typed_one(&sql.begin, &params.as_params())
                 .await
                 .map_err(unavailable)?;
             if let Some(outcome) = begin_outcome(&row, fingerprint, token)? {
@@ -761,6 +795,8 @@ impl PostgresStore {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<(), StoreError> {
+        // Resolved by the claim.
+        let sql = self.statements().await?;
         let encoded = response.encode();
         let ttl = millis(ttl);
         let params: [(&(dyn ToSql + Sync), Type); 4] = [
@@ -771,7 +807,7 @@ impl PostgresStore {
         ];
         let client = transaction.client();
         let (completed, committed) = futures_util::future::join(
-            client.query_typed(&self.sql.complete, &params),
+            client.query_typed(&sql.complete, &params),
             client.batch_execute("COMMIT"),
         )
         .await;
@@ -1091,7 +1127,7 @@ impl IdempotencyStore for PostgresStore {
     ) -> Result<bool, StoreError> {
         let lease = millis(lease);
         self.query_flag(
-            &self.sql.renew,
+            &self.statements().await?.renew,
             &[
                 (&key.as_str(), Type::TEXT),
                 (&token.as_str(), Type::TEXT),
@@ -1118,11 +1154,12 @@ impl IdempotencyStore for PostgresStore {
             (&encoded, Type::BYTEA),
             (&ttl, Type::INT8),
         ];
-        if self.query_flag(&self.sql.commit, &params).await? {
+        let sql = self.statements().await?;
+        if self.query_flag(&sql.commit, &params).await? {
             return Ok(true);
         }
         // Rare: the lease was lost, or the commit was sent twice.
-        let (lock, version) = (self.sql.lock_id(key), i16::from(RECORD_VERSION));
+        let (lock, version) = (sql.lock_id(key), i16::from(RECORD_VERSION));
         let fingerprint = fingerprint.as_bytes().as_slice();
         params.extend([
             (&fingerprint as &(dyn ToSql + Sync), Type::BYTEA),
@@ -1135,7 +1172,7 @@ impl IdempotencyStore for PostgresStore {
         // holds the key.
         let mut pauses = RECREATE_PAUSES.iter();
         loop {
-            let rows = self.query(&self.sql.recreate, &params).await?;
+            let rows = self.query(&sql.recreate, &params).await?;
             let row = the_only_row(&rows, "the re-creation")?;
             let recreated: bool = row.try_get(0).map_err(unreadable)?;
             let held: bool = row.try_get(1).map_err(unreadable)?;
@@ -1152,7 +1189,7 @@ impl IdempotencyStore for PostgresStore {
 
     async fn release(&self, key: &StorageKey, token: &LeaseToken) -> Result<bool, StoreError> {
         self.query_flag(
-            &self.sql.release,
+            &self.statements().await?.release,
             &[(&key.as_str(), Type::TEXT), (&token.as_str(), Type::TEXT)],
         )
         .await
@@ -1164,10 +1201,11 @@ impl IdempotencyStore for PostgresStore {
         token: &LeaseToken,
         remember_for: Duration,
     ) -> Result<bool, StoreError> {
-        let (remember_for, lock) = (millis(remember_for), self.sql.lock_id(key));
+        let sql = self.statements().await?;
+        let (remember_for, lock) = (millis(remember_for), sql.lock_id(key));
         let version = i16::from(RECORD_VERSION);
         self.query_flag(
-            &self.sql.abandon,
+            &sql.abandon,
             &[
                 (&key.as_str(), Type::TEXT),
                 (&token.as_str(), Type::TEXT),
@@ -1186,10 +1224,11 @@ impl IdempotencyStore for PostgresStore {
         key: &StorageKey,
         with_body: bool,
     ) -> Result<Option<RecordSnapshot>, StoreError> {
-        let lock = self.sql.lock_id(key);
+        let sql = self.statements().await?;
+        let lock = sql.lock_id(key);
         let rows = self
             .query(
-                &self.sql.inspect,
+                &sql.inspect,
                 &[(&key.as_str(), Type::TEXT), (&lock, Type::INT8)],
             )
             .await?;
@@ -1219,10 +1258,11 @@ impl IdempotencyStore for PostgresStore {
     /// A transactional route's in-flight claim lives inside its transaction and cannot be
     /// deleted from outside it, even by force: it is reported as [`Deletion::InFlight`].
     async fn delete(&self, key: &StorageKey, force: bool) -> Result<Deletion, StoreError> {
-        let lock = self.sql.lock_id(key);
+        let sql = self.statements().await?;
+        let lock = sql.lock_id(key);
         let rows = self
             .query(
-                &self.sql.delete,
+                &sql.delete,
                 &[
                     (&key.as_str(), Type::TEXT),
                     (&force, Type::BOOL),
@@ -1267,7 +1307,7 @@ mod tests {
     #[test]
     fn table_names_are_identifiers() {
         for good in ["records", "_r1", "billing.records", "A_b", &"x".repeat(63)] {
-            assert!(Statements::new(good).is_ok(), "{good}");
+            assert!(Table::new(good).is_ok(), "{good}");
         }
         for bad in [
             "",
@@ -1282,15 +1322,18 @@ mod tests {
             &"x".repeat(64),
         ] {
             assert_eq!(
-                Statements::new(bad).err(),
-                Some(TableNameError(bad.to_owned())),
+                Table::new(bad).err().map(|error| error.0),
+                Some(bad.to_owned()),
                 "{bad}"
             );
         }
     }
 
-    /// Two versions that derived a key's advisory lock differently would let their
-    /// transactional claims of one key run side by side during a rolling deploy.
+    /// Two versions that derived a key's advisory lock differently would make a duplicate
+    /// of a transactional claim during a rolling deploy wait for the claim's transaction
+    /// instead of answering 409 at once (the key's row still keeps it from running twice).
+    /// The default table in `public` keeps the lock that releases naming it without a
+    /// schema derived.
     #[test]
     fn the_lock_id_of_a_known_key_never_changes() {
         let key = StorageKey::new(
@@ -1298,7 +1341,7 @@ mod tests {
             b"",
             &crate::IdempotencyKey::parse(b"k").expect("a key"),
         );
-        let sql = Statements::new(DEFAULT_TABLE).expect("valid");
+        let sql = Statements::new("public", DEFAULT_TABLE);
         assert_eq!(sql.lock_id(&key), 6_440_539_836_243_116_760);
     }
 
@@ -1312,10 +1355,12 @@ mod tests {
             )
         };
         let (a, b) = (
-            Statements::new("a").expect("valid"),
-            Statements::new("b").expect("valid"),
+            Statements::new("public", "a"),
+            Statements::new("public", "b"),
         );
         assert_ne!(a.lock_id(&key("k")), b.lock_id(&key("k")));
+        let elsewhere = Statements::new("billing", "a");
+        assert_ne!(a.lock_id(&key("k")), elsewhere.lock_id(&key("k")));
         assert_ne!(a.lock_id(&key("k")), a.lock_id(&key("l")));
         assert_eq!(a.lock_id(&key("k")), a.lock_id(&key("k")));
     }
