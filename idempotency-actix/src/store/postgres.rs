@@ -14,9 +14,11 @@ use crate::lost_record;
 use crate::record::{RECORD_VERSION, StoredResponse};
 use crate::scope::StorageKey;
 
+mod isolation;
 mod serialization;
 mod table;
 
+use isolation::Isolation;
 use serialization::{again_while_unserializable, failed_to_serialize};
 use table::{Resolution, Table, quote_identifier};
 
@@ -56,8 +58,13 @@ pub const EXPIRY_BATCH: i64 = 1_000;
 /// did not take), so a new key costs two round trips and a replay one. Only a commit that
 /// finds its lease lost sends a second statement, which writes the completed row where the
 /// key is free (see [`IdempotencyStore::commit`]; sent again a few times within 150 ms while
-/// another statement holds the key's advisory lock). Statements are sent
-/// with their parameter types (no separate prepare round trip). Each statement first tries a
+/// another statement holds the key's advisory lock). Statements are sent with their
+/// parameter types (no separate prepare round trip). Where the sessions run `repeatable
+/// read` or `serializable` (`default_transaction_isolation`), `begin` reads the record only
+/// where it did not take the key, and a transactional route's completion updates its row by
+/// `ctid`, so that transactions of different keys do not fail to serialize over the index
+/// pages they share; under READ COMMITTED they keep the faster forms. The store reads the
+/// isolation with its table, and follows a change it meets. Each statement first tries a
 /// transaction-scoped advisory lock on the key without waiting: a transactional route holds
 /// it for the whole of its transaction, so a duplicate never waits on that transaction's
 /// uncommitted row but reads the committed state and answers at once (409 while in flight).
@@ -90,6 +97,7 @@ pub const EXPIRY_BATCH: i64 = 1_000;
 pub struct PostgresStore {
     pool: PostgresPool,
     table: Arc<Table>,
+    isolation: Arc<Isolation>,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -127,12 +135,14 @@ struct Statements {
     relation: String,
     migrate: String,
     begin: String,
+    begin_strict: String,
     renew: String,
     commit: String,
     recreate: String,
     release: String,
     abandon: String,
     complete: String,
+    complete_claimed_row: String,
     delete_expired: String,
     inspect: String,
     delete: String,
@@ -166,6 +176,40 @@ impl Statements {
             )
         };
         let (lock_free_2, lock_free_3) = (lock_free(2), lock_free(3));
+        // The lock and the claim of both `begin`s, the claim returning `returning` of the
+        // row it acquired.
+        let lock_and_claim = |returning: &str| {
+            format!(
+                "WITH lock AS MATERIALIZED (
+                     SELECT pg_try_advisory_xact_lock($5) AS held
+                 ), claimed AS (
+                     INSERT INTO {t} AS r (key, fingerprint, token, state, version, expires_at)
+                     SELECT $1, $2, $3, 'i', $6, clock_timestamp() + $4 * interval '1 millisecond'
+                     FROM lock WHERE lock.held
+                     ON CONFLICT (key) DO UPDATE
+                     SET fingerprint = EXCLUDED.fingerprint, token = EXCLUDED.token, state = 'i',
+                         version = EXCLUDED.version, expires_at = EXCLUDED.expires_at,
+                         response = NULL
+                     WHERE r.expires_at <= clock_timestamp()
+                        OR (r.state = 'i' AND r.token = EXCLUDED.token)
+                        OR (r.state = 'a'
+                            AND NOT EXCLUDED.token = ANY (string_to_array(r.token, ' ')))
+                     RETURNING {returning}
+                 )"
+            )
+        };
+        // The completion of a transactional claim, of the in-flight row `row` picks out.
+        let complete = |row: &str| {
+            format!(
+                "WITH done AS (
+                     UPDATE {t} SET state = 'c', response = $3,
+                         expires_at = clock_timestamp() + $4 * interval '1 millisecond'
+                     WHERE {row} AND token = $2 AND state = 'i'
+                     RETURNING 1
+                 )
+                 SELECT 1 / (SELECT count(*) FROM done)::int"
+            )
+        };
         Self {
             lock_namespace: table::lock_namespace(schema, name),
             relation: t.clone(),
@@ -218,27 +262,35 @@ impl Statements {
             // waits for and re-reads it); the LEFT JOIN reads the statement's snapshot, which
             // can predate a row committed meanwhile: the caller then runs it again.
             begin: format!(
-                "WITH lock AS MATERIALIZED (
-                     SELECT pg_try_advisory_xact_lock($5) AS held
-                 ), claimed AS (
-                     INSERT INTO {t} AS r (key, fingerprint, token, state, version, expires_at)
-                     SELECT $1, $2, $3, 'i', $6, clock_timestamp() + $4 * interval '1 millisecond'
-                     FROM lock WHERE lock.held
-                     ON CONFLICT (key) DO UPDATE
-                     SET fingerprint = EXCLUDED.fingerprint, token = EXCLUDED.token, state = 'i',
-                         version = EXCLUDED.version, expires_at = EXCLUDED.expires_at,
-                         response = NULL
-                     WHERE r.expires_at <= clock_timestamp()
-                        OR (r.state = 'i' AND r.token = EXCLUDED.token)
-                        OR (r.state = 'a'
-                            AND NOT EXCLUDED.token = ANY (string_to_array(r.token, ' ')))
-                     RETURNING 1
-                 )
+                "{}
                  SELECT lock.held, EXISTS (SELECT 1 FROM claimed) AS acquired,
                         r.state::text, r.fingerprint, r.response, r.token,
                         (extract(epoch FROM r.expires_at - clock_timestamp()) * 1000)::bigint
                  FROM lock LEFT JOIN {t} r
-                   ON r.key = $1 AND r.expires_at > clock_timestamp()"
+                   ON r.key = $1 AND r.expires_at > clock_timestamp()",
+                lock_and_claim("1")
+            ),
+            // `begin` under a stricter isolation ([`isolation`]): the same parameters and
+            // columns, then the acquired row's `ctid`, which a transactional claim's
+            // completion updates, and the transaction's isolation. The live record is read
+            // only when none was acquired (the `OFFSET 0` keeps the condition in front of
+            // the scan): inside a SERIALIZABLE transaction a read of the key's index page is
+            // a predicate lock on it, and the claims of other keys on that page made the
+            // transaction fail to serialize at its commit.
+            begin_strict: format!(
+                "{}, taken AS MATERIALIZED (
+                     SELECT (SELECT ctid::text FROM claimed) AS row
+                 )
+                 SELECT lock.held, taken.row IS NOT NULL,
+                        r.state::text, r.fingerprint, r.response, r.token,
+                        (extract(epoch FROM r.expires_at - clock_timestamp()) * 1000)::bigint,
+                        taken.row, current_setting('transaction_isolation')
+                 FROM lock CROSS JOIN taken LEFT JOIN LATERAL (
+                     SELECT * FROM {t}
+                     WHERE taken.row IS NULL AND key = $1 AND expires_at > clock_timestamp()
+                     OFFSET 0
+                 ) r ON true",
+                lock_and_claim("ctid")
             ),
             // $1 key, $2 token, $3 lease (ms).
             renew: format!(
@@ -333,15 +385,13 @@ impl Statements {
             // $3 response, $4 ttl (ms). Divides by zero unless exactly our in-flight row was
             // completed, which aborts the transaction, so the COMMIT sent right behind it
             // rolls back instead of committing the handler's writes without their record.
-            complete: format!(
-                "WITH done AS (
-                     UPDATE {t} SET state = 'c', response = $3,
-                         expires_at = clock_timestamp() + $4 * interval '1 millisecond'
-                     WHERE key = $1 AND token = $2 AND state = 'i'
-                     RETURNING 1
-                 )
-                 SELECT 1 / (SELECT count(*) FROM done)::int"
-            ),
+            complete: complete("key = $1"),
+            // The same, under a stricter isolation ([`isolation`]): $5 the claimed row's
+            // `ctid`. The row is found by its `ctid` (no other statement changes it while the
+            // claim holds it), not by the key's index: inside a SERIALIZABLE transaction that
+            // read is a predicate lock on the index page, and the claims of other keys on
+            // that page made the commit fail to serialize.
+            complete_claimed_row: complete("ctid = $5::tid AND key = $1"),
             // Inspection: $1 key, $2 lock id. Whether the advisory lock was free (taken: a
             // transactional route's transaction is working on the key, its row not yet
             // committed; looked up, not taken), and the live row with its remaining time in
@@ -408,6 +458,7 @@ impl PostgresStore {
         Self {
             pool,
             table: Arc::new(table),
+            isolation: Arc::default(),
         }
     }
 
@@ -433,6 +484,7 @@ impl PostgresStore {
         Ok(Self {
             pool: self.pool,
             table: Arc::new(Table::new(name)?),
+            isolation: self.isolation,
         })
     }
 
@@ -505,6 +557,7 @@ impl PostgresStore {
             .await
             .map_err(unavailable)?;
         let resolution = Resolution::read(&row)?;
+        self.isolation.observe(&resolution.isolation);
         let sql = resolution.statements(&self.table.configured)?;
         // `CREATE TABLE IF NOT EXISTS` checks the right to create even where the table exists.
         let migrated = resolution.exists && {
@@ -547,6 +600,7 @@ impl PostgresStore {
                 .into(),
             ));
         }
+        self.isolation.observe(&resolution.isolation);
         Ok(self
             .table
             .settle(resolution.statements(&self.table.configured)?))
@@ -614,7 +668,11 @@ impl PostgresStore {
         statement: &str,
         params: &[(&(dyn ToSql + Sync), Type)],
     ) -> Result<Vec<Row>, StoreError> {
-        again_while_unserializable(|| self.query_once(statement, params)).await
+        again_while_unserializable(|| async {
+            self.isolation
+                .noting(self.query_once(statement, params).await)
+        })
+        .await
     }
 
     /// [`query`](Self::query), without running it again when it fails to serialize.
@@ -658,7 +716,8 @@ impl PostgresStore {
 
     /// `begin` on `client` (pooled, or a transaction's), repeated while its snapshot missed
     /// a row committed by a concurrent statement; with a completed record, how much longer
-    /// the table keeps it.
+    /// the table keeps it; with a record acquired by the statement for a stricter isolation,
+    /// its row's `ctid`.
     async fn begin_on(
         &self,
         client: &tokio_postgres::Client,
@@ -666,16 +725,28 @@ impl PostgresStore {
         fingerprint: &Fingerprint,
         token: &LeaseToken,
         lease: Duration,
-    ) -> Result<(BeginOutcome, Option<Duration>), StoreError> {
+    ) -> Result<(BeginOutcome, Option<Duration>, Option<String>), StoreError> {
         let sql = self.statements().await?;
         let params = BeginParams::new(sql, key, fingerprint, token, lease);
+        let strict = self.isolation.strict();
+        let statement = if strict {
+            &sql.begin_strict
+        } else {
+            &sql.begin
+        };
         for _ in 0..MAX_SNAPSHOT_RETRIES {
             let row = client
-                .query_typed_one(&sql.begin, &params.as_params())
+                .query_typed_one(statement, &params.as_params())
                 .await
                 .map_err(unavailable)?;
-            if let Some(outcome) = begin_outcome(&row, fingerprint, token)? {
-                return Ok(outcome);
+            let claimed_row = if strict {
+                self.isolation.observe(row.try_get(8).map_err(unreadable)?);
+                row.try_get(7).map_err(unreadable)?
+            } else {
+                None
+            };
+            if let Some((outcome, remaining)) = begin_outcome(&row, fingerprint, token)? {
+                return Ok((outcome, remaining, claimed_row));
             }
         }
         Err(StoreError::Protocol(
@@ -698,7 +769,11 @@ impl PostgresStore {
         token: &LeaseToken,
         lease: Duration,
     ) -> Result<(BeginOutcome, Option<OpenTransaction>), StoreError> {
-        again_while_unserializable(|| self.claim_once(key, fingerprint, token, lease)).await
+        again_while_unserializable(|| async {
+            self.isolation
+                .noting(self.claim_once(key, fingerprint, token, lease).await)
+        })
+        .await
     }
 
     /// [`claim_in_transaction`](Self::claim_in_transaction), without claiming again when the
@@ -710,8 +785,8 @@ impl PostgresStore {
         token: &LeaseToken,
         lease: Duration,
     ) -> Result<(BeginOutcome, Option<OpenTransaction>), StoreError> {
-        let transaction = OpenTransaction(Some(self.pool.get_owned().await.map_err(unavailable)?));
-        let (transaction, outcome) = match self
+        let transaction = OpenTransaction::on(self.pool.get_owned().await.map_err(unavailable)?);
+        let (mut transaction, (outcome, claimed_row)) = match self
             .claim_on(&transaction, key, fingerprint, token, lease)
             .await
         {
@@ -720,7 +795,7 @@ impl PostgresStore {
             Err(error) if transaction.client().is_closed() => {
                 tracing::debug!(%error, "idempotency: PostgreSQL connection lost; reconnecting");
                 transaction.finished();
-                let transaction = OpenTransaction(Some(self.live_connection().await?));
+                let transaction = OpenTransaction::on(self.live_connection().await?);
                 let outcome = self
                     .claim_on(&transaction, key, fingerprint, token, lease)
                     .await?;
@@ -737,13 +812,17 @@ impl PostgresStore {
             claimed => (transaction, claimed?),
         };
         match outcome {
-            BeginOutcome::Acquired => Ok((BeginOutcome::Acquired, Some(transaction))),
+            BeginOutcome::Acquired => {
+                transaction.claimed_row = claimed_row;
+                Ok((BeginOutcome::Acquired, Some(transaction)))
+            }
             outcome => Ok((outcome, None)),
         }
     }
 
     /// `BEGIN`, with the client watched ([`begin_watching_the_client`]), pipelined with
-    /// `begin` on `transaction`'s connection.
+    /// `begin` on `transaction`'s connection; with a record acquired by the statement for a
+    /// stricter isolation, its row's `ctid`.
     async fn claim_on(
         &self,
         transaction: &OpenTransaction,
@@ -751,27 +830,27 @@ impl PostgresStore {
         fingerprint: &Fingerprint,
         token: &LeaseToken,
         lease: Duration,
-    ) -> Result<BeginOutcome, StoreError> {
+    ) -> Result<(BeginOutcome, Option<String>), StoreError> {
         let client = transaction.client();
         let (opened, begun) = futures_util::future::join(
             client.batch_execute(&begin_watching_the_client(lease)),
             self.begin_on(client, key, fingerprint, token, lease),
         )
         .await;
-        let (outcome, _) = opened.map_err(unavailable).and(begun)?;
-        Ok(outcome)
+        let (outcome, _, claimed_row) = opened.map_err(unavailable).and(begun)?;
+        Ok((outcome, claimed_row))
     }
 
     /// A transaction on a connection of its own, without any record (a keyless request to a
     /// transactional route); on a connection that turns out closed, once more on a live one.
     pub(crate) async fn open_transaction(&self) -> Result<OpenTransaction, StoreError> {
-        let transaction = OpenTransaction(Some(self.pool.get_owned().await.map_err(unavailable)?));
+        let transaction = OpenTransaction::on(self.pool.get_owned().await.map_err(unavailable)?);
         match transaction.client().batch_execute("BEGIN").await {
             Ok(()) => Ok(transaction),
             Err(error) if transaction.client().is_closed() => {
                 tracing::debug!(%error, "idempotency: PostgreSQL connection lost; reconnecting");
                 transaction.finished();
-                let transaction = OpenTransaction(Some(self.live_connection().await?));
+                let transaction = OpenTransaction::on(self.live_connection().await?);
                 transaction
                     .client()
                     .batch_execute("BEGIN")
@@ -799,20 +878,27 @@ impl PostgresStore {
         let sql = self.statements().await?;
         let encoded = response.encode();
         let ttl = millis(ttl);
-        let params: [(&(dyn ToSql + Sync), Type); 4] = [
+        let claimed_row = transaction.claimed_row.as_deref();
+        let params: [(&(dyn ToSql + Sync), Type); 5] = [
             (&key.as_str(), Type::TEXT),
             (&token.as_str(), Type::TEXT),
             (&encoded, Type::BYTEA),
             (&ttl, Type::INT8),
+            (&claimed_row, Type::TEXT),
         ];
+        // Completed as it was claimed: by its `ctid` under a stricter isolation.
+        let (statement, params) = match claimed_row {
+            Some(_) => (&sql.complete_claimed_row, &params[..]),
+            None => (&sql.complete, &params[..4]),
+        };
         let client = transaction.client();
         let (completed, committed) = futures_util::future::join(
-            client.query_typed(&sql.complete, &params),
+            client.query_typed(statement, params),
             client.batch_execute("COMMIT"),
         )
         .await;
-        completed.map_err(unavailable)?;
-        committed.map_err(unavailable)?;
+        let done = completed.map(drop).and(committed).map_err(unavailable);
+        self.isolation.noting(done)?;
         transaction.finished();
         Ok(())
     }
@@ -862,13 +948,28 @@ fn begin_watching_the_client(lease: Duration) -> String {
 /// connection never carries an open transaction to its next user. The server answers in
 /// order, so that `ROLLBACK` also ends whatever a statement still running left open (and
 /// after a `COMMIT` that went through it changes nothing).
-pub(crate) struct OpenTransaction(Option<PostgresConnection>);
+pub(crate) struct OpenTransaction {
+    /// The connection, until the transaction ends.
+    connection: Option<PostgresConnection>,
+    /// The `ctid` of the record's row that a transactional claim acquired under a stricter
+    /// isolation, for its completion; `None` for a transaction without a record, or with
+    /// one claimed under READ COMMITTED (completed by its key).
+    claimed_row: Option<String>,
+}
 
 impl OpenTransaction {
+    /// A transaction to open on `connection`, without a record yet.
+    fn on(connection: PostgresConnection) -> Self {
+        Self {
+            connection: Some(connection),
+            claimed_row: None,
+        }
+    }
+
     /// The connection, to run statements in the transaction.
     pub(crate) fn client(&self) -> &tokio_postgres::Client {
         // Only `finished` and `drop`, which both consume the transaction, take it out.
-        self.0
+        self.connection
             .as_deref()
             .expect("an open transaction keeps its connection until it ends")
     }
@@ -895,13 +996,13 @@ impl OpenTransaction {
     /// The transaction ended (or its connection closed, which ended it): the connection goes
     /// back to the pool as it is, and the pool discards a closed one.
     fn finished(mut self) {
-        drop(self.0.take());
+        drop(self.connection.take());
     }
 }
 
 impl Drop for OpenTransaction {
     fn drop(&mut self) {
-        let Some(connection) = self.0.take() else {
+        let Some(connection) = self.connection.take() else {
             return;
         };
         let rollback = async move {
@@ -1103,7 +1204,7 @@ impl IdempotencyStore for PostgresStore {
     ) -> Result<(BeginOutcome, Option<Duration>), StoreError> {
         again_while_unserializable(|| async {
             let connection = self.pool.get().await.map_err(unavailable)?;
-            match self
+            let begun = match self
                 .begin_on(&connection, key, fingerprint, token, lease)
                 .await
             {
@@ -1114,9 +1215,11 @@ impl IdempotencyStore for PostgresStore {
                         .await
                 }
                 other => other,
-            }
+            };
+            self.isolation.noting(begun)
         })
         .await
+        .map(|(outcome, remaining, _)| (outcome, remaining))
     }
 
     async fn renew(

@@ -65,15 +65,18 @@ pub(super) struct Resolution {
     pub(super) schema: Option<String>,
     pub(super) name: String,
     pub(super) exists: bool,
+    /// The session's `transaction_isolation`.
+    pub(super) isolation: String,
 }
 
 /// $1 the configured name quoted, $2 its schema (or NULL), $3 its table name. One row: the
 /// schema and name of the table the name leads to (the first schema of `search_path` that
-/// exists, for an unqualified name of no table: where `CREATE TABLE` creates it), and
-/// whether it exists. Reads the catalogs only, which any role may.
+/// exists, for an unqualified name of no table: where `CREATE TABLE` creates it), whether
+/// it exists, and the session's isolation (outside a transaction: its default). Reads the
+/// catalogs only, which any role may.
 pub(super) const RESOLVE: &str =
     "SELECT coalesce(n.nspname::text, $2, current_schema()::text), coalesce(c.relname::text, $3),
-            c.oid IS NOT NULL
+            c.oid IS NOT NULL, current_setting('transaction_isolation')
      FROM (SELECT to_regclass($1) AS oid) found
      LEFT JOIN pg_class c ON c.oid = found.oid
      LEFT JOIN pg_namespace n ON n.oid = c.relnamespace";
@@ -133,6 +136,7 @@ impl Resolution {
             schema: row.try_get(0).map_err(unreadable)?,
             name: row.try_get(1).map_err(unreadable)?,
             exists: row.try_get(2).map_err(unreadable)?,
+            isolation: row.try_get(3).map_err(unreadable)?,
         })
     }
 
