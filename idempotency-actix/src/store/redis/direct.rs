@@ -191,11 +191,9 @@ impl DirectConnection {
                     "idempotency: the Redis server reads nothing; closing the connection"
                 );
                 state.fail(STALLED);
-                let driver = state.driver.take();
+                let driver = state.driver_wakers();
                 drop(state);
-                if let Some(driver) = driver {
-                    driver.wake();
-                }
+                driver.into_iter().flatten().for_each(Waker::wake);
                 return Err(closed(STALLED));
             }
             pack(&mut state.outgoing);
@@ -299,11 +297,9 @@ impl Drop for Owner {
         let driver = {
             let mut state = self.shared.lock();
             state.abandoned = true;
-            state.driver.take()
+            state.driver_wakers()
         };
-        if let Some(driver) = driver {
-            driver.wake();
-        }
+        driver.into_iter().flatten().for_each(Waker::wake);
     }
 }
 
@@ -381,6 +377,15 @@ impl State {
     /// are all gone.
     fn is_done(&self) -> bool {
         self.abandoned || self.failed.is_some()
+    }
+
+    /// The driver's wakers, to wake it wherever it waits, once the connection is done: for
+    /// commands (`driver`), or for room in the socket to write a batch the server has not
+    /// read yet. Then only `watcher` wakes it (the driver sets it whenever it waits), and
+    /// nothing else until the server reads, however long that takes: a driver left waiting
+    /// would hold the socket and the batch.
+    fn driver_wakers(&mut self) -> [Option<Waker>; 2] {
+        [self.driver.take(), self.watcher.take()]
     }
 
     /// Fails every waiting request and every later one with `kind`.
@@ -885,6 +890,44 @@ mod tests {
         };
         assert!(queued >= 8, "closed after {queued} commands");
         assert!(closes_the_connection(&refused));
+        // Closed for real: its driver ends, and with it the socket and the stalled batch,
+        // while the server still reads nothing.
+        assert!(
+            driver_ends(&connection.owner.shared).await,
+            "the driver of the closed connection still runs, holding its socket"
+        );
+        server.abort();
+    }
+
+    /// Whether the driver of the connection that shares `shared` ends within a second
+    /// (its task holds the only other reference), with `shared` held by one handle.
+    async fn driver_ends(shared: &Arc<Shared>) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(1);
+        while Arc::strong_count(shared) > 1 {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        true
+    }
+
+    #[actix_web::test]
+    async fn a_connection_dropped_while_its_write_stalls_ends_its_driver() {
+        let (address, server) = server_that_never_reads().await;
+        let mut connection = DirectConnection::open(&address).await.expect("connected");
+        let mut large = redis::cmd("SET");
+        large.arg("large").arg(vec![b'x'; 64 * 1024 * 1024]);
+        drop(connection.req_packed_command(&large));
+        // The driver writes what the socket takes, then waits for room.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let shared = Arc::clone(&connection.owner.shared);
+        // The last handle goes (a spare whose exchange timed out, a store dropped).
+        drop(connection);
+        assert!(
+            driver_ends(&shared).await,
+            "the driver of a connection no one holds still runs, holding its socket"
+        );
         server.abort();
     }
 
