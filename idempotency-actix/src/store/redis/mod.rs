@@ -133,9 +133,15 @@ impl RedisStore {
     /// one out), 16 connections, and no connection made until the first request, so an app
     /// starts while Redis is still down and recovers by itself once it is up.
     ///
+    /// `url` is `redis://[user:password@]host:port[/db]` (the store's own connection),
+    /// `unix:///path/to/redis.sock?db=N` or `redis+unix://…`, or `rediss://` (TLS, which
+    /// needs one of the `redis` crate's TLS features, `tokio-rustls-comp` or
+    /// `tokio-native-tls-comp`, turned on by the app: this crate turns on none).
+    ///
     /// # Errors
     ///
-    /// When `url` is not a Redis URL.
+    /// When `url` is not a Redis URL, or is a `rediss://` one and no TLS feature of `redis`
+    /// is on ("can't connect with TLS, the feature is not enabled").
     pub fn pool(url: &str) -> Result<RedisPool, redis::RedisError> {
         RedisPool::for_url(url)
     }
