@@ -30,7 +30,8 @@ type Chunk = Option<Result<Bytes, Box<dyn StdError>>>;
 /// one of known size that ends before that size, is committed without a body, and the
 /// client's response ends with the error. Of a body of known size that runs past its size,
 /// what the client gets (that size) is stored. Empty chunks are left out, as Actix's own
-/// streams leave them out: Actix would end a chunked response at one.
+/// streams leave them out: Actix would end a chunked response at one. A body whose `Drop`
+/// panics is logged, the panic caught: once it has ended, its record is complete.
 ///
 /// If the client goes away first, the rest of the body is read on a task of its own, up to
 /// the limit, and committed the same way. A body that then produces nothing for `idle` (the
@@ -107,6 +108,13 @@ where
                 return Poll::Ready(chunk);
             }
             let Some(body) = &mut self.body else {
+                // Gone before the record had its end (a drop that unwound, which
+                // `drop_body` catches): the record completes without a body rather than
+                // wait, renewed, for an end that never comes.
+                if self.recording.is_some() {
+                    self.commit(None, None);
+                    continue;
+                }
                 return Poll::Ready(None);
             };
             let polled = std::panic::catch_unwind(AssertUnwindSafe(|| body.as_mut().poll_next(cx)));
@@ -125,7 +133,7 @@ where
                 }
             };
             if !matches!(chunk, Some(Ok(_))) {
-                self.body = None;
+                self.drop_body();
             }
             let Some(recording) = &mut self.recording else {
                 return Poll::Ready(chunk);
@@ -170,6 +178,20 @@ where
                 }
                 Some(Err(error)) => self.commit(None, Some(Err(error))),
             }
+        }
+    }
+
+    /// Drops the handler's body once it is done (or given up on). A `Drop` that panics is
+    /// caught and logged, as a panic in its `poll_next` is: unwinding from here would leave
+    /// the record without the end it waits for, its lease renewed by task after task, each
+    /// spawned by the drop of the last, for as long as the process runs (its key 409, its
+    /// worker busy), and abort the process at its stop.
+    fn drop_body(&mut self) {
+        let Some(body) = self.body.take() else {
+            return;
+        };
+        if std::panic::catch_unwind(AssertUnwindSafe(move || drop(body))).is_err() {
+            tracing::error!("idempotency: the response body panicked as it was dropped");
         }
     }
 
@@ -234,7 +256,7 @@ impl<B: MessageBody + 'static> Drop for CapturingBody<B> {
                             tracing::warn!(
                                 "idempotency: a response body produced nothing for a lease after its client left; its record completes without a body"
                             );
-                            rest.body = None;
+                            rest.drop_body();
                             rest.commit(None, None);
                             continue;
                         }

@@ -420,6 +420,32 @@ async fn a_client_that_resets_the_connection_gets_the_replay_on_retry() {
     a_client_that_leaves_gets_the_replay_on_retry(Leaving::Resets).await;
 }
 
+/// A server on a memory store of its own, with one route: `handler` at `path`, protected
+/// under `policy`, its runs counted by `runs`.
+fn on_memory<F, Args>(
+    runs: &RunCounter,
+    path: &'static str,
+    policy: IdempotencyPolicy,
+    handler: F,
+) -> actix_test::TestServer
+where
+    F: actix_web::Handler<Args> + Send + Sync,
+    Args: actix_web::FromRequest + 'static,
+    F::Output: actix_web::Responder + 'static,
+{
+    let runs = runs.clone();
+    actix_test::start(move || {
+        App::new()
+            .app_data(web::Data::new(runs.clone()))
+            .wrap(Idempotency::new(idempotency_actix::MemoryStore::new()).scope(KeyScope::global()))
+            .service(
+                web::resource(path)
+                    .wrap(IdempotentRoute::with_policy(policy.clone()))
+                    .route(web::post().to(handler.clone())),
+            )
+    })
+}
+
 /// A body whose `size` panics from its second call on: the first is Actix's, as the
 /// handler's response is built (inside the handler's own catch), the second the
 /// middleware's, after the handler ran.
@@ -456,22 +482,12 @@ async fn slow_with_a_panicking_body(
 #[actix_web::test]
 async fn a_run_whose_client_left_and_that_panics_after_the_handler_releases_the_key() {
     let runs = RunCounter::default();
-    let server = {
-        let runs = runs.clone();
-        actix_test::start(move || {
-            App::new()
-                .app_data(web::Data::new(runs.clone()))
-                .wrap(
-                    Idempotency::new(idempotency_actix::MemoryStore::new())
-                        .scope(KeyScope::global()),
-                )
-                .service(
-                    web::resource("/panicky")
-                        .wrap(IdempotentRoute::new())
-                        .route(web::post().to(slow_with_a_panicking_body)),
-                )
-        })
-    };
+    let server = on_memory(
+        &runs,
+        "/panicky",
+        IdempotencyPolicy::default(),
+        slow_with_a_panicking_body,
+    );
     let mut socket = std::net::TcpStream::connect(server.addr()).unwrap();
     write!(
         socket,
@@ -489,6 +505,81 @@ async fn a_run_whose_client_left_and_that_panics_after_the_handler_releases_the_
     let retry = post(&client, &server.url("/panicky"), "gone").await;
     assert_eq!(retry.status, StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(runs.get(), 2);
+}
+
+/// A streamed body (one chunk, then its end) whose `Drop` panics, as a body that checks an
+/// invariant as it is dropped may.
+struct DropPanics {
+    sent: bool,
+}
+
+impl actix_web::body::MessageBody for DropPanics {
+    type Error = std::convert::Infallible;
+
+    fn size(&self) -> actix_web::body::BodySize {
+        actix_web::body::BodySize::Stream
+    }
+
+    fn poll_next(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Bytes, Self::Error>>> {
+        let sent = std::mem::replace(&mut self.get_mut().sent, true);
+        std::task::Poll::Ready((!sent).then(|| Ok(Bytes::from_static(b"receipt"))))
+    }
+}
+
+impl Drop for DropPanics {
+    fn drop(&mut self) {
+        assert!(
+            std::thread::panicking(),
+            "a response body's drop panicked on purpose"
+        );
+    }
+}
+
+async fn streamed_with_a_panicking_drop(runs: web::Data<RunCounter>) -> HttpResponse<DropPanics> {
+    runs.record();
+    HttpResponse::Ok()
+        .message_body(DropPanics { sent: false })
+        .unwrap()
+}
+
+/// A streamed body whose `Drop` panics once it has ended: the panic is caught as one in its
+/// `poll_next` is, the record completes and its retries are replayed. It used to unwind out
+/// of the body into Actix, and the record waited for an end that never came: each task
+/// that read on for it spawned the next as it was dropped, renewing the lease, so the key
+/// answered 409 for as long as the process ran (its worker busy), and the process aborted
+/// with a stack overflow at its stop.
+#[actix_web::test]
+async fn a_streamed_body_whose_drop_panics_completes_its_record() {
+    let runs = RunCounter::default();
+    let lease = IdempotencyPolicy::default().lease(Duration::from_millis(500));
+    let server = on_memory(&runs, "/drop-panics", lease, streamed_with_a_panicking_drop);
+    let first = || RawExchange::post(server.addr(), "/drop-panics", &[("Idempotency-Key", "d")]);
+    let sent = first().read_to_end();
+
+    // Retried for up to 2 s, well past the 500 ms lease: the record is complete, not in
+    // flight (nor free for a second run).
+    let mut retry = first().read_to_end();
+    for _ in 0..200 {
+        if !retry.starts_with(b"HTTP/1.1 409") {
+            break;
+        }
+        actix_rt::time::sleep(Duration::from_millis(10)).await;
+        retry = first().read_to_end();
+    }
+    let retry = String::from_utf8_lossy(&retry);
+    assert!(retry.starts_with("HTTP/1.1 200 OK\r\n"), "{retry}");
+    assert!(retry.contains("idempotent-replayed: true\r\n"), "{retry}");
+    assert!(retry.ends_with("\r\n\r\nreceipt"), "{retry}");
+    assert_eq!(runs.get(), 1);
+    // The first client had the whole body, its last chunk included.
+    let sent = String::from_utf8_lossy(&sent);
+    assert!(
+        sent.ends_with("\r\n\r\n7\r\nreceipt\r\n0\r\n\r\n"),
+        "{sent}"
+    );
 }
 
 #[actix_web::test]
