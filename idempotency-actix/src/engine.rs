@@ -628,7 +628,10 @@ impl Engine {
                 Err(error)
             }
             Handled::FailedStored { error, stored, ttl } => {
-                self.commit(&lock, stored, ttl, slot.as_ref()).await;
+                // Renewed until the commit answers, as a response's is (below).
+                lock.committing.set(true);
+                let commit = self.commit(&lock, stored, ttl, slot.as_ref());
+                while_renewing_lease(commit, &lock).await;
                 Err(error)
             }
             Handled::NotStored(response) => {

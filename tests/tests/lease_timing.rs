@@ -8,6 +8,8 @@
 
 use std::time::Duration;
 
+use actix_web::dev::{HttpServiceFactory, Service, ServiceResponse};
+use actix_web::error::InternalError;
 use actix_web::http::StatusCode;
 use actix_web::web::{self, Bytes};
 use actix_web::{App, HttpResponse};
@@ -36,6 +38,23 @@ fn start_with_timeout(
         web::Data<RunCounter>,
     ) -> futures_util::future::LocalBoxFuture<'static, HttpResponse>,
 ) -> actix_test::TestServer {
+    serve(store, store_timeout, runs, move || {
+        web::resource("/orders")
+            .wrap(IdempotentRoute::with_policy(
+                IdempotencyPolicy::default().lease(lease),
+            ))
+            .route(web::post().to(handler))
+    })
+}
+
+/// A server of the resource that `resource` builds, on `store` with a store timeout of
+/// `store_timeout`, its handlers counting their runs in `runs`.
+fn serve<R: HttpServiceFactory + 'static>(
+    store: FaultyStore,
+    store_timeout: Duration,
+    runs: &RunCounter,
+    resource: impl Fn() -> R + Clone + Send + 'static,
+) -> actix_test::TestServer {
     let runs = runs.clone();
     actix_test::start(move || {
         App::new()
@@ -45,13 +64,7 @@ fn start_with_timeout(
                     .store_timeout(store_timeout)
                     .scope(KeyScope::global()),
             )
-            .service(
-                web::resource("/orders")
-                    .wrap(IdempotentRoute::with_policy(
-                        IdempotencyPolicy::default().lease(lease),
-                    ))
-                    .route(web::post().to(handler)),
-            )
+            .service(resource())
     })
 }
 
@@ -182,6 +195,59 @@ async fn a_renewal_on_its_way_when_the_handler_returns_still_lands() {
 #[actix_web::test]
 async fn a_renewal_on_its_way_when_the_streamed_body_is_whole_still_lands() {
     a_renewal_on_its_way_when_the_response_is_whole_still_lands(true).await;
+}
+
+/// A response that a layer inside the route's turns into an error once the handler returned
+/// (a card declined after the handler reserved the order, say, on a route that stores
+/// errors), under a short lease of 2.1 s (under twice the 2 s store timeout plus 100 ms: the
+/// crate warns about it) and a commit that takes 1.9 s: the commit of such a stored error ran
+/// without renewals, as the commit of a response does not, so the lease, last renewed at about
+/// 2.8 s, ran out at about 4.9 s while the commit was on its way (it lands at 5.2 s), and a
+/// duplicate at 5.1 s ran the handler a second time (helper review).
+#[actix_web::test]
+async fn a_stored_error_of_an_inner_layer_keeps_its_lease_while_it_commits() {
+    let store = FaultyStore {
+        commit_delay: Duration::from_millis(1_900),
+        ..FaultyStore::default()
+    };
+    let runs = RunCounter::default();
+    let server = serve(store, Duration::from_secs(2), &runs, || {
+        web::resource("/orders")
+            // Inside the route's layer: the handler's response becomes a stored error.
+            .wrap_fn(|req, service| {
+                let response = service.call(req);
+                async move {
+                    let run = response.await?.headers().get("x-run").cloned().unwrap();
+                    let declined = HttpResponse::PaymentRequired()
+                        .body(format!("run {}", run.to_str().unwrap()));
+                    let error = InternalError::from_response("card declined", declined);
+                    Err::<ServiceResponse, _>(error.into())
+                }
+            })
+            .wrap(IdempotentRoute::with_policy(
+                IdempotencyPolicy::default()
+                    .lease(Duration::from_millis(2_100))
+                    .store_errors(),
+            ))
+            .route(web::post().to(|runs: web::Data<RunCounter>| async move {
+                let seq = runs.record();
+                actix_rt::time::sleep(Duration::from_millis(3_300)).await;
+                HttpResponse::Ok()
+                    .insert_header(("x-run", seq.to_string()))
+                    .finish()
+            }))
+    });
+    let (first, duplicate) = futures_util::future::join(post(&server, "k"), async {
+        actix_rt::time::sleep(Duration::from_millis(5_100)).await;
+        post(&server, "k").await
+    })
+    .await;
+    assert_eq!(first, (StatusCode::PAYMENT_REQUIRED, Bytes::from("run 1")));
+    assert!(
+        duplicate.0 == StatusCode::CONFLICT || duplicate == first,
+        "{duplicate:?}"
+    );
+    assert_eq!(runs.get(), 1);
 }
 
 /// A commit that keeps failing, each attempt answering only after 0.98 s, under a 1 s store
