@@ -29,7 +29,7 @@
 //!   `POST /ledger` before routing, outside its transaction, and every one would answer 500.
 //! * `IDEMPOTENCY_PREFIX` [`idempotency:`]: prefix of every storage key, so apps or test runs
 //!   sharing one Redis stay apart.
-//! * `WORKERS` [one per core]: the number of Actix workers.
+//! * `WORKERS` [one per core]: the number of Actix workers, 1 to 512 (Actix runs no more).
 //! * `LOG_LEVEL` [`warn`]: `off`, `error`, `warn`, `info`, `debug` or `trace`; the least
 //!   severe level of the log on stderr: the middleware's `tracing` events (store errors,
 //!   fail-open, lost records, misconfiguration; `debug` adds each request's outcome) and

@@ -919,6 +919,8 @@ fn invalid_configuration_is_refused_with_a_clear_message() {
         ("IDEMPOTENCY", "maybe", 2),
         ("IDEMPOTENCY_METHODS", "POST,FETCH", 2),
         ("WORKERS", "zero", 2),
+        // Over Actix's 512, which would panic at start.
+        ("WORKERS", "513", 2),
         ("REDIS_URL", "not a url", 1),
         ("BIND", "not-an-address", 2),
         ("BIND", "127.0.0.1:99999", 2),

@@ -11,6 +11,10 @@ use tracing_subscriber::filter::LevelFilter;
 pub const PROTECTABLE_METHODS: [Method; 4] =
     [Method::POST, Method::PUT, Method::PATCH, Method::DELETE];
 
+/// The most workers Actix runs: `HttpServer::workers` panics on more, so `WORKERS` above it
+/// is refused like any other invalid value.
+pub const MAX_WORKERS: usize = 512;
+
 /// How the reference server runs, read from its environment.
 ///
 /// | variable | meaning | default |
@@ -23,7 +27,7 @@ pub const PROTECTABLE_METHODS: [Method; 4] =
 /// | `IDEMPOTENCY` | `on`, or `off` for no middleware at all (the benchmark baseline; the middleware's other variables are then ignored, though a malformed value is still refused) | `on` |
 /// | `IDEMPOTENCY_METHODS` | comma-separated methods whose untagged routes are protected too, e.g. `POST,PATCH`; not `POST` with `DATABASE_URL` (it would claim the transactional `POST /ledger` outside its transaction) | none |
 /// | `IDEMPOTENCY_PREFIX` | prefix of every storage key, to keep apps or test runs apart on one Redis | the crate's (`idempotency:`) |
-/// | `WORKERS` | number of Actix workers | Actix's default (one per core) |
+/// | `WORKERS` | number of Actix workers, 1 to 512 ([`MAX_WORKERS`]) | Actix's default (one per core) |
 /// | `LOG_LEVEL` | the least severe level of the log on stderr: `off`, `error`, `warn`, `info`, `debug` or `trace` | `warn` |
 /// | `REPLAY_CACHE` | `on`: answer replays from an in-process [`ReplayCache`](idempotency_actix::ReplayCache) of 64 MiB; needs a store variable (the in-memory store needs no cache) | `off` |
 ///
@@ -333,13 +337,16 @@ impl ServerConfig {
             .ok_or_else(|| invalid("LOG_LEVEL", &value, LEVEL))?;
         }
 
-        const COUNT: &str = "a positive number of workers";
+        const COUNT: &str = "a number of workers from 1 to 512";
         if let Some(value) = var("WORKERS", COUNT)? {
-            config.workers = Some(
-                value
-                    .parse()
-                    .map_err(|_| invalid("WORKERS", &value, COUNT))?,
-            );
+            let workers: NonZeroUsize = value
+                .parse()
+                .map_err(|_| invalid("WORKERS", &value, COUNT))?;
+            // Actix panics at start on more (`HttpServer::workers`).
+            if workers.get() > MAX_WORKERS {
+                return Err(invalid("WORKERS", &value, COUNT));
+            }
+            config.workers = Some(workers);
         }
         Ok(config)
     }
@@ -403,6 +410,8 @@ mod tests {
         assert_eq!(config.protect_methods, [Method::POST, Method::PATCH]);
         assert_eq!(config.key_prefix.as_deref(), Some("test:"));
         assert_eq!(config.workers.map(NonZeroUsize::get), Some(2));
+        let most = parse(&[("WORKERS", "512")]).expect("Actix's most");
+        assert_eq!(most.workers.map(NonZeroUsize::get), Some(MAX_WORKERS));
         assert!(config.replay_cache);
         assert_eq!(config.log_level, LevelFilter::DEBUG);
     }
@@ -574,6 +583,8 @@ mod tests {
             ("IDEMPOTENCY_METHODS", "PSOT"),
             ("WORKERS", "0"),
             ("WORKERS", "two"),
+            ("WORKERS", "513"),
+            ("WORKERS", "99999999999"),
             ("LOG_LEVEL", "3"),
             ("LOG_LEVEL", "warning"),
         ] {

@@ -35,7 +35,9 @@ use idempotency_actix::{
     RedisStore, ReplayCache, ReplicatedWrites,
 };
 
-pub use self::config::{ConfigError, PROTECTABLE_METHODS, ServerConfig, URL_VARIABLES};
+pub use self::config::{
+    ConfigError, MAX_WORKERS, PROTECTABLE_METHODS, ServerConfig, URL_VARIABLES,
+};
 pub use self::ledger::{
     CRASH_HEADER, LEDGER_SCHEMA, LedgerEntry, LedgerRows, LedgerRuns, NewEntry,
 };
