@@ -200,6 +200,45 @@ async fn a_body_over_the_limit_is_the_413_the_spec_documents() {
     }
 }
 
+/// A query out of range is refused by the handler with 400 in plain text, as the spec
+/// documents it (and as Actix's extractors refuse a malformed one): never a body without a
+/// `Content-Type`, which leaves a client, or a schema-driven fuzzer, to guess.
+#[actix_web::test]
+async fn the_handlers_own_400s_are_the_plain_text_the_spec_documents() {
+    let server = ReferenceServer::start(&[]);
+    let spec = spec(&server).await;
+    let order = json!({"item": "book", "qty": 1});
+    for (path, key) in [
+        ("/orders?delay_ms=60001", None),
+        ("/orders?delay_ms=60001", Some("\"delay-out-of-range\"")),
+        ("/large?bytes=67108865", None),
+        ("/flaky?status=1000", None),
+        ("/flaky?status=99", Some("\"status-out-of-range\"")),
+    ] {
+        let reply = post_json(&server, path, key, &order).await;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{path} {key:?}");
+        assert_eq!(
+            reply.header("content-type"),
+            Some("text/plain; charset=utf-8"),
+            "{path} {key:?}: {:?}",
+            reply.body
+        );
+        let route = path.split('?').next().unwrap();
+        let documented = operation(&spec, "post", route)["responses"]["400"]["content"]
+            .as_object()
+            .unwrap();
+        assert!(
+            documented.contains_key("text/plain"),
+            "{route}: {documented:?}"
+        );
+    }
+    assert_eq!(
+        get(&server, "/stats").await.json(),
+        json!({"orders": 0, "payments": 0, "flaky": 0, "profile": 0, "large": 0, "untagged": 0}),
+        "refused before the handlers counted a run"
+    );
+}
+
 #[actix_web::test]
 async fn the_documented_shapes_are_the_real_ones() {
     let server = ReferenceServer::start(&[]);

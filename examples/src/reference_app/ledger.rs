@@ -7,12 +7,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use actix_web::body::MessageBody;
 use actix_web::dev::{ServiceRequest, ServiceResponse};
+use actix_web::http::StatusCode;
 use actix_web::http::header::HeaderMap;
 use actix_web::middleware::Next;
 use actix_web::{HttpResponse, web};
 use idempotency_actix::PostgresPool;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
+
+use super::plain_text;
 
 /// The table the ledger routes write, created at start if missing.
 pub const LEDGER_SCHEMA: &str = "CREATE TABLE IF NOT EXISTS ledger (
@@ -121,7 +124,10 @@ async fn book(
     let entry_id: i64 = match inserted {
         Ok(row) => row.get(0),
         Err(error) => {
-            return HttpResponse::InternalServerError().body(format!("insert failed: {error}"));
+            return plain_text(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("insert failed: {error}"),
+            );
         }
     };
     if crash_point(headers) == Some(CrashPoint::BeforeCommit) {
@@ -172,7 +178,7 @@ pub(super) async fn count_rows(pool: web::Data<PostgresPool>) -> HttpResponse {
     };
     match counted.await {
         Ok(rows) => HttpResponse::Ok().json(LedgerRows { rows }),
-        Err(error) => HttpResponse::ServiceUnavailable().body(error),
+        Err(error) => plain_text(StatusCode::SERVICE_UNAVAILABLE, error),
     }
 }
 
@@ -237,10 +243,10 @@ async fn create_entry_unprotected(
 ) -> HttpResponse {
     let connection = match pool.get().await {
         Ok(connection) => connection,
-        Err(error) => return HttpResponse::ServiceUnavailable().body(error.to_string()),
+        Err(error) => return plain_text(StatusCode::SERVICE_UNAVAILABLE, error.to_string()),
     };
     if let Err(error) = connection.batch_execute("BEGIN").await {
-        return HttpResponse::ServiceUnavailable().body(error.to_string());
+        return plain_text(StatusCode::SERVICE_UNAVAILABLE, error.to_string());
     }
     let response = book(&connection, &runs, req.headers(), entry.into_inner()).await;
     let end = if response.status().is_success() {
@@ -250,6 +256,6 @@ async fn create_entry_unprotected(
     };
     match connection.batch_execute(end).await {
         Ok(()) => response,
-        Err(error) => HttpResponse::ServiceUnavailable().body(error.to_string()),
+        Err(error) => plain_text(StatusCode::SERVICE_UNAVAILABLE, error.to_string()),
     }
 }

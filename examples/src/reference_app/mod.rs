@@ -29,7 +29,7 @@ use std::net::SocketAddr;
 
 use actix_web::dev::{Server, ServiceRequest};
 use actix_web::http::header::HeaderName;
-use actix_web::{App, HttpServer, web};
+use actix_web::{App, HttpResponse, HttpServer, web};
 use idempotency_actix::{
     Idempotency, KeyScope, PostgresStore, RedisClusterClient, RedisClusterStore, RedisPool,
     RedisStore, ReplayCache, ReplicatedWrites,
@@ -89,6 +89,15 @@ fn principal(req: &ServiceRequest) -> Option<String> {
         }),
         (Some(_), Some(_)) => None,
     }
+}
+
+/// A plain-text answer of a handler here (a 400 for a query out of range, a database
+/// error), `text/plain; charset=utf-8` as the spec documents it and as Actix's extractors
+/// answer theirs: a body without a `Content-Type` leaves clients to guess.
+fn plain_text(status: actix_web::http::StatusCode, message: impl Into<String>) -> HttpResponse {
+    HttpResponse::build(status)
+        .content_type(actix_web::http::header::ContentType::plaintext())
+        .body(message.into())
 }
 
 /// The store the reference app runs on.

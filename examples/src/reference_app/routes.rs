@@ -321,6 +321,7 @@ pub(super) mod tagged {
 
 /// The handlers themselves, free of any idempotency concern.
 mod handlers {
+    use super::super::plain_text;
     use super::*;
 
     pub(super) async fn create_order(
@@ -330,8 +331,10 @@ mod handlers {
     ) -> HttpResponse {
         let delay = query.delay_ms.unwrap_or(0);
         if delay > MAX_DELAY_MS {
-            return HttpResponse::BadRequest()
-                .body(format!("delay_ms must be at most {MAX_DELAY_MS}"));
+            return plain_text(
+                StatusCode::BAD_REQUEST,
+                format!("delay_ms must be at most {MAX_DELAY_MS}"),
+            );
         }
         let seq = count(&counters.orders);
         if delay > 0 {
@@ -359,7 +362,10 @@ mod handlers {
         query: web::Query<FlakyQuery>,
     ) -> HttpResponse {
         let Ok(status) = StatusCode::from_u16(query.status.unwrap_or(200)) else {
-            return HttpResponse::BadRequest().body("status must be an HTTP status, 100 to 999");
+            return plain_text(
+                StatusCode::BAD_REQUEST,
+                "status must be an HTTP status, 100 to 999",
+            );
         };
         let seq = count(&counters.flaky);
         if query.panic == Some(1) {
@@ -383,8 +389,10 @@ mod handlers {
     ) -> HttpResponse {
         let bytes = query.bytes.unwrap_or(0);
         if bytes > MAX_LARGE_BYTES {
-            return HttpResponse::BadRequest()
-                .body(format!("bytes must be at most {MAX_LARGE_BYTES}"));
+            return plain_text(
+                StatusCode::BAD_REQUEST,
+                format!("bytes must be at most {MAX_LARGE_BYTES}"),
+            );
         }
         count(&counters.large);
         let body: Vec<u8> = (b'a'..=b'z').cycle().take(bytes).collect();
