@@ -8,9 +8,10 @@
 
 #![allow(clippy::unwrap_used)]
 
+use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
 use std::time::Duration;
 
 use actix_web::http::StatusCode;
@@ -19,10 +20,15 @@ use idempotency_actix_tests::keyed_app::{KeyedApp, RunsByKey};
 use idempotency_actix_tests::{PrivateRedis, unique_prefix};
 
 /// A TCP proxy on a loopback port that sends each new connection to the port it is set to
-/// now; connections already open stay where they are, as with a moved DNS name.
+/// now; connections already open stay where they are, as with a moved DNS name. It can also
+/// make the connections open now go silent, as a network that drops their packets would:
+/// what either end sends is read and dropped, and neither is told.
 struct MovableAddress {
     port: u16,
     target: Arc<AtomicU16>,
+    /// Connections are numbered as they come; those numbered below this one are silent.
+    silent_below: Arc<AtomicU64>,
+    accepted: Arc<AtomicU64>,
 }
 
 impl MovableAddress {
@@ -30,7 +36,13 @@ impl MovableAddress {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         let target = Arc::new(AtomicU16::new(target));
-        let current = Arc::clone(&target);
+        let silent_below = Arc::new(AtomicU64::new(0));
+        let accepted = Arc::new(AtomicU64::new(0));
+        let (current, silent, counted) = (
+            Arc::clone(&target),
+            Arc::clone(&silent_below),
+            Arc::clone(&accepted),
+        );
         std::thread::spawn(move || {
             for client in listener.incoming() {
                 let Ok(client) = client else { continue };
@@ -38,18 +50,30 @@ impl MovableAddress {
                 else {
                     continue;
                 };
-                for (mut from, mut to) in [
+                let number = counted.fetch_add(1, Ordering::SeqCst);
+                for (from, to) in [
                     (client.try_clone().unwrap(), server.try_clone().unwrap()),
                     (server, client),
                 ] {
+                    let silent = Arc::clone(&silent);
                     std::thread::spawn(move || {
-                        let _ = std::io::copy(&mut from, &mut to);
-                        let _ = to.shutdown(Shutdown::Write);
+                        forward(from, to, || number < silent.load(Ordering::SeqCst));
                     });
                 }
             }
         });
-        Self { port, target }
+        Self {
+            port,
+            target,
+            silent_below,
+            accepted,
+        }
+    }
+
+    /// Makes every connection open now go silent for good.
+    fn silence_open_connections(&self) {
+        let open = self.accepted.load(Ordering::SeqCst);
+        self.silent_below.store(open, Ordering::SeqCst);
     }
 
     fn url(&self) -> String {
@@ -59,6 +83,21 @@ impl MovableAddress {
     fn move_to(&self, target: u16) {
         self.target.store(target, Ordering::SeqCst);
     }
+}
+
+/// Copies what `from` sends to `to` until either closes, dropping it instead once `silent`.
+fn forward(mut from: TcpStream, mut to: TcpStream, silent: impl Fn() -> bool) {
+    let mut buffer = [0; 16 * 1024];
+    loop {
+        let read = match from.read(&mut buffer) {
+            Ok(0) | Err(_) => break,
+            Ok(read) => read,
+        };
+        if !silent() && to.write_all(&buffer[..read]).is_err() {
+            break;
+        }
+    }
+    let _ = to.shutdown(Shutdown::Write);
 }
 
 async fn command(server: &PrivateRedis, args: &[&str]) -> redis::Value {
@@ -138,4 +177,69 @@ async fn after_a_switchover_a_redis_rs_connection_follows_the_address() {
 #[actix_web::test]
 async fn after_a_switchover_replicated_writes_follow_the_address() {
     the_store_follows_the_address(|url| RedisStore::pool(url).unwrap(), true).await;
+}
+
+/// The connection goes silent (a firewall or NAT drops the flow; nothing closes it): each
+/// request gets 503 at the store timeout, and once one has gone unanswered for a while past
+/// it, the store opens a new connection and new keys run again. redis-rs's connection was
+/// kept until the kernel gave the socket up, about 15 minutes: every protected request got
+/// 503 meanwhile (helper review).
+async fn the_store_leaves_a_silent_connection(pool: impl Fn(&str) -> RedisPool) {
+    let redis = PrivateRedis::start().await;
+    let address = MovableAddress::to(redis.port());
+    let runs = RunsByKey::default();
+    let app = {
+        let pool = pool(&address.url());
+        let prefix = unique_prefix("silent");
+        KeyedApp::start(
+            move || {
+                Idempotency::new(RedisStore::new(pool.clone()))
+                    .key_prefix(prefix.clone())
+                    .store_timeout(Duration::from_millis(500))
+            },
+            runs.clone(),
+        )
+    };
+    let before = app.post("before").await.unwrap();
+    assert_eq!(before.status, StatusCode::CREATED, "{before:?}");
+
+    address.silence_open_connections();
+    // Each attempt takes the store timeout at most: 40 of them, 20 s, where the store
+    // leaves the connection about 2.5 s in.
+    let mut refused = 0;
+    let after = loop {
+        let key = format!("after-{refused}");
+        let reply = app.post(&key).await.unwrap();
+        if reply.status != StatusCode::SERVICE_UNAVAILABLE {
+            break (key, reply);
+        }
+        assert_eq!(runs.of(&key), 0, "a refused request ran its handler");
+        refused += 1;
+        assert!(
+            refused < 40,
+            "the store kept its silent connection for 20 s"
+        );
+    };
+    let (key, reply) = after;
+    assert!(refused > 0, "the connection never went silent");
+    assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+    assert_eq!(runs.of(&key), 1);
+    let replay = app.post(&key).await.unwrap();
+    assert!(replay.is_replay(), "{replay:?}");
+}
+
+/// The store's own connection (a pool from `RedisStore::pool`).
+#[actix_web::test]
+async fn the_own_connection_is_left_once_it_goes_silent() {
+    the_store_leaves_a_silent_connection(|url| RedisStore::pool(url).unwrap()).await;
+}
+
+/// redis-rs's multiplexed connection (a bb8 pool the app built).
+#[actix_web::test]
+async fn a_redis_rs_connection_is_left_once_it_goes_silent() {
+    the_store_leaves_a_silent_connection(|url| {
+        let manager = bb8_redis::RedisConnectionManager::new(url).unwrap();
+        RedisPool::from(bb8::Pool::builder().build_unchecked(manager))
+    })
+    .await;
 }

@@ -16,7 +16,8 @@
 //! pool from [`RedisStore::pool`](crate::RedisStore::pool) with a `redis://` URL), else a
 //! redis-rs multiplexed connection from the pool's connection manager.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use futures_util::lock::Mutex as AsyncMutex;
 use redis::aio::{ConnectionLike, MultiplexedConnection};
@@ -27,9 +28,10 @@ use super::direct::DirectConnection;
 use super::exchange::{Exchange, Reply};
 use super::packed::{Carrier, PackedCommand};
 use super::protocol;
+use super::silence::SilenceWatch;
 use super::spares::Spares;
 use super::steps::Transport;
-use crate::store::StoreError;
+use crate::store::{StoreError, deadline};
 
 /// The connection a store shares between its requests.
 pub(super) struct SharedConnection {
@@ -47,6 +49,9 @@ pub(super) struct SharedConnection {
 struct Generation {
     connection: StoreConnection,
     number: u64,
+    /// Whether a redis-rs connection went silent (the store's own connection watches
+    /// itself).
+    silence: Option<Arc<SilenceWatch>>,
 }
 
 /// The store's own connection, or redis-rs's.
@@ -111,18 +116,42 @@ impl SharedConnection {
 
     /// Sends `request`; if the connection turns out dead (see
     /// [`protocol::connection_is_dead`]), replaces it and sends once more (every request of
-    /// the protocol is safe to send twice).
+    /// the protocol is safe to send twice). A redis-rs connection that went silent (see
+    /// [`SilenceWatch`]) is replaced before the request is sent.
     pub(super) async fn send(&self, request: &Exchange) -> Result<Reply, StoreError> {
+        let mut generation = self.connection().await?;
+        if let Some(watch) = &generation.silence
+            && watch.is_silent(Instant::now())
+        {
+            tracing::warn!(
+                "idempotency: the Redis server has not answered a request past its deadline \
+                 for a while; replacing the connection"
+            );
+            generation = self.replace(generation.number).await?;
+        }
         let Generation {
             mut connection,
             number,
-        } = self.connection().await?;
-        match request.send(&mut connection).await {
+            silence,
+        } = generation;
+        if let Some(watch) = &silence {
+            watch.sent(deadline::current());
+        }
+        let sent = request.send(&mut connection).await;
+        // A reply, or an error the server sent (it has a code): the server answers.
+        if let Some(watch) = &silence
+            && sent
+                .as_ref()
+                .map_or_else(|error| error.code().is_some(), |_| true)
+        {
+            watch.answered();
+        }
+        match sent {
             Ok(value) => Ok(value),
             // bb8-redis never reports a multiplexed connection broken.
             Err(error) if protocol::connection_is_dead(&error) => {
                 tracing::debug!(%error, "idempotency: Redis connection lost; reconnecting");
-                let mut connection = self.replace(number).await?;
+                let mut connection = self.replace(number).await?.connection;
                 request
                     .send(&mut connection)
                     .await
@@ -145,7 +174,15 @@ impl SharedConnection {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let number = current.as_ref().map_or(0, |old| old.number + 1);
-        let generation = Generation { connection, number };
+        let silence = match connection {
+            StoreConnection::Direct(_) => None,
+            StoreConnection::Multiplexed(_) => Some(Arc::default()),
+        };
+        let generation = Generation {
+            connection,
+            number,
+            silence,
+        };
         *current = Some(generation.clone());
         generation
     }
@@ -165,14 +202,14 @@ impl SharedConnection {
     }
 
     /// Replaces the connection of generation `dead` (unless another request already did).
-    async fn replace(&self, dead: u64) -> Result<StoreConnection, StoreError> {
+    async fn replace(&self, dead: u64) -> Result<Generation, StoreError> {
         let _connecting = self.connecting.lock().await;
         if let Some(current) = self.current()
             && current.number != dead
         {
-            return Ok(current.connection);
+            return Ok(current);
         }
-        Ok(self.set(Box::pin(self.open()).await?).connection)
+        Ok(self.set(Box::pin(self.open()).await?))
     }
 
     /// A new connection, driven by this thread: the store's own when the pool knows its

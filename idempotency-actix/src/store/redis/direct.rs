@@ -100,7 +100,7 @@ const READ_CHUNK: usize = 16 * 1024;
 /// frozen host) is no longer waited for on this connection; the next command opens a new
 /// one. Until then every request still gets its timeout at its deadline, and a server that
 /// is only slow (a long `DEBUG SLEEP`, a busy script) is waited out.
-const STALLED_AFTER: Duration = Duration::from_secs(2);
+pub(super) const STALLED_AFTER: Duration = Duration::from_secs(2);
 
 /// Most bytes of commands that may wait unwritten: a server that reads nothing while
 /// requests keep coming (each timing out and retried) would otherwise have every copy of

@@ -19,6 +19,7 @@ mod protocol;
 mod record;
 mod replication;
 mod reply;
+mod silence;
 mod spares;
 mod steps;
 
