@@ -366,29 +366,79 @@ async fn completed_records_survive_a_new_pool() {
     );
 }
 
+/// Inserts `count` completed rows keyed `<prefix>:<n>` that expire at `expires_at` (SQL).
+async fn insert_rows(database: &TestDatabase, prefix: &str, count: i32, expires_at: &str) {
+    database
+        .connection()
+        .await
+        .execute(
+            &format!(
+                "INSERT INTO idempotency_records
+                     (key, fingerprint, token, state, version, expires_at)
+                 SELECT $1 || ':' || n, '\\x00', 't', 'c', 1, {expires_at}
+                 FROM generate_series(1, $2) AS n"
+            ),
+            &[&prefix, &count],
+        )
+        .await
+        .unwrap();
+}
+
 #[actix_web::test]
 async fn expired_rows_are_deleted_in_bounded_batches() {
     let database = TestDatabase::create().await;
     let store = database.store().await;
     // 2 500 expired rows and 10 live ones.
-    database
-        .connection()
-        .await
-        .batch_execute(
-            "INSERT INTO idempotency_records (key, fingerprint, token, state, version, expires_at)
-             SELECT 'expired:' || n, '\\x00', 't', 'c', 1, now() - interval '1 minute'
-             FROM generate_series(1, 2500) AS n;
-             INSERT INTO idempotency_records (key, fingerprint, token, state, version, expires_at)
-             SELECT 'live:' || n, '\\x00', 't', 'c', 1, now() + interval '1 hour'
-             FROM generate_series(1, 10) AS n;",
-        )
-        .await
-        .unwrap();
+    insert_rows(&database, "expired", 2_500, "now() - interval '1 minute'").await;
+    insert_rows(&database, "live", 10, "now() + interval '1 hour'").await;
     assert_eq!(store.delete_expired(1_000).await.unwrap(), 1_000);
     assert_eq!(store.delete_expired(1_000).await.unwrap(), 1_000);
     assert_eq!(store.delete_expired(1_000).await.unwrap(), 500);
     assert_eq!(store.delete_expired(1_000).await.unwrap(), 0);
     assert_eq!(rows(&database, "idempotency_records").await, 10);
+}
+
+/// Ends every other session on `database`, as a restart or a failover ends a pool's
+/// connections, and waits until the server has let them go.
+async fn end_the_other_sessions(database: &TestDatabase) {
+    let admin = database.connection().await;
+    let others = "FROM pg_stat_activity \
+                  WHERE datname = current_database() AND pid <> pg_backend_pid()";
+    admin
+        .batch_execute(&format!("SELECT pg_terminate_backend(pid) {others}"))
+        .await
+        .unwrap();
+    for _ in 0..500 {
+        let left: i64 = admin
+            .query_one(&format!("SELECT count(*) {others}"), &[])
+            .await
+            .unwrap()
+            .get(0);
+        if left == 0 {
+            break;
+        }
+        actix_rt::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// After the server ended the pool's sessions (a restart, a failover, or
+/// `idle_session_timeout` on a quiet app), the reaper's first batch deletes the expired rows,
+/// passing over the closed connections as every other step does. (It failed with "connection
+/// closed" once for each closed connection the pool held: with `expire_periodically`, one
+/// period each without deleting anything, every period where the server ends idle sessions
+/// sooner than the period.)
+#[actix_web::test]
+async fn the_reaper_passes_over_connections_the_server_closed() {
+    let database = TestDatabase::create().await;
+    let store = database.store().await;
+    // Four connections in the pool, all idle.
+    let pool = store.connection_pool();
+    drop(futures_util::future::join_all((0..4).map(|_| pool.get())).await);
+    assert_eq!(pool.state().idle_connections, 4);
+    insert_rows(&database, "expired", 10, "now() - interval '1 minute'").await;
+    end_the_other_sessions(&database).await;
+    assert_eq!(store.delete_expired(1_000).await.unwrap(), 10);
+    assert_eq!(rows(&database, "idempotency_records").await, 0);
 }
 
 #[actix_web::test]

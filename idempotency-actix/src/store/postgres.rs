@@ -72,8 +72,8 @@ pub const EXPIRY_BATCH: i64 = 1_000;
 /// The pool built by [`PostgresStore::pool`] skips bb8's health check on checkout; a
 /// connection that fails because the server went away is discarded and the statement retried
 /// once on a live one, passing over the other closed connections the pool still holds (every
-/// statement is safe to run twice); so are a transactional route's claim and the `BEGIN` of
-/// a request without a key.
+/// statement is safe to run twice); so are a transactional route's claim, the `BEGIN` of a
+/// request without a key and the reaper's batch ([`delete_expired`](Self::delete_expired)).
 ///
 /// # Examples
 ///
@@ -614,11 +614,24 @@ impl PostgresStore {
     /// When the database cannot be reached.
     pub async fn delete_expired(&self, batch: i64) -> Result<u64, StoreError> {
         let sql = self.statements().await?;
+        let params: [(&(dyn ToSql + Sync), Type); 1] = [(&batch, Type::INT8)];
         let connection = self.pool.get().await.map_err(unavailable)?;
-        connection
-            .execute_typed(&sql.delete_expired, &[(&batch, Type::INT8)])
-            .await
-            .map_err(unavailable)
+        match connection.execute_typed(&sql.delete_expired, &params).await {
+            // As every other step, once more on a live connection: after a restart or a
+            // failover, or where the server ends idle sessions (`idle_session_timeout`), the
+            // reaper of a quiet app is the pool's only user, and it met one closed
+            // connection per period, each a period without deleting anything.
+            Err(error) if connection.is_closed() => {
+                tracing::debug!(%error, "idempotency: PostgreSQL connection lost; reconnecting");
+                drop(connection);
+                self.live_connection()
+                    .await?
+                    .execute_typed(&sql.delete_expired, &params)
+                    .await
+                    .map_err(unavailable)
+            }
+            other => other.map_err(unavailable),
+        }
     }
 
     /// Runs forever: every `period`, deletes expired rows in batches of [`EXPIRY_BATCH`]
