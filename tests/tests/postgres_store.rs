@@ -34,6 +34,14 @@ fn response() -> StoredResponse {
     )
 }
 
+/// What a `begin` of a new token for `name` meets.
+async fn begin_anew(store: &PostgresStore, name: &str) -> BeginOutcome {
+    store
+        .begin(&key(name), &print(), &LeaseToken::generate(), LEASE)
+        .await
+        .unwrap()
+}
+
 async fn rows(database: &TestDatabase, table: &str) -> i64 {
     database
         .connection()
@@ -113,10 +121,7 @@ async fn an_unqualified_name_is_created_and_used_in_the_schema_search_path_names
             .unwrap()
     );
     assert_eq!(
-        store
-            .begin(&key("k"), &print(), &LeaseToken::generate(), LEASE)
-            .await
-            .unwrap(),
+        begin_anew(&store, "k").await,
         BeginOutcome::Completed(response())
     );
     let table = format!("{schema}.idempotency_records");
@@ -439,6 +444,77 @@ async fn the_reaper_passes_over_connections_the_server_closed() {
     end_the_other_sessions(&database).await;
     assert_eq!(store.delete_expired(1_000).await.unwrap(), 10);
     assert_eq!(rows(&database, "idempotency_records").await, 0);
+}
+
+/// Waits until a session of `database` waits for a lock, and ends it, as a restart, a
+/// failover or `pg_terminate_backend` ends a session while its statement runs.
+async fn end_the_waiting_session(database: &TestDatabase) {
+    let admin = database.connection().await;
+    let waiting = "FROM pg_stat_activity \
+                   WHERE datname = current_database() AND wait_event_type = 'Lock'";
+    for _ in 0..500 {
+        let ended: i64 = admin
+            .query_one(
+                &format!("SELECT count(*) FROM (SELECT pg_terminate_backend(pid) {waiting}) e"),
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if ended > 0 {
+            return;
+        }
+        actix_rt::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("no session waited for a lock");
+}
+
+/// A `begin` and a commit whose session the server ends while they run (they wait for the
+/// key's row, which another transaction holds) are sent again on a live connection and
+/// answer as ever. (The statement met PostgreSQL's FATAL error before its connection had
+/// read the end of the socket, so it was not seen as lost: a store error, so a 503, or for
+/// a commit retries in the background while the client got its response.)
+#[actix_web::test]
+async fn steps_whose_session_ends_while_they_run_are_sent_again() {
+    let database = TestDatabase::create().await;
+    let store = database.store().await;
+    let writer = database.connection().await;
+    // `begin` takes an expired row over, and a commit completes the row: each waits while
+    // the writer holds it.
+    let old = LeaseToken::generate();
+    let lapsing = Duration::from_millis(1);
+    store
+        .begin(&key("k"), &print(), &old, lapsing)
+        .await
+        .unwrap();
+    actix_rt::time::sleep(Duration::from_millis(20)).await;
+    let token = LeaseToken::generate();
+    let hold = "BEGIN; SELECT 1 FROM idempotency_records FOR UPDATE";
+    writer.batch_execute(hold).await.unwrap();
+    let begun = actix_rt::spawn({
+        let store = store.clone();
+        async move { store.begin(&key("k"), &print(), &token, LEASE).await }
+    });
+    end_the_waiting_session(&database).await;
+    writer.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(begun.await.unwrap().unwrap(), BeginOutcome::Acquired);
+    writer.batch_execute(hold).await.unwrap();
+    let committed = actix_rt::spawn({
+        let store = store.clone();
+        async move {
+            let response = response();
+            store
+                .commit(&key("k"), &print(), &token, &response, LEASE)
+                .await
+        }
+    });
+    end_the_waiting_session(&database).await;
+    writer.batch_execute("COMMIT").await.unwrap();
+    assert!(committed.await.unwrap().unwrap());
+    assert_eq!(
+        begin_anew(&store, "k").await,
+        BeginOutcome::Completed(response())
+    );
 }
 
 #[actix_web::test]

@@ -324,6 +324,20 @@ impl Harness {
             .get(0)
     }
 
+    /// Makes every record expired and holds their rows in a transaction of the returned
+    /// connection (until it sends `COMMIT`): a claim that would take one over waits for it.
+    async fn lapse_and_hold_the_records(&self) -> tokio_postgres::Client {
+        let writer = self.database.connection().await;
+        writer
+            .batch_execute(
+                "UPDATE idempotency_records SET expires_at = now() - interval '1 second';
+                 BEGIN; SELECT 1 FROM idempotency_records FOR UPDATE",
+            )
+            .await
+            .unwrap();
+        writer
+    }
+
     async fn ledger_rows(&self) -> i64 {
         self.count("SELECT count(*) FROM ledger").await
     }
@@ -711,6 +725,41 @@ async fn requests_after_the_server_ended_the_pools_sessions_are_served() {
     assert!(replay.is_replay(), "{replay:?}");
 }
 
+/// A transactional claim whose session the server ends while it runs (here while it waits
+/// for the key's expired row, which another transaction holds) is sent again on a live
+/// connection, and the request is served. (The claim met PostgreSQL's FATAL error before
+/// its connection had read the end of the socket, so the connection was not seen as lost:
+/// 503.)
+#[actix_web::test]
+async fn a_claim_whose_session_ends_while_it_runs_is_sent_again() {
+    let h = start(4).await;
+    assert_eq!(
+        h.post("/ledger", Some("k")).await.status,
+        StatusCode::CREATED
+    );
+    let writer = h.lapse_and_hold_the_records().await;
+    let claim = h.spawn_post("/ledger", "k");
+    let waiting = "FROM pg_stat_activity \
+                   WHERE datname = current_database() AND wait_event_type = 'Lock'";
+    let mut ended = 0;
+    for _ in 0..500 {
+        ended = h
+            .count(&format!(
+                "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) {waiting}) ended"
+            ))
+            .await;
+        if ended > 0 {
+            break;
+        }
+        actix_rt::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(ended, 1, "the claim waits for the row");
+    writer.batch_execute("COMMIT").await.unwrap();
+    let claimed = claim.await.unwrap().unwrap();
+    assert_eq!(claimed.status, StatusCode::CREATED, "{claimed:?}");
+    assert_eq!((h.runs.get(), h.ledger_rows().await), (2, 2));
+}
+
 /// A missing table (`migrate` never run, or the table dropped) is a store failure: 503 with
 /// `Retry-After` on a plain and on a transactional route, never a panic, and no handler runs.
 #[actix_web::test]
@@ -788,14 +837,7 @@ async fn a_duplicate_that_meets_a_row_committed_after_its_snapshot_is_replayed()
         assert_eq!(first.status, StatusCode::CREATED, "{path}: {first:?}");
         // The record lapses, and a writer holds its row: the duplicate's statement, which
         // would take an expired row over, waits for it after taking its snapshot.
-        let writer = h.database.connection().await;
-        writer
-            .batch_execute(
-                "UPDATE idempotency_records SET expires_at = now() - interval '1 second';
-                 BEGIN; SELECT 1 FROM idempotency_records FOR UPDATE",
-            )
-            .await
-            .unwrap();
+        let writer = h.lapse_and_hold_the_records().await;
         let duplicate = h.spawn_post(path, path);
         let waiting = "SELECT count(*) FROM pg_stat_activity \
                        WHERE datname = current_database() AND wait_event_type = 'Lock'";

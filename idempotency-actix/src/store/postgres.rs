@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bb8_postgres::PostgresConnectionManager;
+use tokio_postgres::error::Severity;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{NoTls, Row};
 
@@ -621,10 +622,9 @@ impl PostgresStore {
             // failover, or where the server ends idle sessions (`idle_session_timeout`), the
             // reaper of a quiet app is the pool's only user, and it met one closed
             // connection per period, each a period without deleting anything.
-            Err(error) if connection.is_closed() => {
+            Err(error) if lost(&connection, &error) => {
                 tracing::debug!(%error, "idempotency: PostgreSQL connection lost; reconnecting");
-                drop(connection);
-                self.live_connection()
+                self.live_connection_after(connection)
                     .await?
                     .execute_typed(&sql.delete_expired, &params)
                     .await
@@ -673,6 +673,17 @@ impl PostgresStore {
         Ok(connection)
     }
 
+    /// A live connection in place of `lost` ([`lost`]), which goes back to the pool once
+    /// closed ([`closing`]), so that the pool discards it rather than hand it out again.
+    async fn live_connection_after(
+        &self,
+        lost: impl std::ops::Deref<Target = tokio_postgres::Client>,
+    ) -> Result<PostgresConnection, StoreError> {
+        closing(&lost).await;
+        drop(lost);
+        self.live_connection().await
+    }
+
     /// Runs one statement on a pooled connection; if the connection turns out closed (the
     /// server restarted), once more on a live one (the broken one is discarded by the pool);
     /// and again while it fails to serialize (see [`serialization`]).
@@ -696,10 +707,9 @@ impl PostgresStore {
     ) -> Result<Vec<Row>, StoreError> {
         let connection = self.pool.get().await.map_err(unavailable)?;
         match connection.query_typed(statement, params).await {
-            Err(error) if connection.is_closed() => {
+            Err(error) if lost(&connection, &error) => {
                 tracing::debug!(%error, "idempotency: PostgreSQL connection lost; reconnecting");
-                drop(connection);
-                let connection = self.live_connection().await?;
+                let connection = self.live_connection_after(connection).await?;
                 connection
                     .query_typed(statement, params)
                     .await
@@ -805,8 +815,9 @@ impl PostgresStore {
         {
             // Safe to send again: nothing was committed on the closed connection, and the
             // claim is idempotent for its token.
-            Err(error) if transaction.client().is_closed() => {
+            Err(error) if lost_with(transaction.client(), &error) => {
                 tracing::debug!(%error, "idempotency: PostgreSQL connection lost; reconnecting");
+                closing(transaction.client()).await;
                 transaction.finished();
                 let transaction = OpenTransaction::on(self.live_connection().await?);
                 let outcome = self
@@ -860,8 +871,9 @@ impl PostgresStore {
         let transaction = OpenTransaction::on(self.pool.get_owned().await.map_err(unavailable)?);
         match transaction.client().batch_execute("BEGIN").await {
             Ok(()) => Ok(transaction),
-            Err(error) if transaction.client().is_closed() => {
+            Err(error) if lost(transaction.client(), &error) => {
                 tracing::debug!(%error, "idempotency: PostgreSQL connection lost; reconnecting");
+                closing(transaction.client()).await;
                 transaction.finished();
                 let transaction = OpenTransaction::on(self.live_connection().await?);
                 transaction
@@ -1180,6 +1192,44 @@ fn outcome_without_ttl(
     }
 }
 
+/// Whether `error`, which a statement on `client` met, lost the connection: it is closed,
+/// or the error is FATAL, the server ending the session while the statement ran
+/// (`pg_terminate_backend`, a shutdown, a failover, `idle_in_transaction_session_timeout`).
+/// That error reaches the statement before the connection has read the end of its socket,
+/// so the client is often not closed yet: the step failed where it could have been sent
+/// again on a live connection.
+fn lost(client: &tokio_postgres::Client, error: &tokio_postgres::Error) -> bool {
+    client.is_closed()
+        || error.is_closed()
+        || error
+            .as_db_error()
+            .and_then(tokio_postgres::error::DbError::parsed_severity)
+            .is_some_and(|severity| matches!(severity, Severity::Fatal | Severity::Panic))
+}
+
+/// [`lost`], for a step's [`StoreError`].
+fn lost_with(client: &tokio_postgres::Client, error: &StoreError) -> bool {
+    match error {
+        StoreError::Unavailable(source) => source
+            .downcast_ref::<tokio_postgres::Error>()
+            .map_or_else(|| client.is_closed(), |error| lost(client, error)),
+        _ => client.is_closed(),
+    }
+}
+
+/// How long a connection whose session ended ([`lost`]) is given to see its socket closed.
+const CLOSING: Duration = Duration::from_millis(100);
+
+/// Waits, up to [`CLOSING`], until `client`'s connection has closed, as it does a moment
+/// after a FATAL error: the pool discards a closed connection when it comes back, and would
+/// otherwise hand this one out again.
+async fn closing(client: &tokio_postgres::Client) {
+    let deadline = std::time::Instant::now() + CLOSING;
+    while !client.is_closed() && std::time::Instant::now() < deadline {
+        actix_rt::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
 fn millis(duration: Duration) -> i64 {
     i64::try_from(duration.as_millis())
         .unwrap_or(i64::MAX)
@@ -1221,9 +1271,9 @@ impl IdempotencyStore for PostgresStore {
                 .begin_on(&connection, key, fingerprint, token, lease)
                 .await
             {
-                Err(_) if connection.is_closed() => {
-                    drop(connection);
-                    let connection = self.live_connection().await?;
+                Err(error) if lost_with(&connection, &error) => {
+                    tracing::debug!(%error, "idempotency: PostgreSQL connection lost; reconnecting");
+                    let connection = self.live_connection_after(connection).await?;
                     self.begin_on(&connection, key, fingerprint, token, lease)
                         .await
                 }
