@@ -128,6 +128,70 @@ async fn an_unqualified_name_is_created_and_used_in_the_schema_search_path_names
     assert_eq!(rows(&database, &table).await, 1);
 }
 
+/// Instances that start at once on a database whose sessions run `repeatable read` (as
+/// `default_transaction_isolation` sets it, for the app's transactional routes) create one
+/// table with one expiry index. (Each `migrate` checked for the index in a snapshot taken
+/// before it waited for the one before: every instance that waited added an index of its
+/// own, each written on every step of the store.)
+#[actix_web::test]
+async fn instances_migrating_at_once_under_repeatable_read_create_one_expiry_index() {
+    let database = TestDatabase::create().await;
+    let admin = database.connection().await;
+    let mut config: tokio_postgres::Config = database.url().parse().unwrap();
+    config.options("-c default_transaction_isolation=repeatable\\ read");
+    // The migrations' lock held, so that all of them wait for it at once.
+    let holder = database.connection().await;
+    holder
+        .batch_execute("BEGIN; SELECT pg_advisory_xact_lock(7291604383712561407)")
+        .await
+        .unwrap();
+    let instances = 3;
+    let migrations: Vec<_> = (0..instances)
+        .map(|_| {
+            let manager =
+                bb8_postgres::PostgresConnectionManager::new(config.clone(), tokio_postgres::NoTls);
+            let store = PostgresStore::new(bb8::Pool::builder().build_unchecked(manager));
+            actix_rt::spawn(async move { store.migrate().await })
+        })
+        .collect();
+    let waiting = "SELECT count(*) FROM pg_stat_activity \
+                   WHERE datname = current_database() AND wait_event_type = 'Lock'";
+    for _ in 0..500 {
+        let count: i64 = admin.query_one(waiting, &[]).await.unwrap().get(0);
+        if count == instances {
+            break;
+        }
+        actix_rt::time::sleep(Duration::from_millis(10)).await;
+    }
+    holder.batch_execute("COMMIT").await.unwrap();
+    // The sessions of those pools run `repeatable read`.
+    let (session, connection) = config.connect(tokio_postgres::NoTls).await.unwrap();
+    actix_rt::spawn(connection);
+    let isolation: String = session
+        .query_one("SHOW transaction_isolation", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(isolation, "repeatable read");
+    for migration in migrations {
+        migration.await.unwrap().unwrap();
+    }
+    let indexes: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM pg_indexes
+             WHERE tablename = 'idempotency_records' AND indexdef LIKE '%(expires_at)'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(indexes, 1);
+    assert_eq!(
+        begin_anew(&database.store().await, "k").await,
+        BeginOutcome::Acquired
+    );
+}
+
 #[actix_web::test]
 async fn a_table_of_the_previous_release_is_migrated_to_keep_abandoned_tokens() {
     let database = TestDatabase::create().await;

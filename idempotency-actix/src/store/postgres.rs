@@ -215,9 +215,12 @@ impl Statements {
             lock_namespace: table::lock_namespace(schema, name),
             relation: t.clone(),
             // Serialized by an advisory lock: `CREATE … IF NOT EXISTS` run by two instances
-            // at once can still collide.
+            // at once can still collide. READ COMMITTED whatever the sessions' default, so
+            // that the checks after the lock see what the instance before did: under
+            // REPEATABLE READ or SERIALIZABLE the transaction's snapshot, taken before the
+            // lock, missed it, and each instance started at once added an expiry index.
             migrate: format!(
-                "BEGIN;
+                "BEGIN ISOLATION LEVEL READ COMMITTED;
                  SELECT pg_advisory_xact_lock(7291604383712561407);
                  CREATE TABLE IF NOT EXISTS {t} (
                      key         text        PRIMARY KEY,
