@@ -249,9 +249,10 @@ pub trait IdempotencyStore: 'static {
     /// nothing and never will: its in-flight record, if any, is gone, and the store keeps a
     /// marker for `remember_for` so that a `begin` of `token` landing later creates nothing
     /// (it answers [`BeginOutcome::Abandoned`]). The marker blocks no one: a `begin` with any
-    /// other token takes the key as if it were free. `false` when another record is there
-    /// (another token's, or a completed one): the caller tries again later, as a late
-    /// `begin` of `token` can only land once that record is gone.
+    /// other token takes the key as if it were free. `true` too, writing nothing, when a
+    /// completed record is there: a late `begin` of `token` would only replay it. `false`
+    /// when another token's in-flight record is there: the caller tries again later, as a
+    /// late `begin` of `token` can only land once that record is gone.
     ///
     /// The default calls [`release`](Self::release), which only wins over a `begin` that
     /// landed before it: the middleware then keeps trying for a lease, and a `begin` landing
