@@ -3,9 +3,9 @@
 //!
 //! A client sends `Idempotency-Key: "<uuid>"` (the IETF draft's sf-string form, or the bare
 //! form most clients send). The first request with a key runs the handler; its response is
-//! stored (in Redis, or in memory for development) and every retry with the same key and
-//! the same request gets the same status, headers and body back, byte for byte, with
-//! `Idempotent-Replayed: true`, without running the handler again.
+//! stored (in Redis, PostgreSQL, or memory for development) and every retry with the same
+//! key and the same request gets the same status, headers and body back, byte for byte,
+//! with `Idempotent-Replayed: true`, without running the handler again.
 //!
 //! # Quickstart
 //!
@@ -69,10 +69,10 @@
 //! | first request with a key | the handler runs once; its response is returned as produced |
 //! | retry after completion, same request | stored status, headers and body plus `Idempotent-Replayed: true` |
 //! | retry with the same key, another method, path, query or body (its bytes as sent, compressed or not) | 422 problem |
-//! | retry while the first is still running | 409 problem with `Retry-After` |
+//! | retry while the first is still running | 409 problem with `Retry-After`; with `wait_for_completion`, the retry waits up to its bound and gets the replay (409 if the first is still running then) |
 //! | handler answers 1xx (not a final response) | passed through as Actix sends it; never stored, key released |
 //! | handler answers 204 or 304 | stored and replayed without a body or `Content-Length` |
-//! | handler answers >= 400 or panics | response returned (a panic becomes a 500 problem); key released, a retry runs again (`store_errors` stores error responses instead; a panic always releases the key) |
+//! | handler answers >= 400 or panics | response returned (a panic becomes a 500 problem); key released, a retry runs again (`store_errors` stores error responses instead, every status >= 400: a transient 500 or 503 and an extractor's 400 are replayed for the ttl too; a panic always releases the key) |
 //! | keyed request body over the limit (1 MiB) | 413 problem; the handler does not run |
 //! | keyed request that asks for a WebSocket upgrade (`Upgrade: websocket`) | 400 problem at once; the handler does not run (its body has no end to fingerprint) |
 //! | response body over the stored limit (1 MiB) | sent whole; the record completes without a body, so a retry never re-runs; the replay has the stored status and headers, an empty body and `Idempotent-Body-Omitted: true` |
@@ -143,8 +143,8 @@
 //!   values: `route` is the matched pattern, never the raw path or the key.
 //! * **OpenAPI** (feature `utoipa`): `#[idempotent]` describes its route as
 //!   `<handler>::IDEMPOTENCY` ([`ProtectedRoute`]); `IdempotencyOpenApi`, a
-//!   `utoipa::Modify`, adds the `Idempotency-Key` header parameter, the 400, 409, 413, 422
-//!   and 503 problem responses and the `Idempotent-Replayed` header to those operations.
+//!   `utoipa::Modify`, adds the `Idempotency-Key` header parameter, the 400, 409, 413, 422,
+//!   500 and 503 problem responses and the `Idempotent-Replayed` header to those operations.
 //! * **Inspection:** [`Inspector`] looks up and deletes one record by (scope, key) on any
 //!   store, for support and operations; an in-flight record is deleted only when forced.
 //!

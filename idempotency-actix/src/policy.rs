@@ -220,6 +220,13 @@ impl IdempotencyPolicy {
     /// Responses of this route with status >= 400 are stored and replayed too, an error of
     /// a layer inside this one (its `Err`, as Actix renders it) included. On a transactional
     /// route such an error still rolls the transaction back and stores nothing.
+    ///
+    /// Every status >= 400 is stored, there is no choice by status: a route that stores a
+    /// declined payment's 402 this way also stores a transient 500 or 503 of its handler
+    /// (a payment provider that timed out) and the 400 of an extractor that refused the
+    /// body, and replays them to every retry with that key for the whole ttl. A route whose
+    /// retries must run again after a transient failure keeps the default, which releases
+    /// the key on every status >= 400.
     #[must_use]
     pub const fn store_errors(mut self) -> Self {
         self.store_errors = Some(true);

@@ -34,6 +34,10 @@ use crate::key::IdempotencyKey;
 /// scope that silently fell back to "everyone" would hand one principal's response to
 /// another. Return `Some(String::new())` for requests that may share the global space.
 ///
+/// Like [`Idempotency`](crate::Idempotency), a `KeyScope` is built per worker inside the
+/// `HttpServer::new` closure: it is not `Send` (it may hold an `Rc`), so one built in
+/// `main` and moved into the closure does not compile.
+///
 /// An app-level [`Idempotency`](crate::Idempotency) runs after the middleware registered
 /// after it on the `App` (Actix runs the last `wrap` first): a scope function that reads
 /// what an authentication middleware stores needs that middleware wrapped *after*
