@@ -271,6 +271,17 @@ impl RedisCluster {
                 })
                 .then_some(())
         });
+        // The new node learns the others by gossip: until every node has the same view,
+        // `redis-cli --cluster reshard` refuses ("Nodes don't agree about configuration").
+        self.wait_for("every node to agree about the configuration", || {
+            Command::new("redis-cli")
+                .args(["--cluster", "check", &format!("127.0.0.1:{seed}")])
+                .stdin(Stdio::null())
+                .output()
+                .ok()
+                .filter(|output| output.status.success())
+                .map(|_| ())
+        });
         port
     }
 
