@@ -42,6 +42,19 @@ async fn begin_anew(store: &PostgresStore, name: &str) -> BeginOutcome {
         .unwrap()
 }
 
+/// A new token's `begin` of `name`, which must acquire it.
+async fn acquire(store: &PostgresStore, name: &str) -> LeaseToken {
+    let token = LeaseToken::generate();
+    assert_eq!(
+        store
+            .begin(&key(name), &print(), &token, LEASE)
+            .await
+            .unwrap(),
+        BeginOutcome::Acquired
+    );
+    token
+}
+
 async fn rows(database: &TestDatabase, table: &str) -> i64 {
     database
         .connection()
@@ -73,14 +86,7 @@ async fn a_table_of_its_own_name_is_created_and_used() {
     first.unwrap();
     second.unwrap();
     store.migrate().await.unwrap();
-    let token = LeaseToken::generate();
-    assert_eq!(
-        store
-            .begin(&key("k"), &print(), &token, LEASE)
-            .await
-            .unwrap(),
-        BeginOutcome::Acquired
-    );
+    acquire(&store, "k").await;
     assert_eq!(rows(&database, "billing.\"Idempotency_Keys\"").await, 1);
 }
 
@@ -105,14 +111,7 @@ async fn an_unqualified_name_is_created_and_used_in_the_schema_search_path_names
         .unwrap();
     let store = database.store().await;
     store.migrate().await.unwrap();
-    let token = LeaseToken::generate();
-    assert_eq!(
-        store
-            .begin(&key("k"), &print(), &token, LEASE)
-            .await
-            .unwrap(),
-        BeginOutcome::Acquired
-    );
+    let token = acquire(&store, "k").await;
     let ttl = Duration::from_secs(60);
     assert!(
         store
@@ -328,14 +327,7 @@ async fn migrate_needs_no_right_to_create_where_the_table_is_up_to_date() {
         .unwrap();
     let store = role.store(&database);
     store.migrate().await.unwrap();
-    let token = LeaseToken::generate();
-    assert_eq!(
-        store
-            .begin(&key("k"), &print(), &token, LEASE)
-            .await
-            .unwrap(),
-        BeginOutcome::Acquired
-    );
+    let token = acquire(&store, "k").await;
     assert!(
         store
             .commit(&key("k"), &print(), &token, &response(), LEASE)
@@ -382,14 +374,7 @@ async fn a_table_of_the_longest_name_gets_its_expiry_index() {
         .unwrap();
     let store = role.store(&database).table(&name).unwrap();
     store.migrate().await.unwrap();
-    let token = LeaseToken::generate();
-    assert_eq!(
-        store
-            .begin(&key("k"), &print(), &token, LEASE)
-            .await
-            .unwrap(),
-        BeginOutcome::Acquired
-    );
+    acquire(&store, "k").await;
 }
 
 #[actix_web::test]
