@@ -13,7 +13,7 @@
 //! Both sets are correct under either isolation: the choice only weighs speed against
 //! serialization failures. It is read with the table's resolution (no round trip of its own),
 //! and kept right when sessions change: a serialization failure, which READ COMMITTED does not
-//! produces, switches to the stricter statements, and the stricter `begin` reports its
+//! produce, switches to the stricter statements, and the stricter `begin` reports its
 //! transaction's isolation, which switches back under READ COMMITTED.
 
 use std::sync::atomic::{AtomicBool, Ordering};
