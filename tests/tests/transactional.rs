@@ -201,17 +201,7 @@ async fn start_on(connections: u32, fail_mode: FailMode, setting: Option<&str>) 
     if let Some(setting) = setting {
         set_for_new_sessions(&admin, setting).await;
     }
-    let manager = bb8_postgres::PostgresConnectionManager::new_from_stringlike(
-        database.url(),
-        tokio_postgres::NoTls,
-    )
-    .unwrap();
-    let pool = bb8::Pool::builder()
-        .max_size(connections)
-        .test_on_check_out(false)
-        .connection_timeout(Duration::from_secs(2))
-        .build_unchecked(manager);
-    let store = PostgresStore::new(pool);
+    let store = PostgresStore::new(pool(&database, connections));
     store.migrate().await.unwrap();
     let (runs, gate) = (RunCounter::default(), Gate::default());
     let server = serve(store, fail_mode, &runs, &gate);
@@ -221,6 +211,43 @@ async fn start_on(connections: u32, fail_mode: FailMode, setting: Option<&str>) 
         runs,
         gate,
     }
+}
+
+/// As [`start`], on a store that never ran `migrate()`: the table was made by another
+/// instance's (or by a DBA), and this store finds it when it needs it.
+async fn start_without_migrate(connections: u32) -> Harness {
+    let database = TestDatabase::create().await;
+    database
+        .connection()
+        .await
+        .batch_execute(LEDGER)
+        .await
+        .unwrap();
+    let other = PostgresStore::new(PostgresStore::pool(database.url()).unwrap());
+    other.migrate().await.unwrap();
+    let store = PostgresStore::new(pool(&database, connections));
+    let (runs, gate) = (RunCounter::default(), Gate::default());
+    let server = serve(store, FailMode::Closed, &runs, &gate);
+    Harness {
+        server,
+        database,
+        runs,
+        gate,
+    }
+}
+
+/// A pool of `connections` on `database`, which waits 2 s for a connection.
+fn pool(database: &TestDatabase, connections: u32) -> idempotency_actix::PostgresPool {
+    let manager = bb8_postgres::PostgresConnectionManager::new_from_stringlike(
+        database.url(),
+        tokio_postgres::NoTls,
+    )
+    .unwrap();
+    bb8::Pool::builder()
+        .max_size(connections)
+        .test_on_check_out(false)
+        .connection_timeout(Duration::from_secs(2))
+        .build_unchecked(manager)
 }
 
 /// A server with the transactional routes on `store`, counting runs in `runs` and holding
@@ -861,6 +888,60 @@ async fn a_duplicate_that_meets_a_row_committed_after_its_snapshot_is_replayed()
         assert_eq!(h.runs.get(), n + 1, "{path}: the handler ran once");
     }
     assert_eq!(h.ledger_rows().await, 1);
+}
+
+/// A store on which `migrate()` never ran (another instance, or a DBA, made the table) gets
+/// its very first requests all at once, as many as its pool has connections, each holding
+/// its connection (a transactional claim's transaction, held here while its handler waits
+/// at the gate; a plain route's `begin`): every one is served, its handler runs once, and
+/// its retry gets the replay. (The table was looked up on a second pooled connection: each
+/// request held one and waited for another until the store timeout, 503, and on a pool of
+/// one connection every request was refused, as none ever resolved the table.)
+#[actix_web::test]
+async fn a_first_burst_as_large_as_the_pool_is_served_where_migrate_did_not_run() {
+    for path in ["/ledger", "/plain"] {
+        for connections in [1, 4] {
+            let h = start_without_migrate(connections).await;
+            let keys: Vec<_> = (0..connections).map(|n| format!("k-{n}")).collect();
+            let burst: Vec<_> = keys
+                .iter()
+                .map(|key| h.spawn_post(&format!("{path}?hold=1"), key))
+                .collect();
+            let ran = usize::try_from(connections).unwrap();
+            // Until every handler runs (the transactional ones at the gate, all at once) or
+            // a request is answered without (refused).
+            for _ in 0..1_000 {
+                if h.runs.get() == ran || burst.iter().any(|reply| reply.is_finished()) {
+                    break;
+                }
+                actix_rt::time::sleep(Duration::from_millis(10)).await;
+            }
+            let all_at_once = h.runs.get() == ran;
+            h.gate.open();
+            let mut first = Vec::new();
+            for reply in burst {
+                let reply = reply.await.unwrap().unwrap();
+                assert_eq!(
+                    reply.status,
+                    StatusCode::CREATED,
+                    "{path}, {connections} connections: {reply:?}"
+                );
+                first.push(reply);
+            }
+            if path == "/ledger" {
+                // Each in its own claim's transaction, the pool's every connection held.
+                assert!(all_at_once, "every handler ran at once");
+            }
+            for (key, first) in keys.iter().zip(&first) {
+                let retry = h.post(&format!("{path}?hold=1"), Some(key)).await;
+                assert!(retry.is_replay(), "{path}: {retry:?}");
+                assert_eq!(retry.body, first.body);
+            }
+            assert_eq!(h.runs.get(), ran, "{path}: each handler ran once");
+            let rows = if path == "/ledger" { connections } else { 0 };
+            assert_eq!(h.ledger_rows().await, i64::from(rows), "{path}");
+        }
+    }
 }
 
 /// Two instances that name one table differently (`idempotency_records`, and

@@ -585,8 +585,9 @@ impl PostgresStore {
     }
 
     /// The statements of the store's table, resolved on first use where
-    /// [`migrate`](Self::migrate) did not run: an error while the table does not exist
-    /// (tried again on the next use).
+    /// [`migrate`](Self::migrate) did not run (on a pooled connection of its own, so call it
+    /// before taking one: see [`statements_on`](Self::statements_on)): an error while the
+    /// table does not exist (tried again on the next use).
     async fn statements(&self) -> Result<&Statements, StoreError> {
         if let Some(sql) = self.table.statements() {
             return Ok(sql);
@@ -594,7 +595,36 @@ impl PostgresStore {
         let rows = self
             .query(table::RESOLVE, &self.table.resolve_params())
             .await?;
-        let resolution = Resolution::read(the_only_row(&rows, "the table's resolution")?)?;
+        self.settle(the_only_row(&rows, "the table's resolution")?)
+    }
+
+    /// [`statements`](Self::statements) for a step that already holds `client` (a plain
+    /// `begin`'s pooled connection, or a transactional claim's, inside its transaction):
+    /// resolved on it, a round trip the first time only. On another pooled connection, as
+    /// many such steps at once as the pool has connections each held one and waited for
+    /// another until the store timeout (503). In a claim's transaction it runs before the
+    /// claim and the handler (no `SET LOCAL search_path` of theirs yet), reads only the
+    /// catalogs (no predicate locks; the snapshot is already `BEGIN`'s), reads the
+    /// transaction's isolation, the sessions' default, and an error of it fails the claim,
+    /// whose transaction is rolled back.
+    async fn statements_on(
+        &self,
+        client: &tokio_postgres::Client,
+    ) -> Result<&Statements, StoreError> {
+        if let Some(sql) = self.table.statements() {
+            return Ok(sql);
+        }
+        let row = client
+            .query_typed_one(table::RESOLVE, &self.table.resolve_params())
+            .await
+            .map_err(unavailable)?;
+        self.settle(&row)
+    }
+
+    /// Takes a row of [`table::RESOLVE`] as the table's resolution; an error while the table
+    /// does not exist (nothing kept, so the next use resolves it again).
+    fn settle(&self, row: &Row) -> Result<&Statements, StoreError> {
+        let resolution = Resolution::read(row)?;
         if !resolution.exists {
             return Err(StoreError::Unavailable(
                 format!(
@@ -752,7 +782,7 @@ impl PostgresStore {
         token: &LeaseToken,
         lease: Duration,
     ) -> Result<(BeginOutcome, Option<Duration>, Option<String>), StoreError> {
-        let sql = self.statements().await?;
+        let sql = self.statements_on(client).await?;
         let params = BeginParams::new(sql, key, fingerprint, token, lease);
         let strict = self.isolation.strict();
         let statement = if strict {
