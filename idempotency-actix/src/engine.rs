@@ -221,29 +221,15 @@ impl Engine {
         result
     }
 
-    /// Passes a request without a key to `service` on a route whose policy lets it through
-    /// (key optional, not transactional): what [`process`](Self::process) would do for it,
-    /// with a future a fraction of the size (no store step can follow).
-    pub(crate) async fn pass_without_key<S, B>(
-        self: Rc<Self>,
-        req: ServiceRequest,
-        service: Rc<S>,
-    ) -> Result<Response<B>, actix_web::Error>
-    where
-        S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = actix_web::Error>
-            + 'static,
-        B: MessageBody + 'static,
-    {
-        let record = RequestRecord::start(&req);
-        claim_without_key(&req, &self);
-        let result = match record.wanted_span() {
-            None => service.call(req).await,
-            // The inner service's `call` (routing, inner layers) runs in the span too.
-            Some(span) => span.in_scope(|| service.call(req)).instrument(span).await,
-        };
-        let result = result.map(with_handler_body);
-        record.finish(&result);
-        result
+    /// Starts a request without a key on a route whose policy lets it through (key
+    /// optional, not transactional): records its outcome and claims it so that layers
+    /// further in leave it alone. The caller passes it to the inner service and
+    /// [`finish`](RequestRecord::finish)es the record it gets back: no store step can
+    /// follow.
+    pub(crate) fn start_without_key(self: &Rc<Self>, req: &ServiceRequest) -> RequestRecord {
+        let record = RequestRecord::start(req);
+        claim_without_key(req, self);
+        record
     }
 
     async fn protect<S, B>(

@@ -7,12 +7,15 @@ use std::task::{Context, Poll};
 
 use actix_web::body::MessageBody;
 use actix_web::dev::{Service, ServiceRequest, ServiceResponse};
-use futures_util::future::{Either, LocalBoxFuture, MapOk, TryFutureExt};
+use futures_util::future::{LocalBoxFuture, MapOk, TryFutureExt};
+use futures_util::ready;
 use pin_project_lite::pin_project;
+use tracing::Instrument;
 
 use crate::built_in_box::built_in_box;
 use crate::engine::{Engine, Response, refuse, with_handler_body};
 use crate::error::IdempotencyError;
+use crate::instrument::RequestRecord;
 use crate::policy::Policy;
 
 mod app;
@@ -27,13 +30,28 @@ type Processing<B> = LocalBoxFuture<'static, Result<Response<B>, actix_web::Erro
 
 pin_project! {
     /// The future of both middleware services' responses. A request the middleware does not
-    /// touch costs no allocation: it is the inner service's own future.
+    /// touch costs no allocation: it is the inner service's own future; nor does a keyless
+    /// request that its route lets through while no subscriber wants its span.
     pub struct IdempotencyFuture<S, B>
     where
         S: Service<ServiceRequest>,
     {
         #[pin]
-        inner: Either<PassThrough<S, B>, Processing<B>>,
+        inner: Inner<S, B>,
+    }
+}
+
+pin_project! {
+    #[project = InnerProjection]
+    enum Inner<S, B>
+    where
+        S: Service<ServiceRequest>,
+    {
+        PassThrough { #[pin] future: PassThrough<S, B> },
+        // The record is taken when the inner service answers; dropped before that (the
+        // client left), it records the outcome as it goes.
+        Keyless { #[pin] future: S::Future, record: Option<RequestRecord> },
+        Processing { future: Processing<B> },
     }
 }
 
@@ -44,14 +62,24 @@ where
     type Output = Result<Response<B>, actix_web::Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.project().inner.poll(cx)
+        match self.project().inner.project() {
+            InnerProjection::PassThrough { future } => future.poll(cx),
+            InnerProjection::Keyless { future, record } => {
+                let result = ready!(future.poll(cx));
+                if let Some(record) = record.take() {
+                    record.finish(&result);
+                }
+                Poll::Ready(result.map(with_handler_body))
+            }
+            InnerProjection::Processing { future } => future.as_mut().poll(cx),
+        }
     }
 }
 
 impl<S: Service<ServiceRequest>, B> IdempotencyFuture<S, B> {
     pub(super) fn processing(future: Processing<B>) -> Self {
         Self {
-            inner: Either::Right(future),
+            inner: Inner::Processing { future },
         }
     }
 }
@@ -79,11 +107,11 @@ where
     S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = actix_web::Error>,
 {
     IdempotencyFuture {
-        inner: Either::Left(
-            service
+        inner: Inner::PassThrough {
+            future: service
                 .call(req)
                 .map_ok(with_handler_body as fn(ServiceResponse<B>) -> Response<B>),
-        ),
+        },
     }
 }
 
@@ -114,9 +142,21 @@ where
 {
     let keyed = req.headers().contains_key(&engine.settings.header);
     if !keyed && !policy.required && !policy.transactional {
-        return IdempotencyFuture::processing(built_in_box(move || {
-            engine.pass_without_key(req, service)
-        }));
+        let record = engine.start_without_key(&req);
+        return match record.wanted_span() {
+            None => IdempotencyFuture {
+                inner: Inner::Keyless {
+                    future: service.call(req),
+                    record: Some(record),
+                },
+            },
+            // The inner service's `call` (routing, inner layers) runs in the span too.
+            Some(span) => IdempotencyFuture::processing(Box::pin(async move {
+                let result = span.in_scope(|| service.call(req)).instrument(span).await;
+                record.finish(&result);
+                result.map(with_handler_body)
+            })),
+        };
     }
     IdempotencyFuture::processing(built_in_box(move || engine.process(policy, req, service)))
 }
