@@ -192,9 +192,19 @@ impl Idempotency {
 
     /// The prefix of every storage key (default `idempotency:`): separates apps, or tests,
     /// that share one Redis.
+    ///
+    /// # Panics
+    ///
+    /// On a [`MemoryStore`] whose shard share (its budget over its shards) cannot hold one
+    /// in-flight record under a key with this prefix: the store would refuse every new key
+    /// (503). The store's builder checks the share against prefixes of up to 64 bytes; a
+    /// longer prefix may need a larger budget or fewer shards.
     #[must_use]
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.settings.prefix = prefix.into();
+        if let Some(memory) = self.store.as_any().downcast_ref::<MemoryStore>() {
+            memory.check_key_prefix(&self.settings.prefix);
+        }
         self
     }
 

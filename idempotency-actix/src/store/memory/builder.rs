@@ -97,7 +97,9 @@ impl MemoryStoreBuilder {
     ///
     /// If a shard's share of the budget cannot hold even one in-flight record (about 1.2 KB:
     /// a budget that small, or that many shards, is a configuration mistake): such a store
-    /// would refuse every new key.
+    /// would refuse every new key. The share is checked for a key prefix of up to 64 bytes;
+    /// [`Idempotency::key_prefix`](crate::Idempotency::key_prefix) checks a longer one
+    /// against the store it is set on.
     pub fn build(self) -> MemoryStore {
         self.check();
         MemoryStore::from_settings(self)

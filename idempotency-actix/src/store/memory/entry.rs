@@ -74,8 +74,16 @@ const ENTRY_OVERHEAD: usize =
 
 /// The least budget a shard can work with: its in-flight half holds one in-flight record
 /// under a storage key of 64 hex digits after a prefix of up to 64 bytes. A smaller shard
-/// would refuse every new key, empty as it is.
-pub(super) const MIN_SHARD_BUDGET: usize = 2 * (ENTRY_OVERHEAD + 64 + 64 + 32);
+/// would refuse every new key, empty as it is; a longer prefix needs
+/// [`least_shard_budget`].
+pub(super) const MIN_SHARD_BUDGET: usize = least_shard_budget(64);
+
+/// The least budget a shard can work with under keys after a prefix of `prefix_len` bytes:
+/// its in-flight half holds one in-flight record under such a key (the prefix, 64 hex
+/// digits) held by a lease token (32 digits).
+pub(super) const fn least_shard_budget(prefix_len: usize) -> usize {
+    2 * (ENTRY_OVERHEAD + prefix_len + 64 + 32)
+}
 
 /// The bytes an in-flight record under `key` held by `token` is charged.
 pub(super) fn in_flight_bytes(key: &str, token: &LeaseToken) -> usize {

@@ -154,6 +154,25 @@ impl MemoryStore {
         self.inner.evictions.total()
     }
 
+    /// Panics if a shard's share of the budget cannot hold one in-flight record under a
+    /// key after `prefix`: with that prefix the store would refuse every new key (503),
+    /// empty as it is. The builder checks the share against prefixes of up to 64 bytes;
+    /// [`Idempotency::key_prefix`](crate::Idempotency::key_prefix) calls this for longer ones.
+    pub(crate) fn check_key_prefix(&self, prefix: &str) {
+        let share = self.inner.max_bytes / self.inner.shards.len();
+        let least = entry::least_shard_budget(prefix.len());
+        assert!(
+            share >= least,
+            "Idempotency::key_prefix: under a key prefix of {} bytes, a memory store shard \
+             needs at least {least} bytes to hold one in-flight record, but its share is \
+             {share} of {} bytes in {} shards, so every new key would be refused: shorten \
+             the prefix, raise max_bytes or lower shards",
+            prefix.len(),
+            self.inner.max_bytes,
+            self.inner.shards.len()
+        );
+    }
+
     fn shards(&self) -> impl Iterator<Item = MutexGuard<'_, Shard>> {
         self.inner.shards.iter().map(lock)
     }
