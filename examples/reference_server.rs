@@ -25,11 +25,13 @@
 //!   the middleware's other variables are then ignored, as the start-up line says (a
 //!   malformed value is still refused).
 //! * `IDEMPOTENCY_METHODS`: e.g. `POST,PATCH`; also protect untagged routes of those methods.
+//!   An empty entry (`,`, `POST,`) is refused: a typo must not leave routes unprotected.
 //!   Not `POST` with `DATABASE_URL`: the app-level layer would claim the transactional
 //!   `POST /ledger` before routing, outside its transaction, and every one would answer 500.
 //! * `IDEMPOTENCY_PREFIX` [`idempotency:`]: prefix of every storage key, so apps or test runs
 //!   sharing one Redis stay apart.
-//! * `WORKERS` [one per core]: the number of Actix workers, 1 to 512 (Actix runs no more).
+//! * `WORKERS` [one per core]: the number of Actix workers, 1 to 512 (Actix runs no more), in
+//!   digits (`+2` is refused, as `IDEMPOTENCY_REPLICAS=+1` is).
 //! * `LOG_LEVEL` [`warn`]: `off`, `error`, `warn`, `info`, `debug` or `trace`; the least
 //!   severe level of the log on stderr: the middleware's `tracing` events (store errors,
 //!   fail-open, lost records, misconfiguration; `debug` adds each request's outcome) and

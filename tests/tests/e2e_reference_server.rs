@@ -933,6 +933,26 @@ fn invalid_configuration_is_refused_with_a_clear_message() {
     }
 }
 
+/// A count with a sign is refused as a malformed number, as one in words is; an
+/// `IDEMPOTENCY_METHODS` with an empty entry (`,`, a trailing or doubled comma) is refused
+/// rather than read as fewer methods, or none: a typo must not turn protection off.
+#[test]
+fn a_signed_count_and_an_empty_method_entry_are_refused() {
+    for (variable, value, expected) in [
+        ("WORKERS", "abc", "a number of workers"),
+        ("WORKERS", "+2", "a number of workers"),
+        ("IDEMPOTENCY_METHODS", ",", "no empty entries"),
+        ("IDEMPOTENCY_METHODS", "POST,", "no empty entries"),
+        ("IDEMPOTENCY_METHODS", "POST,,PUT", "no empty entries"),
+    ] {
+        let (code, stderr) = exit_of(&[(variable, value)]);
+        assert_eq!(code, Some(2), "{variable}={value:?}: {stderr}");
+        let refusal = format!("invalid {variable}={value:?}: expected ");
+        assert!(stderr.contains(&refusal), "{variable}={value:?}: {stderr}");
+        assert!(stderr.contains(expected), "{variable}={value:?}: {stderr}");
+    }
+}
+
 /// The in-memory store answers replays from the process already: a replay cache in front of
 /// it would do nothing, so asking for one is refused.
 #[test]

@@ -23,11 +23,11 @@ pub const MAX_WORKERS: usize = 512;
 /// | `REDIS_URL` | Redis store through a bb8 pool | unset: in-memory store |
 /// | `DATABASE_URL` | PostgreSQL store (schema migrated at start) and the `/ledger` routes | unset |
 /// | `REDIS_CLUSTER_URLS` | comma-separated seed node URLs: Redis Cluster store (not with `REDIS_URL`) | unset |
-/// | `IDEMPOTENCY_REPLICAS` | N: replicated writes, each write waits for N replicas (strict, 500 ms); needs a Redis store | unset: off |
+/// | `IDEMPOTENCY_REPLICAS` | N, in digits: replicated writes, each write waits for N replicas (strict, 500 ms); needs a Redis store | unset: off |
 /// | `IDEMPOTENCY` | `on`, or `off` for no middleware at all (the benchmark baseline; the middleware's other variables are then ignored, though a malformed value is still refused) | `on` |
-/// | `IDEMPOTENCY_METHODS` | comma-separated methods whose untagged routes are protected too, e.g. `POST,PATCH`; not `POST` with `DATABASE_URL` (it would claim the transactional `POST /ledger` outside its transaction) | none |
+/// | `IDEMPOTENCY_METHODS` | comma-separated methods whose untagged routes are protected too, e.g. `POST,PATCH`, with no empty entry (`,`, `POST,`); not `POST` with `DATABASE_URL` (it would claim the transactional `POST /ledger` outside its transaction) | none |
 /// | `IDEMPOTENCY_PREFIX` | prefix of every storage key, to keep apps or test runs apart on one Redis | the crate's (`idempotency:`) |
-/// | `WORKERS` | number of Actix workers, 1 to 512 ([`MAX_WORKERS`]) | Actix's default (one per core) |
+/// | `WORKERS` | number of Actix workers, 1 to 512 ([`MAX_WORKERS`]), in digits (not `+2`) | Actix's default (one per core) |
 /// | `LOG_LEVEL` | the least severe level of the log on stderr: `off`, `error`, `warn`, `info`, `debug` or `trace` | `warn` |
 /// | `REPLAY_CACHE` | `on`: answer replays from an in-process [`ReplayCache`](idempotency_actix::ReplayCache) of 64 MiB; needs a store variable (the in-memory store needs no cache) | `off` |
 ///
@@ -257,9 +257,8 @@ impl ServerConfig {
         const REPLICAS: &str =
             "a positive number of replicas, with REDIS_URL or REDIS_CLUSTER_URLS";
         if let Some(value) = var("IDEMPOTENCY_REPLICAS", REPLICAS)? {
-            let replicas = value
-                .parse()
-                .map_err(|_| invalid("IDEMPOTENCY_REPLICAS", &value, REPLICAS))?;
+            let replicas = parse_count(&value)
+                .ok_or_else(|| invalid("IDEMPOTENCY_REPLICAS", &value, REPLICAS))?;
             let redis = config.redis_url.is_some() || config.redis_cluster_urls.is_some();
             if config.idempotency && !redis {
                 return Err(invalid("IDEMPOTENCY_REPLICAS", &value, REPLICAS));
@@ -288,11 +287,19 @@ impl ServerConfig {
             PROTECTABLE_METHODS.map(|m| m.to_string()).join(", ")
         );
         if let Some(value) = var("IDEMPOTENCY_METHODS", &methods_expected)? {
-            for name in value
-                .split(',')
-                .map(str::trim)
-                .filter(|name| !name.is_empty())
-            {
+            for name in value.split(',').map(str::trim) {
+                // `,` or `POST,,PUT` is a typo, and one that can turn protection off: refused
+                // rather than read as fewer methods.
+                if name.is_empty() {
+                    return Err(invalid(
+                        "IDEMPOTENCY_METHODS",
+                        &value,
+                        &format!(
+                            "{methods_expected}, with no empty entries (leave it unset to \
+                             protect no untagged route)"
+                        ),
+                    ));
+                }
                 let method = PROTECTABLE_METHODS
                     .iter()
                     .find(|method| method.as_str().eq_ignore_ascii_case(name))
@@ -339,9 +346,8 @@ impl ServerConfig {
 
         const COUNT: &str = "a number of workers from 1 to 512";
         if let Some(value) = var("WORKERS", COUNT)? {
-            let workers: NonZeroUsize = value
-                .parse()
-                .map_err(|_| invalid("WORKERS", &value, COUNT))?;
+            let workers: NonZeroUsize =
+                parse_count(&value).ok_or_else(|| invalid("WORKERS", &value, COUNT))?;
             // Actix panics at start on more (`HttpServer::workers`).
             if workers.get() > MAX_WORKERS {
                 return Err(invalid("WORKERS", &value, COUNT));
@@ -350,6 +356,13 @@ impl ServerConfig {
         }
         Ok(config)
     }
+}
+
+/// A count written in decimal digits alone: `str::parse` also takes a leading `+`, which
+/// is more likely a mistake than a way to write a number here.
+fn parse_count<T: std::str::FromStr>(value: &str) -> Option<T> {
+    let digits = !value.is_empty() && value.bytes().all(|byte| byte.is_ascii_digit());
+    digits.then(|| value.parse().ok()).flatten()
 }
 
 /// Whether `BIND` has the form of an address to listen on: an IP address and port
@@ -489,7 +502,7 @@ mod tests {
         assert_eq!(both.variable, "REDIS_CLUSTER_URLS");
         let memory = parse(&[("IDEMPOTENCY_REPLICAS", "1")]).expect_err("no Redis");
         assert_eq!(memory.variable, "IDEMPOTENCY_REPLICAS");
-        for value in ["0", "-1", "one"] {
+        for value in ["0", "-1", "+1", "one"] {
             let error = parse(&[
                 ("REDIS_URL", "redis://127.0.0.1:6379"),
                 ("IDEMPOTENCY_REPLICAS", value),
@@ -581,8 +594,13 @@ mod tests {
             ("REPLAY_CACHE", "yes"),
             ("IDEMPOTENCY_METHODS", "POST,GET"),
             ("IDEMPOTENCY_METHODS", "PSOT"),
+            ("IDEMPOTENCY_METHODS", ","),
+            ("IDEMPOTENCY_METHODS", "POST,"),
+            ("IDEMPOTENCY_METHODS", "POST,,PUT"),
             ("WORKERS", "0"),
             ("WORKERS", "two"),
+            ("WORKERS", "+2"),
+            ("WORKERS", "2 2"),
             ("WORKERS", "513"),
             ("WORKERS", "99999999999"),
             ("LOG_LEVEL", "3"),
