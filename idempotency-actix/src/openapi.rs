@@ -17,12 +17,21 @@ use crate::protected_route::ProtectedRoute;
 /// The name of the RFC 9457 problem schema added to the spec's components.
 pub const PROBLEM_SCHEMA: &str = "IdempotencyProblem";
 
-/// The syntax of a key, as a regular expression: the bare form (visible ASCII but `"`, `,`
-/// and `;`, which end a bare key) or the IETF draft's sf-string form (printable ASCII in
-/// quotes, `\"` and `\\` escaped, not spaces alone). Every value it matches whose key is 1
-/// to 255 characters long is accepted, and every value it does not match is refused, but a
-/// quoted key followed by RFC 8941 parameters, which the middleware accepts and ignores.
-pub const KEY_PATTERN: &str = r#"^(?:[!#-+\x2D-:<-~]+|"(?: *(?:[!#-\[\]-~]|\\["\\]))+ *")$"#;
+/// The syntax of a key, as a regular expression (in the common subset of ECMA-262, which
+/// OpenAPI names, and Rust's `regex`): the bare form (visible ASCII but `"`, `,` and `;`,
+/// which end a bare key) or the IETF draft's sf-string form (printable ASCII in quotes, `\"`
+/// and `\\` escaped, not spaces alone), which RFC 8941 parameters may follow (`"abc";v=1`,
+/// accepted and ignored; not after a bare key). Every value it matches whose key is 1 to 255
+/// characters long is accepted, and every value it does not match is refused.
+pub const KEY_PATTERN: &str = concat!(
+    r#"^(?:[!#-+\x2D-:<-~]+|"(?: *(?:[!#-\[\]-~]|\\["\\]))+ *""#,
+    // Parameters (RFC 8941 §3.1.2): `;`, spaces, a lowercase name, and an optional value.
+    r#"(?:; *[a-z*][a-z0-9_.*\x2D]*(?:=(?:"#,
+    // The value: a string, a boolean, a byte sequence, a token, an integer or a decimal.
+    r#""(?:[ !#-\[\]-~]|\\["\\])*"|\?[01]|:[A-Za-z0-9+/=]*:"#,
+    r#"|[A-Za-z*][!#-'*+\x2D-:A-Z^-z|~]*|-?[0-9]{1,15}|-?[0-9]{1,12}\.[0-9]{1,3}"#,
+    r#"))?)*)$"#,
+);
 
 /// A [`utoipa::Modify`] that documents protected routes in a utoipa-generated spec.
 ///
@@ -35,8 +44,9 @@ pub const KEY_PATTERN: &str = r#"^(?:[!#-+\x2D-:<-~]+|"(?: *(?:[!#-\[\]-~]|\\["\
 /// Each operation documented gets:
 ///
 /// * the `Idempotency-Key` header parameter, required if the route requires a key, with
-///   its syntax ([`KEY_PATTERN`]) and the longest value that can hold a key of 255
-///   characters (512: quoted, every character escaped);
+///   its syntax ([`KEY_PATTERN`]: the bare form, or the quoted form with optional
+///   parameters) and the longest value that can hold a key of 255 characters (512: quoted,
+///   every character escaped; parameters count against it);
 /// * the problem responses 400, 409 (with `Retry-After`), 413, 422, 500 (the handler
 ///   panicked; its key was released) and 503 (with `Retry-After`),
 ///   `application/problem+json` with the [`PROBLEM_SCHEMA`] schema (RFC
@@ -353,7 +363,8 @@ fn key_parameter(header: &str, required: bool) -> Parameter {
             "A key chosen by the client (a random UUID is best) that makes retries of this \
              request safe: the first request with a key runs, every retry with the same key \
              and the same request gets the stored response back. The IETF draft's \
-             sf-string form (`\"abc\"`) or the bare form (`abc`); 1 to {MAX_KEY_LENGTH} \
+             sf-string form (`\"abc\"`), which RFC 8941 parameters may follow and are \
+             ignored (`\"abc\";v=1`), or the bare form (`abc`); 1 to {MAX_KEY_LENGTH} \
              printable ASCII characters. A key belongs to one request: sent again with \
              another method, path, query or body it gets 422."
         )))
@@ -428,19 +439,39 @@ mod tests {
             .is_some_and(|parameters| parameters.iter().any(|p| p.name == "Idempotency-Key"))
     }
 
-    /// The documented syntax and the parser agree on every short value: a client generated
-    /// from the spec sends no key the middleware refuses, and refuses none it accepts but
-    /// a quoted key's parameters. `"   "` matched and was refused (an empty key), before
-    /// the pattern required more than spaces in quotes (helper review).
-    #[test]
-    fn the_key_pattern_accepts_exactly_what_the_parser_accepts() {
+    /// Whether [`KEY_PATTERN`] matches `value` exactly when the parser accepts it.
+    fn pattern_agrees(value: &str) -> bool {
+        let pattern = regex_lite::Regex::new(KEY_PATTERN).unwrap();
+        pattern.is_match(value) == crate::IdempotencyKey::parse(value.as_bytes()).is_ok()
+    }
+
+    /// Runs `values` through [`pattern_agrees`], 4096 cases from a fixed seed.
+    fn assert_pattern_agrees_on(values: impl proptest::strategy::Strategy<Value = String>) {
         use proptest::prelude::*;
         use proptest::test_runner::{Config, RngSeed, TestRunner};
 
-        let pattern = regex_lite::Regex::new(KEY_PATTERN).unwrap();
-        let agrees = |value: &str| {
-            pattern.is_match(value) == crate::IdempotencyKey::parse(value.as_bytes()).is_ok()
+        let config = Config {
+            cases: 4096,
+            rng_seed: RngSeed::Fixed(0x0a91_2026),
+            failure_persistence: None,
+            ..Config::default()
         };
+        TestRunner::new(config)
+            .run(&values, |value| {
+                prop_assert!(pattern_agrees(&value), "{:?}", value);
+                Ok(())
+            })
+            .unwrap();
+    }
+
+    /// The documented syntax and the parser agree on every short value: a client generated
+    /// from the spec sends no key the middleware refuses, and refuses none it accepts.
+    /// `"   "` matched and was refused (an empty key), before the pattern required more
+    /// than spaces in quotes (helper review).
+    #[test]
+    fn the_key_pattern_accepts_exactly_what_the_parser_accepts() {
+        use proptest::prelude::*;
+
         for value in [
             "abc",
             "\"abc\"",
@@ -455,24 +486,58 @@ mod tests {
             "\"a\"b",
             "\"a\\b\"",
         ] {
-            assert!(agrees(value), "{value:?}");
+            assert!(pattern_agrees(value), "{value:?}");
         }
         // Printable ASCII, bare or in quotes; no leading or trailing whitespace, which HTTP
-        // strips from a header value, and no `;` after a closing quote (parameters).
-        let values = prop_oneof!["[!-~]([ -~]{0,6}[!-~])?", "\"[ -~]{0,8}\""]
-            .prop_filter("parameters", |value: &String| !value.contains("\";"));
-        let config = Config {
-            cases: 4096,
-            rng_seed: RngSeed::Fixed(0x0a91_2026),
-            failure_persistence: None,
-            ..Config::default()
-        };
-        TestRunner::new(config)
-            .run(&values, |value| {
-                prop_assert!(agrees(&value), "{:?}", value);
-                Ok(())
-            })
-            .unwrap();
+        // strips from a header value.
+        assert_pattern_agrees_on(prop_oneof![
+            "[!-~]([ -~]{0,6}[!-~])?",
+            "\"[ -~]{0,8}\"",
+            "\"[ -~]{0,4}\";[ -~]{0,6}[!-~]",
+        ]);
+    }
+
+    /// RFC 8941 parameters after a quoted key, which the middleware accepts and ignores,
+    /// match the pattern, and malformed ones do not: `"abc";p=1` did not match (helper
+    /// review), so a client validating against the spec refused a key the middleware takes.
+    #[test]
+    fn the_key_pattern_takes_the_parameters_the_parser_takes() {
+        let pattern = regex_lite::Regex::new(KEY_PATTERN).unwrap();
+        for value in [
+            r#""abc";p=1"#,
+            r#""abc";p"#,
+            r#""abc"; p=1;q"#,
+            r#""abc";v="x \" y";n=-1.5;t=tok/en:x;b=:aGk=:;f=?1;*s-t.u_v*=*w"#,
+            r#""abc";n=123456789012345;d=123456789012.123"#,
+        ] {
+            assert!(pattern.is_match(value), "{value:?}");
+            assert!(pattern_agrees(value), "{value:?}");
+        }
+        for value in [
+            "abc;p=1",
+            r#""abc";"#,
+            r#""abc";p="#,
+            r#""abc" ;p=1"#,
+            r#""abc";P=1"#,
+            r#""abc";1p"#,
+            r#""abc";p=1.2345"#,
+            r#""abc";p=1."#,
+            r#""abc";p=1234567890123456"#,
+            r#""abc";p=1234567890123.5"#,
+            r#""abc";p=?2"#,
+            r#""abc";p=:aGk="#,
+            r#""abc";p="x"#,
+            r#""abc";p=a"b"#,
+            r#""abc";p=1,"b""#,
+        ] {
+            assert!(!pattern.is_match(value), "{value:?}");
+            assert!(pattern_agrees(value), "{value:?}");
+        }
+        // Near-misses of every kind of value: names, spaces, signs, digits, separators.
+        assert_pattern_agrees_on(
+            "\"[a-z]{1,3}\"(;[ ]{0,1}[a-z*A][a-z0-9_.*-]{0,2}(=(\"[ -~]{0,3}\"?|\\?[0-2]\
+             |:[A-Za-z0-9+/=]{0,3}:?|[A-Za-z*][!-~]{0,3}|-?[0-9]{0,16}(\\.[0-9]{0,4})?))?){1,3}",
+        );
     }
 
     #[test]
