@@ -885,13 +885,32 @@ impl Engine {
         });
     }
 
+    /// Gives the key back: deletes the in-flight record of `token` (compare-and-delete),
+    /// bounded by the store timeout. It runs to its end even if whoever awaits it stops
+    /// waiting (the client left, and Actix dropped the request's future): cut short, it would
+    /// leave the key answering 409 for a whole lease with no handler running. It counts as
+    /// work in progress until it is done, so that a drain waits for it too.
     async fn release(&self, storage_key: &StorageKey, token: &LeaseToken) {
-        let released = self.bounded(
-            StoreOperation::Release,
-            self.store.release(storage_key, token),
-        );
-        if let Err(error) = released.await {
-            tracing::error!(%error, "idempotency: release failed; the key frees itself when its lease expires");
+        let store = Rc::clone(&self.store);
+        let (key, token) = (storage_key.clone(), *token);
+        let timeout = self.settings.store_timeout;
+        let in_progress = InProgress::start();
+        let release = RunToCompletion::new(move || async move {
+            let released = within(
+                StoreOperation::Release,
+                timeout,
+                store.release(&key, &token),
+            );
+            if let Err(error) = released.await {
+                tracing::error!(%error, "idempotency: release failed; the key frees itself when its lease expires");
+            }
+            drop(in_progress);
+        });
+        if let Err(panic) = release.await {
+            tracing::error!(
+                panic = panic_message(panic.as_ref()),
+                "idempotency: the store panicked in a release; the key frees itself when its lease expires"
+            );
         }
     }
 }

@@ -10,6 +10,8 @@ use idempotency_actix::{
     StoredResponse,
 };
 
+use crate::RunCounter;
+
 /// The memory store, with faults: its `begin` answers only after `delay`, as a Redis under
 /// `DEBUG SLEEP` does, its `commit` only after `commit_delay`; a `begin` or `commit` that ran
 /// may answer only `begin_reply_delay` or `commit_reply_delay` later (a reply stuck behind a
@@ -17,7 +19,8 @@ use idempotency_actix::{
 /// next `failed_renewals`
 /// renewals fail as a store that times out does, and its next `failed_commits` commits fail
 /// as a store that refuses them does (a Redis at its memory limit that still takes a small
-/// in-flight record). Clones share the store and the counts.
+/// in-flight record); each `release` is counted in `releases` as it is sent and reaches
+/// `inner` only after `release_delay`. Clones share the store and the counts.
 #[derive(Clone, Default)]
 pub struct FaultyStore {
     /// The store behind the faults.
@@ -36,6 +39,10 @@ pub struct FaultyStore {
     pub failed_renewals: Arc<AtomicU32>,
     /// How many commits are still to fail (`u32::MAX`: until the test sets it to 0).
     pub failed_commits: Arc<AtomicU32>,
+    /// How long each `release` waits before it reaches `inner`.
+    pub release_delay: Duration,
+    /// The `release`s sent, counted as they are sent (before `release_delay`).
+    pub releases: RunCounter,
 }
 
 /// Takes one from `left` unless it is 0: whether this call is to fail.
@@ -94,6 +101,8 @@ impl IdempotencyStore for FaultyStore {
     }
 
     async fn release(&self, key: &StorageKey, token: &LeaseToken) -> Result<bool, StoreError> {
+        self.releases.record();
+        actix_rt::time::sleep(self.release_delay).await;
         self.inner.release(key, token).await
     }
 
