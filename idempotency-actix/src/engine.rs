@@ -62,7 +62,9 @@ pub enum FailMode {
     /// that cannot be protected is not taken).
     #[default]
     Closed,
-    /// Run the handler without protection and log a warning.
+    /// Run the handler without protection and log a warning; but a retry that waited for
+    /// its key's run (`wait_for_completion`), and so knows that another request holds the
+    /// key, gets 409 instead: it never runs the handler beside that one.
     Open,
 }
 
@@ -518,6 +520,7 @@ impl Engine {
             .wait_for_completion
             .map(|bound| Instant::now() + bound);
         let mut pause = Duration::from_millis(20);
+        let mut waited = false;
         loop {
             // The store starts the lease, and reports how long a completed record has left,
             // as of some moment of the round trip: counted from its start, renewals are
@@ -540,7 +543,11 @@ impl Engine {
                     armed.set(false);
                     actix_rt::time::sleep(wait).await;
                     armed.set(true);
+                    waited = true;
                     pause = (pause * 2).min(Duration::from_millis(250));
+                }
+                (Err(error), _) if waited => {
+                    return self.failed_while_waiting(error, storage_key, token, policy);
                 }
                 (Ok((BeginOutcome::Completed(response), Some(remaining))), _) => {
                     if let Some(cache) = cache {
@@ -552,6 +559,33 @@ impl Engine {
                 (begun, _) => return begun.map(|(outcome, _)| outcome),
             }
         }
+    }
+
+    /// What a `begin` that failed after the request waited for its key's run comes to.
+    ///
+    /// The request knows that another one holds its key. Failing open here would run the
+    /// handler unprotected beside that run (a second charge), which a request that did not
+    /// wait would never do: it got 409 at its first `begin`. So on an app that fails open it
+    /// gets that 409 (its token abandoned in the background, as the `begin` may still
+    /// land); failing closed, the 503 of a failed store, as ever.
+    pub(crate) fn failed_while_waiting(
+        &self,
+        error: StoreError,
+        storage_key: &StorageKey,
+        token: &LeaseToken,
+        policy: &Policy,
+    ) -> Result<BeginOutcome, StoreError> {
+        if self.settings.fail_mode != FailMode::Open {
+            return Err(error);
+        }
+        tracing::warn!(
+            %error,
+            "idempotency store failed while a retry waited for its key's run; answering 409 instead of running the handler beside it (fail-open)"
+        );
+        if !matches!(error, StoreError::Refused(_)) {
+            self.abandon_token_in_background(storage_key, *token, policy.lease, policy.ttl);
+        }
+        Ok(BeginOutcome::InFlight)
     }
 
     /// After a panic the run's own catch did not see: nothing was committed, so the key is
@@ -845,15 +879,28 @@ impl Engine {
     /// another record holds the key: the late `begin` could only land once it is gone, so
     /// the abandon is tried again.
     fn abandon_in_background(&self, pending: &PendingBegin) {
+        let (key, token) = (&pending.storage_key, pending.token);
+        self.abandon_token_in_background(key, token, pending.lease, pending.remember_for);
+    }
+
+    /// Abandons `token` of `key` in the background (see
+    /// [`abandon_in_background`](Self::abandon_in_background)), for at most `lease`; the store
+    /// remembers it for `remember_for`.
+    fn abandon_token_in_background(
+        &self,
+        key: &StorageKey,
+        token: LeaseToken,
+        lease: Duration,
+        remember_for: Duration,
+    ) {
         let store = Rc::clone(&self.store);
-        let (key, token) = (pending.storage_key.clone(), pending.token);
-        let remember_for = pending.remember_for;
+        let key = key.clone();
         let operation = move || {
             let (store, key, token) = (Rc::clone(&store), key.clone(), token);
             async move { store.abandon(&key, &token, remember_for).await }
         };
         let timeout = self.settings.store_timeout;
-        let deadline = Instant::now() + pending.lease;
+        let deadline = Instant::now() + lease;
         // Not counted as work in progress for a drain: it may retry for a whole lease while
         // another record holds the key, and a late `begin` it failed to cover only locks
         // the key for a lease, with no handler run.

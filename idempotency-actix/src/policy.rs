@@ -243,7 +243,9 @@ impl IdempotencyPolicy {
     }
 
     /// A retry that finds its key in flight waits up to `bound` for the first request to
-    /// finish and replays its response (409 if it is still running then).
+    /// finish and replays its response (409 if it is still running then). A store failure
+    /// while it waits answers 503, or with [`FailMode::Open`](crate::FailMode::Open) 409:
+    /// never an unprotected run beside the first.
     ///
     /// # Panics
     ///

@@ -225,6 +225,7 @@ impl Engine {
             .wait_for_completion
             .map(|bound| Instant::now() + bound);
         let mut pause = Duration::from_millis(20);
+        let mut waited = false;
         loop {
             let claim = store.claim_in_transaction(storage_key, fingerprint, token, policy.lease);
             let claimed = self.bounded(StoreOperation::Begin, claim).await;
@@ -238,7 +239,12 @@ impl Engine {
                     armed.set(false);
                     actix_rt::time::sleep(wait).await;
                     armed.set(true);
+                    waited = true;
                     pause = (pause * 2).min(Duration::from_millis(250));
+                }
+                (Err(error), _) if waited => {
+                    let answer = self.failed_while_waiting(error, storage_key, token, policy);
+                    return (answer, None);
                 }
                 (Ok((outcome, transaction)), _) => return (Ok(outcome), transaction),
                 (Err(error), _) => return (Err(error), None),

@@ -12,19 +12,24 @@ use idempotency_actix::{
 
 use crate::RunCounter;
 
-/// The memory store, with faults: its `begin` answers only after `delay`, as a Redis under
-/// `DEBUG SLEEP` does, its `commit` only after `commit_delay`; a `begin` or `commit` that ran
-/// may answer only `begin_reply_delay` or `commit_reply_delay` later (a reply stuck behind a
-/// large one), and a renewal may reach the store only `renew_delay` after it was sent; its
-/// next `failed_renewals`
-/// renewals fail as a store that times out does, and its next `failed_commits` commits fail
-/// as a store that refuses them does (a Redis at its memory limit that still takes a small
-/// in-flight record); each `release` is counted in `releases` as it is sent and reaches
-/// `inner` only after `release_delay`. Clones share the store and the counts.
+/// The memory store, with faults: its `begin`s are counted in `begins` as they are sent, its
+/// next `failed_begins` fail as a store that times out does, and each answers only after
+/// `delay`, as a Redis under `DEBUG SLEEP` does; its `commit` only after `commit_delay`; a
+/// `begin` or `commit` that ran may answer only `begin_reply_delay` or `commit_reply_delay`
+/// later (a reply stuck behind a large one), and a renewal may reach the store only
+/// `renew_delay` after it was sent; its next `failed_renewals` renewals fail as a store that
+/// times out does, and its next `failed_commits` commits fail as a store that refuses them
+/// does (a Redis at its memory limit that still takes a small in-flight record); each
+/// `release` is counted in `releases` as it is sent and reaches `inner` only after
+/// `release_delay`. Clones share the store and the counts.
 #[derive(Clone, Default)]
 pub struct FaultyStore {
     /// The store behind the faults.
     pub inner: MemoryStore,
+    /// The `begin`s sent, counted as they are sent.
+    pub begins: RunCounter,
+    /// How many `begin`s are still to fail.
+    pub failed_begins: Arc<AtomicU32>,
     /// How long each `begin` waits before it reaches `inner`.
     pub delay: Duration,
     /// How long each `commit` waits before it reaches `inner`.
@@ -61,6 +66,10 @@ impl IdempotencyStore for FaultyStore {
         token: &LeaseToken,
         lease: Duration,
     ) -> Result<BeginOutcome, StoreError> {
+        self.begins.record();
+        if fails(&self.failed_begins) {
+            return Err(StoreError::Timeout(Duration::from_secs(2)));
+        }
         actix_rt::time::sleep(self.delay).await;
         let begun = self.inner.begin(key, fingerprint, token, lease).await;
         actix_rt::time::sleep(self.begin_reply_delay).await;

@@ -16,7 +16,8 @@ use idempotency_actix::{
     StoredResponse,
 };
 use idempotency_actix_tests::{
-    Gate, PrivateRedis, RawExchange, RunCounter, redis_pool, reset, unique_prefix,
+    FaultyStore, Gate, GatedRoutes, PrivateRedis, RawExchange, RunCounter, redis_pool, reset,
+    unique_prefix,
 };
 
 #[derive(serde::Deserialize)]
@@ -359,6 +360,62 @@ async fn a_waiting_retry_asks_once_more_at_its_bound() {
     );
     assert!(waiting.replayed);
     assert_eq!(runs, 1);
+}
+
+/// A retry that waits for its key's run on an app that fails open, whose next `begin` fails
+/// (a store timeout) while the first request still runs: it knows that the first holds the
+/// key, so it gets the 409 it would have had without waiting. It used to run the handler
+/// unprotected beside the first (a second charge).
+#[actix_web::test]
+async fn a_waiting_retry_does_not_fail_open_beside_the_first_request() {
+    let store = FaultyStore::default();
+    let routes = GatedRoutes::default();
+    let (runs, gate) = (routes.work_runs.clone(), routes.gate.clone());
+    let server = actix_test::start({
+        let store = store.clone();
+        move || {
+            let waiting = IdempotencyPolicy::default().wait_for_completion(Duration::from_secs(10));
+            App::new()
+                .wrap(
+                    Idempotency::new(store.clone())
+                        .on_store_error(FailMode::Open)
+                        .policy(waiting)
+                        .scope(KeyScope::global()),
+                )
+                .configure(routes.configure())
+        }
+    });
+    let client = awc::Client::default();
+    let url = server.url("/work");
+    let first = post(&client, &url, "k");
+    let retry = async {
+        runs.wait_for(1).await;
+        post(&client, &url, "k").await
+    };
+    let store_fails = async {
+        // The first request's `begin`, then the retry's, which finds the key in flight: the
+        // retry's next one fails. The first request goes on once it has.
+        store.begins.wait_for(2).await;
+        store
+            .failed_begins
+            .store(1, std::sync::atomic::Ordering::SeqCst);
+        store.begins.wait_for(3).await;
+        gate.open();
+    };
+    let (first, retry, ()) = futures_util::future::join3(first, retry, store_fails).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(first.body, "work 1");
+    assert_eq!(retry.status, StatusCode::CONFLICT, "{:?}", retry.body);
+    assert_eq!(retry.retry_after.as_deref(), Some("1"));
+    assert_eq!(
+        runs.get(),
+        1,
+        "the waiting retry ran the handler beside the first"
+    );
+    let later = post(&client, &url, "k").await;
+    assert!(later.replayed);
+    assert_eq!(later.body, "work 1");
+    assert_eq!(runs.get(), 1);
 }
 
 /// How a client leaves while its handler runs.
