@@ -243,9 +243,11 @@ impl IdempotencyPolicy {
     }
 
     /// A retry that finds its key in flight waits up to `bound` for the first request to
-    /// finish and replays its response (409 if it is still running then). A store failure
-    /// while it waits answers 503, or with [`FailMode::Open`](crate::FailMode::Open) 409:
-    /// never an unprotected run beside the first.
+    /// finish and replays its response (409 if it is still running then). Should the first
+    /// release the key instead (an error response, a panic), one waiting retry takes it and
+    /// runs the handler, as any retry then would, and the others wait for that run. A store
+    /// failure while it waits answers 503, or with [`FailMode::Open`](crate::FailMode::Open)
+    /// 409: never an unprotected run beside the first.
     ///
     /// # Panics
     ///

@@ -418,6 +418,73 @@ async fn a_waiting_retry_does_not_fail_open_beside_the_first_request() {
     assert_eq!(runs.get(), 1);
 }
 
+/// Fails its first run (500, once the test opens the gate) and answers 201 `run N` after
+/// 300 ms on every later one.
+async fn fails_first(runs: web::Data<RunCounter>, gate: web::Data<Gate>) -> HttpResponse {
+    let seq = runs.record();
+    if seq == 1 {
+        gate.wait().await;
+        return HttpResponse::InternalServerError().body("run 1 failed");
+    }
+    actix_rt::time::sleep(Duration::from_millis(300)).await;
+    HttpResponse::Created().body(format!("run {seq}"))
+}
+
+/// Three retries wait for the first request's run, which answers 500 and so releases the
+/// key (DESIGN §5: the next try may run): one of them takes the key and runs the handler,
+/// the other two wait for that run and replay it. Never two runs at once.
+#[actix_web::test]
+async fn a_key_released_while_retries_wait_runs_for_one_of_them() {
+    let store = FaultyStore::default();
+    let (runs, gate) = (RunCounter::default(), Gate::default());
+    let server = actix_test::start({
+        let (store, runs, gate) = (store.clone(), runs.clone(), gate.clone());
+        move || {
+            let waiting = IdempotencyPolicy::default().wait_for_completion(Duration::from_secs(10));
+            App::new()
+                .app_data(web::Data::new(runs.clone()))
+                .app_data(web::Data::new(gate.clone()))
+                .wrap(
+                    Idempotency::new(store.clone())
+                        .policy(waiting)
+                        .scope(KeyScope::global()),
+                )
+                .service(
+                    web::resource("/charge")
+                        .wrap(IdempotentRoute::new())
+                        .route(web::post().to(fails_first)),
+                )
+        }
+    });
+    let client = awc::Client::default();
+    let url = server.url("/charge");
+    let first = post(&client, &url, "k");
+    let retries = async {
+        runs.wait_for(1).await;
+        futures_util::future::join3(
+            post(&client, &url, "k"),
+            post(&client, &url, "k"),
+            post(&client, &url, "k"),
+        )
+        .await
+    };
+    let fail_first = async {
+        // The first request's `begin` and one of each retry, which found the key in flight.
+        store.begins.wait_for(4).await;
+        gate.open();
+    };
+    let (first, (a, b, c), ()) = futures_util::future::join3(first, retries, fail_first).await;
+    assert_eq!(first.status, StatusCode::INTERNAL_SERVER_ERROR);
+    let retries = [a, b, c];
+    for retry in &retries {
+        assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
+        assert_eq!(retry.body, "run 2");
+    }
+    let replayed = retries.iter().filter(|retry| retry.replayed).count();
+    assert_eq!(replayed, 2, "one retry ran, the others replayed its run");
+    assert_eq!(runs.get(), 2);
+}
+
 /// How a client leaves while its handler runs.
 #[derive(Clone, Copy, Debug)]
 enum Leaving {
