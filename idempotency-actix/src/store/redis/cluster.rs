@@ -188,7 +188,7 @@ impl RedisClusterStore {
                 .await
                 .map_err(|_| StoreError::Timeout(FIRST_CONNECT_TIMEOUT))?
                 .map_err(protocol::store_error)?;
-        protocol::load_library_ahead(&mut connection).await;
+        protocol::load_library_ahead(&mut connection).await?;
         Ok(connection)
     }
 }

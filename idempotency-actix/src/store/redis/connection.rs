@@ -223,7 +223,7 @@ impl SharedConnection {
             ),
             None => StoreConnection::Multiplexed(self.open_multiplexed().await?),
         };
-        protocol::load_library_ahead(&mut connection).await;
+        protocol::load_library_ahead(&mut connection).await?;
         Ok(connection)
     }
 

@@ -50,7 +50,10 @@ use self::steps::Steps;
 /// error, writing nothing, and the store commits by function from then on). `renew`,
 /// `release`, and `commit` elsewhere, are each one `FCALL` of a short Lua function fenced by
 /// the lease token (the library `idempotency_actix_2_r6`, which the store loads with
-/// `FUNCTION LOAD` when it opens a connection, and again if a server lacks it later).
+/// `FUNCTION LOAD` when it opens a connection, and again if a server lacks it later). A
+/// Redis user that may not load it needs someone who may to load it first: until then a
+/// connection that finds it missing is not used, and keyed requests get 503 before any
+/// handler runs, since nothing could fence their commits.
 ///
 /// Connections: the store opens one multiplexed connection and shares it between all its
 /// requests, so their commands go out together; it never holds a pool slot, so it neither

@@ -219,7 +219,16 @@ pub(crate) async fn load_library(
 /// Loads [`LIBRARY`] when a connection opens, ahead of any need, while the server likely
 /// has room: `FUNCTION LOAD` is refused once it is full, when `renew` (flagged `allow-oom`)
 /// must still work, and where commits go by `SET … IFEQ` no commit loads the library
-/// before a `renew` needs it. A failure is logged and left to the load on first use.
+/// before a `renew` needs it. A full server's refusal is logged and left to the load on
+/// first use.
+///
+/// Any other refusal (a user without `FUNCTION LOAD`, a command renamed away) is an error
+/// where the server lacks the library (see [`library_is_missing`]): no step could then fence
+/// a commit, renew a lease or give a key back, so a handler run under the connection's
+/// `begin` would leave its key locked for a lease and then run again for a retry. The
+/// connection is not used: keyed requests are refused (503 when failing closed) before
+/// any handler runs, and the next request opens a connection anew, so they are served
+/// once someone who may loads the library (a user that needs `FCALL` only is then fine).
 ///
 /// On Redis 7.0 and 7.1 it also keeps replicated writes honest: there a `WAIT` sent as a
 /// connection's very first command answers at once, whatever the replicas hold, where
@@ -227,10 +236,39 @@ pub(crate) async fn load_library(
 /// connection the stores open sends this first. (Since 7.2 `WAIT` counts a connection's own
 /// writes, so a step that wrote nothing rewrites its record before its `WAIT`: see
 /// [`rewrite`].) Keep it so.
-pub(crate) async fn load_library_ahead(connection: &mut impl redis::aio::ConnectionLike) {
-    if let Err(error) = load_library(connection).await {
+pub(crate) async fn load_library_ahead(
+    connection: &mut impl redis::aio::ConnectionLike,
+) -> Result<(), StoreError> {
+    let Err(error) = load_library(connection).await else {
+        return Ok(());
+    };
+    if error.code() == Some("OOM") || !library_is_missing(connection).await {
         tracing::debug!(%error, "idempotency: functions not loaded yet; they are loaded on first use");
+        return Ok(());
     }
+    tracing::error!(
+        %error,
+        "idempotency: the Redis server lacks this crate's functions and this connection may \
+         not load them (FUNCTION LOAD): keyed requests are refused until they are loaded; \
+         grant the user FUNCTION LOAD, or connect once as a user who has it"
+    );
+    Err(StoreError::Unavailable(
+        format!("the Redis server lacks the store's functions and FUNCTION LOAD failed: {error}")
+            .into(),
+    ))
+}
+
+/// Whether the server says it has no function of [`LIBRARY`]: an `FCALL_RO` of one with no
+/// key, which runs nothing either way (a function that writes, called read-only, is refused
+/// after it is found). Any other answer, a refusal of `FCALL_RO` itself included, counts as
+/// not missing: the steps then find out for themselves, as before.
+async fn library_is_missing(connection: &mut impl redis::aio::ConnectionLike) -> bool {
+    let probe: redis::RedisResult<Value> = redis::cmd("FCALL_RO")
+        .arg("idempotency_actix_2_r6_commit")
+        .arg(0)
+        .query_async(connection)
+        .await;
+    matches!(probe, Err(error) if is_function_not_found(&error))
 }
 
 /// An `FCALL` of `function` on `key`, with room for `args` more arguments of `bytes` bytes.

@@ -1,0 +1,67 @@
+//! A Redis user that may not run `FUNCTION LOAD`, on a private `redis-server`: while the
+//! server lacks the store's functions, nothing could fence a commit, renew a lease or give a
+//! key back, so a handler that ran would leave its key locked until the lease ran out and
+//! then run again for a retry. So keyed requests are refused with 503 before any handler
+//! runs; once someone who may loads the functions, the same user is served (it needs
+//! `FCALL`, not `FUNCTION`).
+
+#![allow(clippy::unwrap_used)]
+
+use actix_web::http::StatusCode;
+use idempotency_actix::{Idempotency, RedisStore};
+use idempotency_actix_tests::{FloodServer, PrivateRedis};
+
+/// The URL of `user` (any password: the user has none) on `redis`.
+fn url_of(redis: &PrivateRedis, user: &str) -> String {
+    format!("redis://{user}:any@127.0.0.1:{}", redis.port())
+}
+
+#[actix_web::test]
+async fn a_user_who_cannot_load_the_functions_is_refused_until_they_are_loaded() {
+    refused_until_the_functions_are_loaded(PrivateRedis::start().await).await;
+}
+
+/// The same on Valkey ≥ 8.1, whose commits need no function (`SET … IFEQ`) but whose
+/// renewals and releases do.
+#[actix_web::test]
+async fn a_valkey_user_who_cannot_load_the_functions_is_refused_until_they_are_loaded() {
+    refused_until_the_functions_are_loaded(PrivateRedis::start_valkey(&[]).await).await;
+}
+
+async fn refused_until_the_functions_are_loaded(redis: PrivateRedis) {
+    let mut admin = redis.connection().await;
+    let _: () = redis::cmd("ACL")
+        .arg(&["SETUSER", "app", "on", "nopass", "~*", "+@all", "-function"][..])
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+
+    let pool = RedisStore::pool(&url_of(&redis, "app")).unwrap();
+    let app = FloodServer::start(move || Idempotency::redis(pool.clone()), 64);
+    for attempt in 0..3 {
+        let refused = app.post("/orders", "charge-1").await;
+        assert_eq!(
+            refused.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "attempt {attempt}: {refused:?}"
+        );
+    }
+    assert_eq!(app.runs.get(), 0, "a handler ran with nothing to fence it");
+    let keys: u64 = redis::cmd("DBSIZE").query_async(&mut admin).await.unwrap();
+    assert_eq!(keys, 0, "refused requests left records behind");
+
+    // An app connecting as the default user loads the functions on its first request.
+    let admin_pool = RedisStore::pool(&redis.url()).unwrap();
+    let loader = FloodServer::start(move || Idempotency::redis(admin_pool.clone()), 64);
+    assert_eq!(
+        loader.post("/orders", "load").await.status,
+        StatusCode::CREATED
+    );
+
+    let first = app.post("/orders", "charge-1").await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let replay = app.post("/orders", "charge-1").await;
+    assert!(replay.is_replay(), "{replay:?}");
+    assert_eq!(replay.body, first.body);
+    assert_eq!(app.runs.get(), 1);
+}
