@@ -3,13 +3,17 @@
 //! key back, so a handler that ran would leave its key locked until the lease ran out and
 //! then run again for a retry. So keyed requests are refused with 503 before any handler
 //! runs; once someone who may loads the functions, the same user is served (it needs
-//! `FCALL`, not `FUNCTION`).
+//! `FCALL`, not `FUNCTION`). On Redis, Valkey, and a Redis Cluster of its own.
 
 #![allow(clippy::unwrap_used)]
 
 use actix_web::http::StatusCode;
-use idempotency_actix::{Idempotency, RedisStore};
+use idempotency_actix::{Idempotency, RedisClusterStore, RedisStore};
+use idempotency_actix_tests::cluster::RedisCluster;
 use idempotency_actix_tests::{FloodServer, PrivateRedis};
+
+/// The ACL of a user that may do everything but `FUNCTION` (so it may `FCALL`).
+const NO_FUNCTION_LOAD: [&str; 7] = ["SETUSER", "app", "on", "nopass", "~*", "+@all", "-function"];
 
 /// The URL of `user` (any password: the user has none) on `redis`.
 fn url_of(redis: &PrivateRedis, user: &str) -> String {
@@ -31,7 +35,7 @@ async fn a_valkey_user_who_cannot_load_the_functions_is_refused_until_they_are_l
 async fn refused_until_the_functions_are_loaded(redis: PrivateRedis) {
     let mut admin = redis.connection().await;
     let _: () = redis::cmd("ACL")
-        .arg(&["SETUSER", "app", "on", "nopass", "~*", "+@all", "-function"][..])
+        .arg(&NO_FUNCTION_LOAD[..])
         .query_async(&mut admin)
         .await
         .unwrap();
@@ -53,6 +57,49 @@ async fn refused_until_the_functions_are_loaded(redis: PrivateRedis) {
     // An app connecting as the default user loads the functions on its first request.
     let admin_pool = RedisStore::pool(&redis.url()).unwrap();
     let loader = FloodServer::start(move || Idempotency::redis(admin_pool.clone()), 64);
+    assert_eq!(
+        loader.post("/orders", "load").await.status,
+        StatusCode::CREATED
+    );
+
+    let first = app.post("/orders", "charge-1").await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let replay = app.post("/orders", "charge-1").await;
+    assert!(replay.is_replay(), "{replay:?}");
+    assert_eq!(replay.body, first.body);
+    assert_eq!(app.runs.get(), 1);
+}
+
+/// The same on a Redis Cluster of its own (3 primaries, 3 replicas), whose functions no
+/// one has loaded yet.
+#[actix_web::test]
+async fn a_cluster_user_who_cannot_load_the_functions_is_refused_until_they_are_loaded() {
+    let cluster = RedisCluster::start();
+    for port in cluster.ports() {
+        let _: () = redis::cmd("ACL")
+            .arg(&NO_FUNCTION_LOAD[..])
+            .query(&mut cluster.connection(port))
+            .unwrap();
+    }
+    let app_urls: Vec<String> = cluster
+        .ports()
+        .iter()
+        .map(|port| format!("redis://app:any@127.0.0.1:{port}"))
+        .collect();
+    let client = RedisClusterStore::client(app_urls).unwrap();
+    let app = FloodServer::start(move || Idempotency::redis_cluster(client.clone()), 64);
+    for attempt in 0..3 {
+        let refused = app.post("/orders", "charge-1").await;
+        assert_eq!(
+            refused.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "attempt {attempt}: {refused:?}"
+        );
+    }
+    assert_eq!(app.runs.get(), 0, "a handler ran with nothing to fence it");
+
+    let admin_client = cluster.client();
+    let loader = FloodServer::start(move || Idempotency::redis_cluster(admin_client.clone()), 64);
     assert_eq!(
         loader.post("/orders", "load").await.status,
         StatusCode::CREATED
