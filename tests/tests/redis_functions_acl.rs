@@ -1,4 +1,4 @@
-//! A Redis user that may not run `FUNCTION LOAD`, on a private `redis-server`: while the
+//! A Redis user that may not run `FUNCTION LOAD`, on a server of the test's own: while the
 //! server lacks the store's functions, nothing could fence a commit, renew a lease or give a
 //! key back, so a handler that ran would leave its key locked until the lease ran out and
 //! then run again for a retry. So keyed requests are refused with 503 before any handler
