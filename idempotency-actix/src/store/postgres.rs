@@ -16,10 +16,12 @@ use crate::record::{RECORD_VERSION, StoredResponse};
 use crate::scope::StorageKey;
 
 mod isolation;
+mod renewals;
 mod serialization;
 mod table;
 
 use isolation::Isolation;
+use renewals::RenewalConnections;
 use serialization::{again_while_unserializable, failed_to_serialize};
 use table::{Resolution, Table, quote_identifier};
 
@@ -70,6 +72,13 @@ pub const EXPIRY_BATCH: i64 = 1_000;
 /// it for the whole of its transaction, so a duplicate never waits on that transaction's
 /// uncommitted row but reads the committed state and answers at once (409 while in flight).
 ///
+/// Lease renewals take no pooled connection: each thread that renews (each Actix worker)
+/// opens one connection of the store's own for them with the pool's connection manager, on
+/// first use and beyond the pool's `max_size`, and sends its renewals over it, pipelined. So
+/// a pool saturated by `begin`s (a retry storm, slow writes) does not keep renewals from the
+/// database until a lease lapses under a running handler; while that connection cannot be
+/// opened, renewals take pooled connections.
+///
 /// The pool built by [`PostgresStore::pool`] skips bb8's health check on checkout; a
 /// connection that fails because the server went away is discarded and the statement retried
 /// once on a live one, passing over the other closed connections the pool still holds (every
@@ -99,6 +108,8 @@ pub struct PostgresStore {
     pool: PostgresPool,
     table: Arc<Table>,
     isolation: Arc<Isolation>,
+    /// Where leases are renewed, outside the pool ([`renewals`]).
+    renewals: Arc<RenewalConnections>,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -463,6 +474,7 @@ impl PostgresStore {
             pool,
             table: Arc::new(table),
             isolation: Arc::default(),
+            renewals: Arc::default(),
         }
     }
 
@@ -489,6 +501,7 @@ impl PostgresStore {
             pool: self.pool,
             table: Arc::new(Table::new(name)?),
             isolation: self.isolation,
+            renewals: self.renewals,
         })
     }
 
@@ -498,7 +511,8 @@ impl PostgresStore {
     /// made until the first use, so an app starts while the database is still down.
     ///
     /// Call it inside a Tokio runtime (an Actix system): each connection's I/O runs on the
-    /// runtime that opened it. Without TLS. A transactional request holds a connection for
+    /// runtime that opened it. Without TLS. The store also opens one connection per worker
+    /// for lease renewals, outside the pool. A transactional request holds a connection for
     /// its whole run: with more than a few of those at once, build a larger pool (README,
     /// "Size the pool for the transactions").
     ///
@@ -757,17 +771,35 @@ impl PostgresStore {
         statement: &str,
         params: &[(&(dyn ToSql + Sync), Type)],
     ) -> Result<bool, StoreError> {
-        let rows = self.query(statement, params).await?;
-        match rows.as_slice() {
-            [] => Ok(false),
-            [row] => row
-                .try_get(0)
-                .map_err(|error| StoreError::Protocol(error.to_string())),
-            _ => Err(StoreError::Protocol(format!(
-                "expected at most one row, got {}",
-                rows.len()
-            ))),
+        flag(&self.query(statement, params).await?)
+    }
+
+    /// Runs the renewal `statement` once on this thread's renewal connection
+    /// ([`renewals`]), never waiting for the pool; on a pooled connection only while that
+    /// connection cannot be opened, or when it turns out closed (a renewal is safe to send
+    /// twice).
+    ///
+    /// Commits stay on the pool, also when their lease is at risk: while a commit waits
+    /// for a pooled connection its lease is renewed here (the engine renews until the commit
+    /// answers, and a commit that timed out is retried in the background under renewals),
+    /// so the key stays locked and a duplicate gets 409, never a second run. Sent here, a
+    /// commit (a slow write with the response's body) would hold up the renewals behind it,
+    /// which the server answers in order on one connection.
+    async fn renew_once(
+        &self,
+        statement: &str,
+        params: &[(&(dyn ToSql + Sync), Type)],
+    ) -> Result<Vec<Row>, StoreError> {
+        if let Some(client) = self.renewals.client(&self.pool).await {
+            match client.query_typed(statement, params).await {
+                Err(error) if lost(&client, &error) => {
+                    tracing::debug!(%error, "idempotency: PostgreSQL renewal connection lost; renewing on the pool");
+                    self.renewals.forget(&client).await;
+                }
+                renewed => return renewed.map_err(unavailable),
+            }
         }
+        self.query_once(statement, params).await
     }
 
     /// `begin` on `client` (pooled, or a transaction's), repeated while its snapshot missed
@@ -1152,6 +1184,20 @@ fn begin_outcome(
     Ok(outcome.map(|outcome| (outcome, Some(remaining))))
 }
 
+/// The flag in the first column of the only row, if any, that a statement answers.
+fn flag(rows: &[Row]) -> Result<bool, StoreError> {
+    match rows {
+        [] => Ok(false),
+        [row] => row
+            .try_get(0)
+            .map_err(|error| StoreError::Protocol(error.to_string())),
+        _ => Err(StoreError::Protocol(format!(
+            "expected at most one row, got {}",
+            rows.len()
+        ))),
+    }
+}
+
 /// The one row a statement answers, or a protocol error naming `statement`.
 fn the_only_row<'a>(rows: &'a [Row], statement: &str) -> Result<&'a Row, StoreError> {
     match rows {
@@ -1325,15 +1371,18 @@ impl IdempotencyStore for PostgresStore {
         lease: Duration,
     ) -> Result<bool, StoreError> {
         let lease = millis(lease);
-        self.query_flag(
-            &self.statements().await?.renew,
-            &[
-                (&key.as_str(), Type::TEXT),
-                (&token.as_str(), Type::TEXT),
-                (&lease, Type::INT8),
-            ],
-        )
-        .await
+        let statement = &self.statements().await?.renew;
+        let params: [(&(dyn ToSql + Sync), Type); 3] = [
+            (&key.as_str(), Type::TEXT),
+            (&token.as_str(), Type::TEXT),
+            (&lease, Type::INT8),
+        ];
+        let rows = again_while_unserializable(|| async {
+            self.isolation
+                .noting(self.renew_once(statement, &params).await)
+        })
+        .await?;
+        flag(&rows)
     }
 
     async fn commit(

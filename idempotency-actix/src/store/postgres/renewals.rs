@@ -1,0 +1,129 @@
+//! [`RenewalConnections`]: the connections a [`PostgresStore`](super::PostgresStore) renews
+//! leases on, one per thread, outside its pool.
+//!
+//! A renewal keeps a running handler's key locked. Taken from the pool, it waited behind
+//! every `begin` queued there: with the pool saturated (a retry storm, slow writes), a
+//! renewal could spend its whole store timeout in the queue and never reach the database,
+//! unlike a Redis renewal, which is sent at once and lands even when its answer is late. A
+//! lease that no renewal reached lapsed while its handler ran, and a duplicate ran the
+//! handler a second time. So renewals go over a connection of the store's own, opened with
+//! the pool's connection manager (`dedicated_connection`) but never part of the pool:
+//! tokio-postgres pipelines the concurrent renewals of a thread on it, and none waits for a
+//! pooled connection.
+//!
+//! One connection per thread: its I/O runs on a task of the runtime that opened it, and
+//! each Actix worker is a single-threaded runtime of its own, so a connection opened on one
+//! worker would make the renewals of every other worker depend on that worker being free to
+//! run. A connection is opened on first use, replaced when it closes, and while one cannot be
+//! opened (tried again after [`REOPEN_AFTER`]) renewals take a pooled connection as before.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::thread::ThreadId;
+use std::time::{Duration, Instant};
+
+use futures_util::lock::Mutex as AsyncMutex;
+use tokio_postgres::Client;
+
+use super::{CONNECT_TIMEOUT, PostgresPool};
+
+/// How long after a failed (or abandoned) attempt to open a thread's renewal connection its
+/// renewals take pooled connections before the next attempt.
+const REOPEN_AFTER: Duration = Duration::from_secs(1);
+
+/// The renewal connections of a store and its clones, by the thread that opened each.
+#[derive(Default)]
+pub(super) struct RenewalConnections {
+    by_thread: Mutex<HashMap<ThreadId, Arc<ThreadConnection>>>,
+}
+
+/// The renewal connection of one thread.
+#[derive(Default)]
+struct ThreadConnection {
+    /// Held while the connection is opened, so that the renewals of the thread wait for one
+    /// connection instead of each opening their own.
+    state: AsyncMutex<ConnectionState>,
+}
+
+/// A thread's connection, and when one was last tried.
+#[derive(Default)]
+struct ConnectionState {
+    client: Option<Arc<Client>>,
+    /// Set when an attempt to open starts, so that an attempt that failed, or whose renewal
+    /// gave up on it (the store timeout), holds back the next for [`REOPEN_AFTER`].
+    tried_at: Option<Instant>,
+}
+
+impl RenewalConnections {
+    /// This thread's renewal connection, opened now if there is none or it closed; `None`
+    /// while one cannot be opened (the caller takes a pooled connection).
+    pub(super) async fn client(&self, pool: &PostgresPool) -> Option<Arc<Client>> {
+        let connection = self.of_this_thread();
+        let mut state = connection.state.lock().await;
+        if let Some(client) = state.client.as_ref().filter(|client| !client.is_closed()) {
+            return Some(Arc::clone(client));
+        }
+        state.client = None;
+        if state
+            .tried_at
+            .is_some_and(|tried| tried.elapsed() < REOPEN_AFTER)
+        {
+            return None;
+        }
+        state.tried_at = Some(Instant::now());
+        match actix_rt::time::timeout(CONNECT_TIMEOUT, pool.dedicated_connection()).await {
+            Ok(Ok(client)) => {
+                let client = Arc::new(client);
+                state.client = Some(Arc::clone(&client));
+                Some(client)
+            }
+            Ok(Err(error)) => {
+                tracing::debug!(%error, "idempotency: cannot open a PostgreSQL connection for renewals; renewing on the pool");
+                None
+            }
+            Err(_) => {
+                tracing::debug!(
+                    "idempotency: opening a PostgreSQL connection for renewals timed out; renewing on the pool"
+                );
+                None
+            }
+        }
+    }
+
+    /// Drops `client`, this thread's connection, which lost its session: the next renewal
+    /// opens another.
+    pub(super) async fn forget(&self, client: &Arc<Client>) {
+        let connection = self.of_this_thread();
+        let mut state = connection.state.lock().await;
+        if state
+            .client
+            .as_ref()
+            .is_some_and(|current| Arc::ptr_eq(current, client))
+        {
+            state.client = None;
+        }
+    }
+
+    /// The entry of this thread, made on first use; the entries of other threads whose
+    /// connection closed (a stopped worker's, whose runtime ended) or that have none are
+    /// dropped meanwhile, so that the map stays as large as the threads that renew.
+    fn of_this_thread(&self) -> Arc<ThreadConnection> {
+        let this = std::thread::current().id();
+        let mut by_thread = self
+            .by_thread
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(connection) = by_thread.get(&this) {
+            return Arc::clone(connection);
+        }
+        by_thread.retain(|_, connection| {
+            connection.state.try_lock().is_none_or(|state| {
+                state
+                    .client
+                    .as_ref()
+                    .is_some_and(|client| !client.is_closed())
+            })
+        });
+        Arc::clone(by_thread.entry(this).or_default())
+    }
+}

@@ -1,0 +1,273 @@
+//! Lease renewals on the PostgreSQL store while its pool is saturated: a retry storm of
+//! duplicates keeps every pooled connection busy with slow `begin`s, and renewals must still
+//! reach the database, or leases lapse under running handlers and duplicates run them a
+//! second time. Real HTTP, a database of the test's own on the server at `DATABASE_URL`
+//! (default postgres://postgres@127.0.0.1:5432/postgres).
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use actix_web::http::StatusCode;
+use actix_web::{App, HttpRequest, HttpResponse, web};
+use idempotency_actix::{
+    Idempotency, IdempotencyPolicy, IdempotentRoute, IdempotentTransaction, PostgresPool,
+    PostgresStore,
+};
+use idempotency_actix_tests::{Gate, Reply, RunCounter, TestDatabase};
+
+/// How many times the handler ran, by key.
+#[derive(Clone, Default)]
+struct Runs(Arc<Mutex<HashMap<String, usize>>>);
+
+/// Counts its run and holds the key for `hold`.
+async fn create(
+    runs: web::Data<Runs>,
+    hold: web::Data<Duration>,
+    req: HttpRequest,
+) -> HttpResponse {
+    let key = req
+        .headers()
+        .get("idempotency-key")
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_owned();
+    *runs.0.lock().unwrap().entry(key).or_default() += 1;
+    actix_rt::time::sleep(**hold).await;
+    HttpResponse::Created().finish()
+}
+
+/// A pool of 2 connections on `database`, as the store's own but smaller.
+fn pool_of_two(database: &TestDatabase) -> PostgresPool {
+    let manager = bb8_postgres::PostgresConnectionManager::new_from_stringlike(
+        database.url(),
+        tokio_postgres::NoTls,
+    )
+    .unwrap();
+    bb8::Pool::builder()
+        .max_size(2)
+        .test_on_check_out(false)
+        .build_unchecked(manager)
+}
+
+/// What a request answered: its status and whether it was a replay; `None` when the client
+/// failed.
+type Answer = Option<(StatusCode, bool)>;
+
+#[actix_web::test]
+async fn leases_are_renewed_while_begins_saturate_the_pool() {
+    // The reviewer's measurement, which ran keys twice in every run before renewals left
+    // the pool: 300 handlers holding their keys for 15 s with a 4.5 s lease (long enough
+    // for no warning: more than twice the store timeout), a pool of 2, every write 5 ms
+    // slower, and duplicates of every key sent in rounds of 300 meanwhile.
+    let keys = 300;
+    let lease = Duration::from_millis(4_500);
+    let store_timeout = Duration::from_secs(2);
+    let hold = Duration::from_secs(15);
+
+    let database = TestDatabase::create().await;
+    let store = PostgresStore::new(pool_of_two(&database));
+    store.migrate().await.unwrap();
+    database
+        .connection()
+        .await
+        .batch_execute(
+            "CREATE FUNCTION slow() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN PERFORM pg_sleep(0.005); RETURN NEW; END $$;
+             CREATE TRIGGER slow BEFORE INSERT OR UPDATE ON idempotency_records
+             FOR EACH ROW EXECUTE FUNCTION slow();",
+        )
+        .await
+        .unwrap();
+
+    let runs = Runs::default();
+    let server = {
+        let runs = runs.clone();
+        actix_test::start(move || {
+            App::new()
+                .app_data(web::Data::new(runs.clone()))
+                .app_data(web::Data::new(hold))
+                .wrap(
+                    Idempotency::postgres(store.clone())
+                        .store_timeout(store_timeout)
+                        .max_in_flight(100_000)
+                        .max_detached(100_000),
+                )
+                .service(
+                    web::resource("/orders")
+                        .wrap(IdempotentRoute::with_policy(
+                            IdempotencyPolicy::default().lease(lease),
+                        ))
+                        .route(web::post().to(create)),
+                )
+        })
+    };
+    let client = awc::Client::builder()
+        .connector(awc::Connector::new().limit(0))
+        .timeout(Duration::from_secs(60))
+        .finish();
+    let url = server.url("/orders");
+    let post = |key: String| {
+        let (client, url) = (client.clone(), url.clone());
+        async move {
+            let answer: Answer = match client
+                .post(url)
+                .insert_header(("idempotency-key", key.as_str()))
+                .send_body("{}")
+                .await
+            {
+                Ok(mut response) => {
+                    let _ = response.body().await;
+                    let replayed = response.headers().contains_key("idempotent-replayed");
+                    Some((response.status(), replayed))
+                }
+                Err(_) => None,
+            };
+            answer
+        }
+    };
+    let names: Vec<String> = (0..keys).map(|i| format!("k{i}")).collect();
+
+    // Every key's first request, its handler holding the key.
+    let firsts = actix_rt::spawn(futures_util::future::join_all(
+        names.iter().cloned().map(&post),
+    ));
+    let started = Instant::now();
+    while runs.0.lock().unwrap().len() < keys {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the first requests did not all run"
+        );
+        actix_rt::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Meanwhile, duplicates of every key, round after round, until the handlers return.
+    let until = started + hold;
+    let mut duplicates: HashMap<Answer, usize> = HashMap::new();
+    let mut rounds = 0;
+    while Instant::now() < until {
+        for answer in futures_util::future::join_all(names.iter().cloned().map(&post)).await {
+            *duplicates.entry(answer).or_default() += 1;
+        }
+        rounds += 1;
+    }
+    let mut first_answers: HashMap<Answer, usize> = HashMap::new();
+    for answer in firsts.await.unwrap() {
+        *first_answers.entry(answer).or_default() += 1;
+    }
+
+    let runs = runs.0.lock().unwrap().clone();
+    let twice = runs.values().filter(|&&n| n > 1).count();
+    eprintln!(
+        "rounds {rounds}, duplicates {duplicates:?}, firsts {first_answers:?}, keys run twice {twice}, elapsed {:?}",
+        started.elapsed()
+    );
+    assert_eq!(twice, 0, "keys whose handler ran twice");
+    assert_eq!(runs.len(), keys);
+    assert_eq!(
+        first_answers,
+        HashMap::from([(Some((StatusCode::CREATED, false)), keys)])
+    );
+    // A duplicate waited (409), was refused while the store was slow (503), or replayed the
+    // first run once it completed; never a run of its own.
+    for answer in duplicates.keys() {
+        assert!(
+            matches!(
+                answer,
+                Some((
+                    StatusCode::CONFLICT | StatusCode::SERVICE_UNAVAILABLE,
+                    false
+                )) | Some((StatusCode::CREATED, true))
+            ),
+            "{answer:?}"
+        );
+    }
+}
+
+/// A plain route's handler: counts its run; the first holds its key until the gate opens.
+async fn order(runs: web::Data<RunCounter>, gate: web::Data<Gate>) -> HttpResponse {
+    if runs.record() == 1 {
+        gate.wait().await;
+    }
+    HttpResponse::Created().finish()
+}
+
+/// A transactional route's handler, holding its pooled connection until the gate opens.
+async fn booking(
+    _transaction: IdempotentTransaction,
+    runs: web::Data<(RunCounter, Gate)>,
+) -> HttpResponse {
+    runs.0.record();
+    runs.1.wait().await;
+    HttpResponse::Created().finish()
+}
+
+/// The same starvation, made certain: transactions hold every pooled connection for longer
+/// than a plain route's lease while its handler runs. The lease is still renewed, so a
+/// duplicate sent once the pool is free again gets 409 instead of running the handler a
+/// second time.
+#[actix_web::test]
+async fn a_lease_is_renewed_while_transactions_hold_the_whole_pool() {
+    // A 3 s lease with a 1 s store timeout: more than twice the timeout, so no warning.
+    let lease = Duration::from_secs(3);
+    let database = TestDatabase::create().await;
+    let store = PostgresStore::new(pool_of_two(&database));
+    store.migrate().await.unwrap();
+    let (orders, held) = (RunCounter::default(), Gate::default());
+    let (bookings, booked) = (RunCounter::default(), Gate::default());
+    let server = {
+        let (orders, held) = (orders.clone(), held.clone());
+        let bookings = (bookings.clone(), booked.clone());
+        actix_test::start(move || {
+            App::new()
+                .app_data(web::Data::new(orders.clone()))
+                .app_data(web::Data::new(held.clone()))
+                .app_data(web::Data::new(bookings.clone()))
+                .wrap(Idempotency::postgres(store.clone()).store_timeout(Duration::from_secs(1)))
+                .service(
+                    web::resource("/orders")
+                        .wrap(IdempotentRoute::with_policy(
+                            IdempotencyPolicy::default().lease(lease),
+                        ))
+                        .route(web::post().to(order)),
+                )
+                .service(
+                    web::resource("/bookings")
+                        .wrap(IdempotentRoute::with_policy(
+                            IdempotencyPolicy::default().transactional(),
+                        ))
+                        .route(web::post().to(booking)),
+                )
+        })
+    };
+    // The test server's own client gives up after 5 s.
+    let client = awc::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .finish();
+    let post = |path: &str, key: &str| {
+        let request = client
+            .post(server.url(path))
+            .insert_header(("idempotency-key", key.to_owned()));
+        actix_rt::spawn(async move { Reply::read(request.send().await.unwrap()).await.unwrap() })
+    };
+
+    let first = post("/orders", "order");
+    orders.wait_for(1).await;
+    let transactions = [post("/bookings", "b1"), post("/bookings", "b2")];
+    bookings.wait_for(2).await;
+    // Both pooled connections are held for longer than the lease.
+    actix_rt::time::sleep(lease + Duration::from_secs(1)).await;
+    booked.open();
+    for transaction in transactions {
+        assert_eq!(transaction.await.unwrap().status, StatusCode::CREATED);
+    }
+
+    let duplicate = post("/orders", "order").await.unwrap();
+    assert_eq!(orders.get(), 1, "the handler ran a second time");
+    assert_eq!(duplicate.status, StatusCode::CONFLICT);
+    held.open();
+    assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+    assert_eq!(orders.get(), 1);
+}
