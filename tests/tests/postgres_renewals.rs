@@ -1,7 +1,7 @@
-//! Lease renewals on the PostgreSQL store while its pool is saturated: a retry storm of
-//! duplicates keeps every pooled connection busy with slow `begin`s, and renewals must still
-//! reach the database, or leases lapse under running handlers and duplicates run them a
-//! second time. Real HTTP, a database of the test's own on the server at `DATABASE_URL`
+//! Lease renewals on the PostgreSQL store while its pool is saturated, by a retry storm of
+//! duplicates whose `begin`s are slow writes or by transactions holding every pooled
+//! connection: renewals must still reach the database, or leases lapse under running
+//! handlers and duplicates run them a second time. Real HTTP, a database of the test's own on the server at `DATABASE_URL`
 //! (default postgres://postgres@127.0.0.1:5432/postgres).
 
 #![allow(clippy::unwrap_used)]
