@@ -13,12 +13,14 @@ use idempotency_actix::{RedisPool, RedisStore};
 mod faulty_store;
 mod flood;
 mod gated_routes;
+mod proxy;
 mod test_redis;
 mod valkey;
 
 pub use faulty_store::FaultyStore;
 pub use flood::FloodServer;
 pub use gated_routes::GatedRoutes;
+pub use proxy::MovableAddress;
 pub use valkey::{valkey_server, valkey_url};
 
 /// What to do when the test Redis does not answer, printed whenever a test cannot reach it

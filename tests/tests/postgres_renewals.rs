@@ -16,7 +16,7 @@ use idempotency_actix::{
     Idempotency, IdempotencyPolicy, IdempotentRoute, IdempotentTransaction, PostgresPool,
     PostgresStore,
 };
-use idempotency_actix_tests::{Gate, Reply, RunCounter, TestDatabase};
+use idempotency_actix_tests::{Gate, MovableAddress, Reply, RunCounter, TestDatabase};
 
 /// How many times the handler ran, by key.
 #[derive(Clone, Default)]
@@ -268,6 +268,85 @@ async fn a_lease_is_renewed_while_transactions_hold_the_whole_pool() {
     assert_eq!(orders.get(), 1, "the handler ran a second time");
     assert_eq!(duplicate.status, StatusCode::CONFLICT);
     held.open();
+    assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+    assert_eq!(orders.get(), 1);
+}
+
+/// A pool of 2 connections on `url`, as the store's own but smaller.
+fn pool_of_two_on(url: &str) -> PostgresPool {
+    let manager =
+        bb8_postgres::PostgresConnectionManager::new_from_stringlike(url, tokio_postgres::NoTls)
+            .unwrap();
+    bb8::Pool::builder()
+        .max_size(2)
+        .test_on_check_out(false)
+        .build_unchecked(manager)
+}
+
+/// The renewal connection goes silent (a firewall or NAT dropping the flow: nothing is
+/// answered, nothing looks closed) while a handler runs on one instance: its renewals time
+/// out, and the next one must go over a new connection, or the lease lapses and another
+/// instance runs the handler a second time. The first instance reaches PostgreSQL through a
+/// proxy of the test's own, the second directly.
+#[actix_web::test]
+async fn a_renewal_connection_that_goes_silent_is_replaced() {
+    // Renewals every 1.5 s, each given up after 500 ms.
+    let lease = Duration::from_millis(4_500);
+    let database = TestDatabase::create().await;
+    let config: tokio_postgres::Config = database.url().parse().unwrap();
+    let port = config.get_ports().first().copied().unwrap_or(5432);
+    let proxy = MovableAddress::to(port);
+    let proxied_url = format!(
+        "postgres://{}@127.0.0.1:{}/{}",
+        config.get_user().unwrap(),
+        proxy.port(),
+        config.get_dbname().unwrap()
+    );
+    let direct = PostgresStore::new(pool_of_two(&database));
+    direct.migrate().await.unwrap();
+    let proxied = PostgresStore::new(pool_of_two_on(&proxied_url));
+    let (orders, held) = (RunCounter::default(), Gate::default());
+    let instance = |store: PostgresStore| {
+        let (orders, held) = (orders.clone(), held.clone());
+        actix_test::start(move || {
+            App::new()
+                .app_data(web::Data::new(orders.clone()))
+                .app_data(web::Data::new(held.clone()))
+                .wrap(
+                    Idempotency::postgres(store.clone()).store_timeout(Duration::from_millis(500)),
+                )
+                .service(
+                    web::resource("/orders")
+                        .wrap(IdempotentRoute::with_policy(
+                            IdempotencyPolicy::default().lease(lease),
+                        ))
+                        .route(web::post().to(order)),
+                )
+        })
+    };
+    let (first_instance, second_instance) = (instance(proxied), instance(direct));
+    let client = awc::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .finish();
+    let post = |server: &actix_test::TestServer, key: &str| {
+        let request = client
+            .post(server.url("/orders"))
+            .insert_header(("idempotency-key", key.to_owned()));
+        actix_rt::spawn(async move { Reply::read(request.send().await.unwrap()).await.unwrap() })
+    };
+
+    let first = post(&first_instance, "order");
+    orders.wait_for(1).await;
+    // A renewal has opened the renewal connection (a third of the lease in).
+    actix_rt::time::sleep(Duration::from_secs(2)).await;
+    proxy.silence_open_connections();
+    actix_rt::time::sleep(lease + Duration::from_millis(1_500)).await;
+
+    let duplicate = post(&second_instance, "order").await.unwrap();
+    assert_eq!(orders.get(), 1, "the handler ran a second time");
+    assert_eq!(duplicate.status, StatusCode::CONFLICT, "{duplicate:?}");
+    held.open();
+    // Its commit goes over the silenced pool: the response still reaches the client.
     assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
     assert_eq!(orders.get(), 1);
 }

@@ -8,97 +8,12 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::io::{Read, Write};
-use std::net::{Shutdown, TcpListener, TcpStream};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
 use std::time::Duration;
 
 use actix_web::http::StatusCode;
 use idempotency_actix::{Idempotency, RedisPool, RedisStore, ReplicatedWrites};
 use idempotency_actix_tests::keyed_app::{KeyedApp, RunsByKey};
-use idempotency_actix_tests::{PrivateRedis, unique_prefix};
-
-/// A TCP proxy on a loopback port that sends each new connection to the port it is set to
-/// now; connections already open stay where they are, as with a moved DNS name. It can also
-/// make the connections open now go silent, as a network that drops their packets would:
-/// what either end sends is read and dropped, and neither is told.
-struct MovableAddress {
-    port: u16,
-    target: Arc<AtomicU16>,
-    /// Connections are numbered as they come; those numbered below this one are silent.
-    silent_below: Arc<AtomicU64>,
-    accepted: Arc<AtomicU64>,
-}
-
-impl MovableAddress {
-    fn to(target: u16) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let target = Arc::new(AtomicU16::new(target));
-        let silent_below = Arc::new(AtomicU64::new(0));
-        let accepted = Arc::new(AtomicU64::new(0));
-        let (current, silent, counted) = (
-            Arc::clone(&target),
-            Arc::clone(&silent_below),
-            Arc::clone(&accepted),
-        );
-        std::thread::spawn(move || {
-            for client in listener.incoming() {
-                let Ok(client) = client else { continue };
-                let Ok(server) = TcpStream::connect(("127.0.0.1", current.load(Ordering::SeqCst)))
-                else {
-                    continue;
-                };
-                let number = counted.fetch_add(1, Ordering::SeqCst);
-                for (from, to) in [
-                    (client.try_clone().unwrap(), server.try_clone().unwrap()),
-                    (server, client),
-                ] {
-                    let silent = Arc::clone(&silent);
-                    std::thread::spawn(move || {
-                        forward(from, to, || number < silent.load(Ordering::SeqCst));
-                    });
-                }
-            }
-        });
-        Self {
-            port,
-            target,
-            silent_below,
-            accepted,
-        }
-    }
-
-    /// Makes every connection open now go silent for good.
-    fn silence_open_connections(&self) {
-        let open = self.accepted.load(Ordering::SeqCst);
-        self.silent_below.store(open, Ordering::SeqCst);
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    fn move_to(&self, target: u16) {
-        self.target.store(target, Ordering::SeqCst);
-    }
-}
-
-/// Copies what `from` sends to `to` until either closes, dropping it instead once `silent`.
-fn forward(mut from: TcpStream, mut to: TcpStream, silent: impl Fn() -> bool) {
-    let mut buffer = [0; 16 * 1024];
-    loop {
-        let read = match from.read(&mut buffer) {
-            Ok(0) | Err(_) => break,
-            Ok(read) => read,
-        };
-        if !silent() && to.write_all(&buffer[..read]).is_err() {
-            break;
-        }
-    }
-    let _ = to.shutdown(Shutdown::Write);
-}
+use idempotency_actix_tests::{MovableAddress, PrivateRedis, unique_prefix};
 
 async fn command(server: &PrivateRedis, args: &[&str]) -> redis::Value {
     let mut command = redis::cmd(args[0]);
@@ -117,7 +32,7 @@ async fn the_store_follows_the_address(pool: impl Fn(&str) -> RedisPool, replica
     let address = MovableAddress::to(old.port());
     let runs = RunsByKey::default();
     let app = {
-        let pool = pool(&address.url());
+        let pool = pool(&format!("redis://127.0.0.1:{}", address.port()));
         let prefix = unique_prefix("switchover");
         KeyedApp::start(
             move || {
@@ -189,7 +104,7 @@ async fn the_store_leaves_a_silent_connection(pool: impl Fn(&str) -> RedisPool) 
     let address = MovableAddress::to(redis.port());
     let runs = RunsByKey::default();
     let app = {
-        let pool = pool(&address.url());
+        let pool = pool(&format!("redis://127.0.0.1:{}", address.port()));
         let prefix = unique_prefix("silent");
         KeyedApp::start(
             move || {

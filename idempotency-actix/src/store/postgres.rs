@@ -791,7 +791,10 @@ impl PostgresStore {
         params: &[(&(dyn ToSql + Sync), Type)],
     ) -> Result<Vec<Row>, StoreError> {
         if let Some(client) = self.renewals.client(&self.pool).await {
-            match client.query_typed(statement, params).await {
+            let awaiting = client.awaiting_answer();
+            let renewed = client.query_typed(statement, params).await;
+            awaiting.answered();
+            match renewed {
                 Err(error) if lost(&client, &error) => {
                     tracing::debug!(%error, "idempotency: PostgreSQL renewal connection lost; renewing on the pool");
                     self.renewals.forget(&client).await;

@@ -16,8 +16,16 @@
 //! worker would make the renewals of every other worker depend on that worker being free to
 //! run. A connection is opened on first use, replaced when it closes, and while one cannot be
 //! opened (tried again after [`REOPEN_AFTER`]) renewals take a pooled connection as before.
+//!
+//! A connection is also replaced once a renewal on it gave up waiting for its answer (the
+//! store timeout): a connection that went silent (a firewall or NAT dropping the flow) never
+//! looks closed until the kernel gives it up, many minutes later, and every renewal of the
+//! thread would time out on it meanwhile, letting every lease of the worker lapse. A slow
+//! server costs a reconnection per timed-out renewal instead, a few a minute at most.
 
 use std::collections::HashMap;
+use std::ops::Deref;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
@@ -45,10 +53,61 @@ struct ThreadConnection {
     state: AsyncMutex<ConnectionState>,
 }
 
+/// A renewal connection, and whether a renewal on it gave up waiting for its answer.
+pub(super) struct RenewalClient {
+    client: Client,
+    gave_up: AtomicBool,
+}
+
+impl Deref for RenewalClient {
+    type Target = Client;
+
+    fn deref(&self) -> &Client {
+        &self.client
+    }
+}
+
+impl RenewalClient {
+    /// Whether renewals may still be sent on it: open, and no renewal on it gave up.
+    fn usable(&self) -> bool {
+        !self.client.is_closed() && !self.gave_up.load(Ordering::Relaxed)
+    }
+
+    /// Marks it given up on unless [`answered`](AwaitingAnswer::answered) is called first:
+    /// hold it while a renewal on it waits for its answer, whose future the store timeout
+    /// may drop.
+    pub(super) fn awaiting_answer(self: &Arc<Self>) -> AwaitingAnswer {
+        AwaitingAnswer {
+            client: Some(Arc::clone(self)),
+        }
+    }
+}
+
+/// A renewal waiting for its answer on a [`RenewalClient`]; dropped unanswered, it marks
+/// the connection given up on, so the thread's next renewal opens another.
+pub(super) struct AwaitingAnswer {
+    client: Option<Arc<RenewalClient>>,
+}
+
+impl AwaitingAnswer {
+    /// The server answered (a reply or an error): the connection is alive.
+    pub(super) fn answered(mut self) {
+        self.client = None;
+    }
+}
+
+impl Drop for AwaitingAnswer {
+    fn drop(&mut self) {
+        if let Some(client) = self.client.take() {
+            client.gave_up.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
 /// A thread's connection, and when one was last tried.
 #[derive(Default)]
 struct ConnectionState {
-    client: Option<Arc<Client>>,
+    client: Option<Arc<RenewalClient>>,
     /// Set when an attempt to open starts, so that an attempt that failed, or whose renewal
     /// gave up on it (the store timeout), holds back the next for [`REOPEN_AFTER`].
     tried_at: Option<Instant>,
@@ -57,10 +116,10 @@ struct ConnectionState {
 impl RenewalConnections {
     /// This thread's renewal connection, opened now if there is none or it closed; `None`
     /// while one cannot be opened (the caller takes a pooled connection).
-    pub(super) async fn client(&self, pool: &PostgresPool) -> Option<Arc<Client>> {
+    pub(super) async fn client(&self, pool: &PostgresPool) -> Option<Arc<RenewalClient>> {
         let connection = self.of_this_thread();
         let mut state = connection.state.lock().await;
-        if let Some(client) = state.client.as_ref().filter(|client| !client.is_closed()) {
+        if let Some(client) = state.client.as_ref().filter(|client| client.usable()) {
             return Some(Arc::clone(client));
         }
         state.client = None;
@@ -73,7 +132,10 @@ impl RenewalConnections {
         state.tried_at = Some(Instant::now());
         match actix_rt::time::timeout(CONNECT_TIMEOUT, pool.dedicated_connection()).await {
             Ok(Ok(client)) => {
-                let client = Arc::new(client);
+                let client = Arc::new(RenewalClient {
+                    client,
+                    gave_up: AtomicBool::new(false),
+                });
                 state.client = Some(Arc::clone(&client));
                 Some(client)
             }
@@ -92,7 +154,7 @@ impl RenewalConnections {
 
     /// Drops `client`, this thread's connection, which lost its session: the next renewal
     /// opens another.
-    pub(super) async fn forget(&self, client: &Arc<Client>) {
+    pub(super) async fn forget(&self, client: &Arc<RenewalClient>) {
         let connection = self.of_this_thread();
         let mut state = connection.state.lock().await;
         if state
@@ -117,12 +179,10 @@ impl RenewalConnections {
             return Arc::clone(connection);
         }
         by_thread.retain(|_, connection| {
-            connection.state.try_lock().is_none_or(|state| {
-                state
-                    .client
-                    .as_ref()
-                    .is_some_and(|client| !client.is_closed())
-            })
+            connection
+                .state
+                .try_lock()
+                .is_none_or(|state| state.client.as_ref().is_some_and(|client| client.usable()))
         });
         Arc::clone(by_thread.entry(this).or_default())
     }
