@@ -64,7 +64,10 @@ pub enum FailMode {
     Closed,
     /// Run the handler without protection and log a warning; but a retry that waited for
     /// its key's run (`wait_for_completion`), and so knows that another request holds the
-    /// key, gets 409 instead: it never runs the handler beside that one.
+    /// key, gets 409 instead: it never runs the handler beside that one. After a `begin` that
+    /// did not answer (it may have landed), the handler runs under that `begin`'s token: a
+    /// duplicate meeting its record gets 409, and its response is committed right after it
+    /// goes out, so where the store answers again a retry gets the replay.
     Open,
 }
 
@@ -129,8 +132,9 @@ pub(crate) struct EngineHandle {
 #[derive(Clone)]
 pub(crate) struct Claimed {
     pub(crate) key_present: bool,
-    /// The lock the claiming layer holds while the handler runs; `None` when it runs the
-    /// handler without one (no key, or fail-open).
+    /// The lock the claiming layer holds while the handler runs (failing open after a
+    /// `begin` that did not answer, one it may hold); `None` when it runs the handler
+    /// without one (no key, or fail-open after a store that refused the `begin`).
     pub(crate) lock: Option<Rc<HeldLock>>,
 }
 
@@ -320,9 +324,13 @@ impl Engine {
             )
             .await;
         pending.armed.set(false);
+        // Failing open, the handler runs under the token of a `begin` that did not answer
+        // (see `run_failed_open`), which abandons it only if its response is not committed.
+        let runs_under_token = self.settings.fail_mode == FailMode::Open && !policy.transactional;
         if begun
             .as_ref()
             .is_err_and(|error| !matches!(error, StoreError::Refused(_)))
+            && !runs_under_token
         {
             // A `begin` that timed out may have landed or may still land: abandon the token,
             // so that whatever the order the key is not blocked with no handler running. One
@@ -445,7 +453,19 @@ impl Engine {
                         )
                         .await;
                     }
-                    service.call(req).await.map(with_handler_body)
+                    if matches!(error, StoreError::Refused(_)) {
+                        // Nothing was written (a full store): no token to run under.
+                        return service.call(req).await.map(with_handler_body);
+                    }
+                    Box::pin(self.run_failed_open(
+                        policy,
+                        req,
+                        service,
+                        &pending,
+                        fingerprint,
+                        body_len,
+                    ))
+                    .await
                 }
                 FailMode::Closed => {
                     tracing::error!(%error, "idempotency store failed; answering 503 (fail-closed)");
@@ -460,6 +480,116 @@ impl Engine {
                 }
             },
         }
+    }
+
+    /// Fails open after a `begin` that did not answer (a timeout, a lost connection): that
+    /// `begin` may have landed, and its in-flight record then holds the key. So the handler
+    /// runs under its token, unprotected as far as this request knows, but as a run that
+    /// holds the key would: its lease renewed while it may be held (a renewal that finds no
+    /// record stops, unreported), and its response committed right after it goes out (never
+    /// held back waiting for a store that just failed). Where the `begin` landed, a duplicate
+    /// gets 409 during the run; where the commit lands (over that record, or written anew on
+    /// a free key), a retry gets the replay instead of a second run. Where the response is
+    /// not stored (an error, a panic, a streamed body) or its commit fails or finds another
+    /// request's record, the token is abandoned in the background, as it would have been at
+    /// once before the run.
+    async fn run_failed_open<S, B>(
+        self: &Rc<Self>,
+        policy: Policy,
+        req: ServiceRequest,
+        service: Rc<S>,
+        pending: &PendingBegin,
+        fingerprint: Fingerprint,
+        body_len: usize,
+    ) -> Result<Response<B>, actix_web::Error>
+    where
+        S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = actix_web::Error>
+            + 'static,
+        B: MessageBody + 'static,
+    {
+        let lock = Rc::new(HeldLock {
+            storage_key: pending.storage_key.clone(),
+            fingerprint,
+            token: pending.token,
+            body_len,
+            lease: Cell::new(policy.lease),
+            renewed_at: Cell::new(pending.sent_at.get()),
+            applied_lease: Cell::new(policy.lease),
+            route_policy: RefCell::new(None),
+            lost_reported: Cell::new(false),
+            // A renewal that finds no record stops without reporting it lost: the `begin`
+            // may never have landed.
+            committing: Cell::new(true),
+            store: Rc::clone(&self.store),
+            store_timeout: self.settings.store_timeout,
+        });
+        // A route layer further in applies its policy (what is stored, the lease) to it.
+        claim_with_lock(&req, self, &lock);
+        // Should the client leave during the run, the token is abandoned as the request's
+        // future is dropped.
+        pending.armed.set(true);
+        let work = self.run_and_capture(policy, &lock, req, service);
+        let handled = while_renewing_lease(work, &lock).await;
+        pending.armed.set(false);
+        let (result, stored) = match handled {
+            Handled::Panicked => {
+                tracing::error!("idempotency: handler panicked (fail-open)");
+                (Err(IdempotencyError::HandlerPanicked.into()), None)
+            }
+            Handled::Failed(error) => (Err(error), None),
+            Handled::FailedStored { error, stored, ttl } => (Err(error), Some((stored, ttl))),
+            Handled::NotStored(response) => (Ok(response), None),
+            Handled::Stored {
+                response,
+                stored,
+                ttl,
+            } => (Ok(response), Some((stored, ttl))),
+            Handled::Streamed { response, body, .. } => (
+                Ok(response.map_body(|_, ()| IdempotentBody::handler(body))),
+                None,
+            ),
+        };
+        match stored {
+            Some((stored, ttl)) => self.commit_failed_open(lock, stored, ttl, pending.remember_for),
+            None => self.abandon_in_background(pending),
+        }
+        result
+    }
+
+    /// Commits the response of a run that failed open under `lock`'s token, in the
+    /// background and once; abandons the token where that does not land (see
+    /// [`run_failed_open`](Self::run_failed_open)). Counted as work in progress, so a drain
+    /// waits for it.
+    fn commit_failed_open(
+        self: &Rc<Self>,
+        lock: Rc<HeldLock>,
+        stored: StoredResponse,
+        ttl: Duration,
+        remember_for: Duration,
+    ) {
+        let engine = Rc::clone(self);
+        let in_progress = InProgress::start();
+        actix_rt::spawn(async move {
+            let (key, token) = (&lock.storage_key, lock.token);
+            let commit = engine
+                .store
+                .commit(key, &lock.fingerprint, &token, &stored, ttl);
+            match engine.bounded(StoreOperation::Commit, commit).await {
+                Ok(true) => tracing::info!(
+                    key = key.as_str(),
+                    "idempotency: the response of a fail-open run is stored; retries replay it"
+                ),
+                answer => {
+                    tracing::debug!(
+                        key = key.as_str(),
+                        committed = ?answer.as_ref().ok(),
+                        "idempotency: the response of a fail-open run is not stored"
+                    );
+                    engine.abandon_token_in_background(key, token, lock.lease.get(), remember_for);
+                }
+            }
+            drop(in_progress);
+        });
     }
 
     /// `begin`, or on a transactional route the claim inside a transaction (which comes back

@@ -14,7 +14,9 @@ use crate::RunCounter;
 
 /// The memory store, with faults: its `begin`s are counted in `begins` as they are sent, its
 /// next `failed_begins` fail as a store that times out does, and each answers only after
-/// `delay`, as a Redis under `DEBUG SLEEP` does; its `commit` only after `commit_delay`; a
+/// `delay`, as a Redis under `DEBUG SLEEP` does; its next `landed_failed_begins` reach
+/// `inner` and then fail as a store that times out does (the `begin` landed, its reply was
+/// lost); its `commit` only after `commit_delay`; a
 /// `begin` or `commit` that ran may answer only `begin_reply_delay` or `commit_reply_delay`
 /// later (a reply stuck behind a large one), and a renewal may reach the store only
 /// `renew_delay` after it was sent; its next `failed_renewals` renewals fail as a store that
@@ -30,6 +32,8 @@ pub struct FaultyStore {
     pub begins: RunCounter,
     /// How many `begin`s are still to fail.
     pub failed_begins: Arc<AtomicU32>,
+    /// How many `begin`s are still to land in `inner` and then fail as a timeout.
+    pub landed_failed_begins: Arc<AtomicU32>,
     /// How long each `begin` waits before it reaches `inner`.
     pub delay: Duration,
     /// How long each `commit` waits before it reaches `inner`.
@@ -72,6 +76,9 @@ impl IdempotencyStore for FaultyStore {
         }
         actix_rt::time::sleep(self.delay).await;
         let begun = self.inner.begin(key, fingerprint, token, lease).await;
+        if fails(&self.landed_failed_begins) {
+            return Err(StoreError::Timeout(Duration::from_secs(2)));
+        }
         actix_rt::time::sleep(self.begin_reply_delay).await;
         begun
     }

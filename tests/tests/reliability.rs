@@ -418,6 +418,76 @@ async fn a_waiting_retry_does_not_fail_open_beside_the_first_request() {
     assert_eq!(runs.get(), 1);
 }
 
+/// An app that fails open, whose first `begin` landed but did not answer (a store timeout,
+/// the store healthy again at once): the handler runs unprotected under the token that
+/// `begin` sent. A duplicate during the run meets that `begin`'s in-flight record and gets
+/// 409, and once the run is done a retry gets its replay. The token used to be abandoned at
+/// once, so the duplicate ran the handler beside the first (a second charge), and a retry
+/// after the response ran it again.
+#[actix_web::test]
+async fn fail_open_after_a_begin_that_landed_runs_the_handler_once() {
+    use futures_util::future::{Either, select};
+    let store = FaultyStore::default();
+    store
+        .landed_failed_begins
+        .store(1, std::sync::atomic::Ordering::SeqCst);
+    let routes = GatedRoutes::default();
+    let (runs, gate) = (routes.work_runs.clone(), routes.gate.clone());
+    let server = actix_test::start({
+        let store = store.clone();
+        move || {
+            App::new()
+                .wrap(
+                    Idempotency::new(store.clone())
+                        .on_store_error(FailMode::Open)
+                        .scope(KeyScope::global()),
+                )
+                .configure(routes.configure())
+        }
+    });
+    let client = awc::Client::default();
+    let url = server.url("/work");
+    let first = post(&client, &url, "k");
+    let duplicate = async {
+        runs.wait_for(1).await;
+        // Room for an abandon of the first `begin`'s token (sent 50 ms after it failed) to
+        // land, as it did before the fix.
+        actix_rt::time::sleep(Duration::from_millis(300)).await;
+        let duplicate = std::pin::pin!(post(&client, &url, "k"));
+        let second_run = std::pin::pin!(runs.wait_for(2));
+        let duplicate = match select(duplicate, second_run).await {
+            Either::Left((reply, _)) => reply,
+            Either::Right(((), duplicate)) => {
+                gate.open();
+                duplicate.await
+            }
+        };
+        gate.open();
+        duplicate
+    };
+    let (first, duplicate) = futures_util::future::join(first, duplicate).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(first.body, "work 1");
+    assert_eq!(
+        duplicate.status,
+        StatusCode::CONFLICT,
+        "the duplicate ran the handler beside the fail-open run: {:?}",
+        duplicate.body
+    );
+    // The run's response is committed right after it went out: until then, 409.
+    let retry = loop {
+        let retry = post(&client, &url, "k").await;
+        if retry.status != StatusCode::CONFLICT {
+            break retry;
+        }
+        actix_rt::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
+    assert!(retry.replayed, "the retry ran the handler again");
+    assert_eq!(retry.body, "work 1");
+    assert_eq!(runs.get(), 1);
+}
+
 /// Fails its first run (500, once the test opens the gate) and answers 201 `run N` after
 /// 300 ms on every later one.
 async fn fails_first(runs: web::Data<RunCounter>, gate: web::Data<Gate>) -> HttpResponse {
