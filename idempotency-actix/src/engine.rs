@@ -67,7 +67,10 @@ pub enum FailMode {
     /// key, gets 409 instead: it never runs the handler beside that one. After a `begin` that
     /// did not answer (it may have landed), the handler runs under that `begin`'s token: a
     /// duplicate meeting its record gets 409, and its response is committed right after it
-    /// goes out, so where the store answers again a retry gets the replay.
+    /// goes out, so where the store answers again a retry gets the replay. While the process
+    /// drains (`Idempotency::drain`), a new key whose `begin` failed gets the 503
+    /// `shutting-down` of any new key then: no handler runs unprotected in a process about to
+    /// stop.
     Open,
 }
 
@@ -325,8 +328,11 @@ impl Engine {
             .await;
         pending.armed.set(false);
         // Failing open, the handler runs under the token of a `begin` that did not answer
-        // (see `run_failed_open`), which abandons it only if its response is not committed.
-        let runs_under_token = self.settings.fail_mode == FailMode::Open && !policy.transactional;
+        // (see `run_failed_open`), which abandons it only if its response is not committed;
+        // not while draining, which refuses instead (below).
+        let runs_under_token = self.settings.fail_mode == FailMode::Open
+            && !policy.transactional
+            && !work_in_progress::draining();
         if begun
             .as_ref()
             .is_err_and(|error| !matches!(error, StoreError::Refused(_)))
@@ -442,6 +448,13 @@ impl Engine {
                 Ok(self.refuse(req, IdempotencyError::FingerprintMismatch))
             }
             Err(error) => match self.settings.fail_mode {
+                // Draining, no handler runs for a new key, not even unprotected: one whose
+                // client leaves is cut short, and the retry is for another instance.
+                FailMode::Open if work_in_progress::draining() => {
+                    tracing::warn!(%error, "idempotency store failed while the process drains; answering 503 (shutting-down) instead of failing open");
+                    let retry_after = self.settings.retry_after;
+                    Ok(self.refuse(req, IdempotencyError::ShuttingDown { retry_after }))
+                }
                 FailMode::Open => {
                     tracing::warn!(%error, "idempotency store failed; running the handler unprotected (fail-open)");
                     instrument::decided(&req.extensions(), Outcome::FailOpen);

@@ -77,7 +77,7 @@
 //! | keyed request that asks for a WebSocket upgrade (`Upgrade: websocket`) | 400 problem at once; the handler does not run (its body has no end to fingerprint) |
 //! | response body over the stored limit (1 MiB) | sent whole; the record completes without a body, so a retry never re-runs; the replay has the stored status and headers, an empty body and `Idempotent-Body-Omitted: true` |
 //! | the worker at its cap of keyed work (1024 in flight, 256 detached) | 503 problem with `Retry-After`; the handler does not run |
-//! | a new key while the process drains before it stops ([`Idempotency::drain`]) | 503 problem with `Retry-After` and `Connection: close`; the handler does not run |
+//! | a new key while the process drains before it stops ([`Idempotency::drain`]) | 503 problem with `Retry-After` and `Connection: close`; the handler does not run (with [`FailMode::Open`], not even after a failed `begin`) |
 //! | store unreachable, failing, or slower than the store timeout (2 s) | 503 problem with `Retry-After` (fail closed); [`FailMode::Open`] runs the handler unprotected and logs a warning, but for a retry that waited (`wait_for_completion`) and so knows its key in flight: 409; after a `begin` that did not answer, the run holds that `begin`'s token (a duplicate meeting its record gets 409) and its response is committed after it goes out, so once the store answers a retry gets the replay |
 //! | `GET`, `HEAD`, `OPTIONS`, `TRACE`, or unprotected routes | untouched, no store traffic |
 //!
