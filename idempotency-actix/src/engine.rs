@@ -470,15 +470,33 @@ impl Engine {
                         // Nothing was written (a full store): no token to run under.
                         return service.call(req).await.map(with_handler_body);
                     }
-                    Box::pin(self.run_failed_open(
-                        policy,
-                        req,
-                        service,
-                        &pending,
-                        fingerprint,
-                        body_len,
-                    ))
-                    .await
+                    let held = UnconfirmedBegin {
+                        storage_key: storage_key.clone(),
+                        token: *token,
+                        sent_at: pending.sent_at.get(),
+                        remember_for: pending.remember_for,
+                    };
+                    // Runs to its end, as a run that holds its key does, should the client
+                    // leave: cut short, it would leave its side effects half done and its
+                    // retry free to run again. It keeps the request's slot until then.
+                    let engine = Rc::clone(&self);
+                    let run = RunToCompletion::new(move || async move {
+                        let _slot = slot;
+                        engine
+                            .run_failed_open(policy, req, service, held, fingerprint, body_len)
+                            .await
+                    });
+                    match run.await {
+                        Ok(handled) => handled,
+                        Err(panic) => {
+                            tracing::error!(
+                                panic = panic_message(panic.as_ref()),
+                                "idempotency: the request panicked (fail-open)"
+                            );
+                            self.abandon_in_background(&pending);
+                            Err(IdempotencyError::HandlerPanicked.into())
+                        }
+                    }
                 }
                 FailMode::Closed => {
                     tracing::error!(%error, "idempotency store failed; answering 503 (fail-closed)");
@@ -505,13 +523,13 @@ impl Engine {
     /// a free key), a retry gets the replay instead of a second run. Where the response is
     /// not stored (an error, a panic, a streamed body) or its commit fails or finds another
     /// request's record, the token is abandoned in the background, as it would have been at
-    /// once before the run.
+    /// once before the run. Its caller runs it to its end even if the client leaves.
     async fn run_failed_open<S, B>(
         self: &Rc<Self>,
         policy: Policy,
         req: ServiceRequest,
         service: Rc<S>,
-        pending: &PendingBegin,
+        held: UnconfirmedBegin,
         fingerprint: Fingerprint,
         body_len: usize,
     ) -> Result<Response<B>, actix_web::Error>
@@ -521,12 +539,12 @@ impl Engine {
         B: MessageBody + 'static,
     {
         let lock = Rc::new(HeldLock {
-            storage_key: pending.storage_key.clone(),
+            storage_key: held.storage_key,
             fingerprint,
-            token: pending.token,
+            token: held.token,
             body_len,
             lease: Cell::new(policy.lease),
-            renewed_at: Cell::new(pending.sent_at.get()),
+            renewed_at: Cell::new(held.sent_at),
             applied_lease: Cell::new(policy.lease),
             route_policy: RefCell::new(None),
             lost_reported: Cell::new(false),
@@ -538,12 +556,8 @@ impl Engine {
         });
         // A route layer further in applies its policy (what is stored, the lease) to it.
         claim_with_lock(&req, self, &lock);
-        // Should the client leave during the run, the token is abandoned as the request's
-        // future is dropped.
-        pending.armed.set(true);
         let work = self.run_and_capture(policy, &lock, req, service);
         let handled = while_renewing_lease(work, &lock).await;
-        pending.armed.set(false);
         let (result, stored) = match handled {
             Handled::Panicked => {
                 tracing::error!("idempotency: handler panicked (fail-open)");
@@ -563,8 +577,11 @@ impl Engine {
             ),
         };
         match stored {
-            Some((stored, ttl)) => self.commit_failed_open(lock, stored, ttl, pending.remember_for),
-            None => self.abandon_in_background(pending),
+            Some((stored, ttl)) => self.commit_failed_open(lock, stored, ttl, held.remember_for),
+            None => {
+                let (key, token) = (&lock.storage_key, lock.token);
+                self.abandon_token_in_background(key, token, lock.lease.get(), held.remember_for);
+            }
         }
         result
     }
@@ -1129,6 +1146,17 @@ impl Drop for PendingBegin {
             self.engine.abandon_in_background(self);
         }
     }
+}
+
+/// The `begin` a request that fails open runs under: it did not answer, so it may hold the
+/// key or never will (see [`Engine::run_failed_open`]).
+struct UnconfirmedBegin {
+    storage_key: StorageKey,
+    token: LeaseToken,
+    /// When it was sent: a lease it took runs from no earlier.
+    sent_at: Instant,
+    /// How long the store remembers the token if it is abandoned: the route's ttl.
+    remember_for: Duration,
 }
 
 /// What became of a request whose lock was acquired.

@@ -488,6 +488,64 @@ async fn fail_open_after_a_begin_that_landed_runs_the_handler_once() {
     assert_eq!(runs.get(), 1);
 }
 
+/// An app that fails open, whose `begin` landed but did not answer: the client resets the
+/// connection while the handler runs under that `begin`'s token. The run goes on to its
+/// end, as a keyed run does, and its response is committed, so the retry gets the replay.
+/// The run used to be dropped with the request's future, cut short, and the retry ran the
+/// handler again.
+#[actix_web::test]
+async fn a_fail_open_run_whose_client_left_runs_to_its_end_and_is_replayed() {
+    let store = FaultyStore::default();
+    store
+        .landed_failed_begins
+        .store(1, std::sync::atomic::Ordering::SeqCst);
+    let routes = GatedRoutes::default();
+    let (runs, gate) = (routes.work_runs.clone(), routes.gate.clone());
+    let server = actix_test::start({
+        let store = store.clone();
+        move || {
+            App::new()
+                .wrap(
+                    Idempotency::new(store.clone())
+                        .on_store_error(FailMode::Open)
+                        .scope(KeyScope::global()),
+                )
+                .configure(routes.configure())
+        }
+    });
+    let mut socket = std::net::TcpStream::connect(server.addr()).unwrap();
+    write!(
+        socket,
+        "POST /work HTTP/1.1\r\nHost: test\r\nIdempotency-Key: gone\r\n\
+         Content-Length: 2\r\n\r\n{{}}"
+    )
+    .unwrap();
+    runs.wait_for(1).await;
+    reset(socket);
+    // Room for Actix to see the reset and drop the request's future before the run ends.
+    actix_rt::time::sleep(Duration::from_millis(300)).await;
+    gate.open();
+
+    let client = awc::Client::default();
+    let url = server.url("/work");
+    // The run's response is committed right after it ends: until then, 409.
+    let retry = loop {
+        let retry = post(&client, &url, "gone").await;
+        if retry.status != StatusCode::CONFLICT {
+            break retry;
+        }
+        actix_rt::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
+    assert!(
+        retry.replayed,
+        "the retry ran the handler again: {:?}",
+        retry.body
+    );
+    assert_eq!(retry.body, "work 1");
+    assert_eq!(runs.get(), 1);
+}
+
 /// Fails its first run (500, once the test opens the gate) and answers 201 `run N` after
 /// 300 ms on every later one.
 async fn fails_first(runs: web::Data<RunCounter>, gate: web::Data<Gate>) -> HttpResponse {
