@@ -480,11 +480,39 @@ impl Engine {
                     // leave: cut short, it would leave its side effects half done and its
                     // retry free to run again. It keeps the request's slot until then.
                     let engine = Rc::clone(&self);
+                    let (key, token, lease) = (storage_key.clone(), *token, pending.lease);
+                    let remember_for = pending.remember_for;
                     let run = RunToCompletion::new(move || async move {
                         let _slot = slot;
-                        engine
-                            .run_failed_open(policy, req, service, held, fingerprint, body_len)
-                            .await
+                        let ran = engine.run_failed_open(
+                            policy,
+                            req,
+                            service,
+                            held,
+                            fingerprint,
+                            body_len,
+                        );
+                        match AssertUnwindSafe(ran).catch_unwind().await {
+                            Ok(handled) => handled,
+                            // A panic outside the handler's own catch (a response body's
+                            // `size`, say), caught inside the run so that the token is
+                            // abandoned also on the task a run goes on with once its client
+                            // has left: uncaught there, the `begin` that landed kept the key
+                            // locked (409) for a lease with no handler running.
+                            Err(panic) => {
+                                tracing::error!(
+                                    panic = panic_message(panic.as_ref()),
+                                    "idempotency: the request panicked (fail-open)"
+                                );
+                                engine.abandon_token_in_background(
+                                    &key,
+                                    token,
+                                    lease,
+                                    remember_for,
+                                );
+                                Err(IdempotencyError::HandlerPanicked.into())
+                            }
+                        }
                     });
                     match run.await {
                         Ok(handled) => handled,

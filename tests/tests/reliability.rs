@@ -759,6 +759,55 @@ async fn a_run_whose_client_left_and_that_panics_after_the_handler_releases_the_
     assert_eq!(runs.get(), 2);
 }
 
+/// The same, on an app that fails open after a `begin` that landed but did not answer: the
+/// run under that `begin`'s token goes on without its client and panics once the handler is
+/// done. Its token is abandoned, as when the client stays, so the retry is not locked out
+/// (409) for a lease by a record no one renews, commits or gives back.
+#[actix_web::test]
+async fn a_fail_open_run_whose_client_left_and_that_panics_after_the_handler_frees_the_key() {
+    let runs = RunCounter::default();
+    let store = FaultyStore::default();
+    store
+        .landed_failed_begins
+        .store(1, std::sync::atomic::Ordering::SeqCst);
+    let server = actix_test::start({
+        let (runs, store) = (runs.clone(), store.clone());
+        move || {
+            App::new()
+                .app_data(web::Data::new(runs.clone()))
+                .wrap(
+                    Idempotency::new(store.clone())
+                        .on_store_error(FailMode::Open)
+                        .scope(KeyScope::global()),
+                )
+                .service(
+                    web::resource("/panicky")
+                        .wrap(IdempotentRoute::new())
+                        .route(web::post().to(slow_with_a_panicking_body)),
+                )
+        }
+    });
+    let mut socket = std::net::TcpStream::connect(server.addr()).unwrap();
+    write!(
+        socket,
+        "POST /panicky HTTP/1.1\r\nHost: test\r\nIdempotency-Key: gone\r\n\
+         Content-Length: 2\r\n\r\n{{}}"
+    )
+    .unwrap();
+    runs.wait_for(1).await;
+    reset(socket);
+
+    actix_rt::time::sleep(Duration::from_millis(600)).await;
+    let client = awc::Client::default();
+    let retry = post(&client, &server.url("/panicky"), "gone").await;
+    assert_ne!(
+        retry.status,
+        StatusCode::CONFLICT,
+        "the key stayed locked by the panicked fail-open run"
+    );
+    assert_eq!(runs.get(), 2);
+}
+
 /// A streamed body (one chunk, then its end) whose `Drop` panics, as a body that checks an
 /// invariant as it is dropped may.
 struct DropPanics {
