@@ -350,3 +350,76 @@ async fn a_renewal_connection_that_goes_silent_is_replaced() {
     assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
     assert_eq!(orders.get(), 1);
 }
+
+/// New connections to PostgreSQL hang (the server or a pooler in front of it no longer
+/// finishes logins: an overloaded server's full listen backlog, a firewall's full connection
+/// table) while the pool's open connections still work, with the default store timeout (2 s,
+/// the renewal connection's connect timeout too). Every renewal tries to open the renewal
+/// connection (they come more than `REOPEN_AFTER` apart) and is given up by the store
+/// timeout before it falls back to the pool: the lease lapses and another instance runs
+/// the handler a second time. Renewals on the pool, as before, kept it.
+#[actix_web::test]
+async fn renewals_reach_the_pool_while_new_connections_hang() {
+    // Renewals every 1.5 s, each given up after 1.5 s (under the 2 s a connection may take
+    // to open).
+    let lease = Duration::from_millis(4_500);
+    let database = TestDatabase::create().await;
+    let config: tokio_postgres::Config = database.url().parse().unwrap();
+    let port = config.get_ports().first().copied().unwrap_or(5432);
+    let proxy = MovableAddress::to(port);
+    let proxied_url = format!(
+        "postgres://{}@127.0.0.1:{}/{}",
+        config.get_user().unwrap(),
+        proxy.port(),
+        config.get_dbname().unwrap()
+    );
+    let direct = PostgresStore::new(pool_of_two(&database));
+    direct.migrate().await.unwrap();
+    let proxied = PostgresStore::new(pool_of_two_on(&proxied_url));
+    // Takes connections into its backlog and never answers a login.
+    let black_hole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let (orders, held) = (RunCounter::default(), Gate::default());
+    let instance = |store: PostgresStore| {
+        let (orders, held) = (orders.clone(), held.clone());
+        actix_test::start(move || {
+            App::new()
+                .app_data(web::Data::new(orders.clone()))
+                .app_data(web::Data::new(held.clone()))
+                .wrap(
+                    Idempotency::postgres(store.clone())
+                        .store_timeout(Duration::from_millis(1_500)),
+                )
+                .service(
+                    web::resource("/orders")
+                        .wrap(IdempotentRoute::with_policy(
+                            IdempotencyPolicy::default().lease(lease),
+                        ))
+                        .route(web::post().to(order)),
+                )
+        })
+    };
+    let (first_instance, second_instance) = (instance(proxied), instance(direct));
+    let client = awc::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .finish();
+    let post = |server: &actix_test::TestServer, key: &str| {
+        let request = client
+            .post(server.url("/orders"))
+            .insert_header(("idempotency-key", key.to_owned()));
+        actix_rt::spawn(async move { Reply::read(request.send().await.unwrap()).await.unwrap() })
+    };
+
+    let first = post(&first_instance, "order");
+    orders.wait_for(1).await;
+    // The pooled connection its `begin` took stays open; new connections hang from now on,
+    // before the first renewal opens the renewal connection.
+    proxy.move_to(black_hole.local_addr().unwrap().port());
+    actix_rt::time::sleep(lease + Duration::from_millis(1_500)).await;
+
+    let duplicate = post(&second_instance, "order").await.unwrap();
+    assert_eq!(orders.get(), 1, "the handler ran a second time");
+    assert_eq!(duplicate.status, StatusCode::CONFLICT, "{duplicate:?}");
+    held.open();
+    assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+    drop(black_hole);
+}

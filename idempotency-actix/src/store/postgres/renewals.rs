@@ -14,8 +14,9 @@
 //! One connection per thread: its I/O runs on a task of the runtime that opened it, and
 //! each Actix worker is a single-threaded runtime of its own, so a connection opened on one
 //! worker would make the renewals of every other worker depend on that worker being free to
-//! run. A connection is opened on first use, replaced when it closes, and while one cannot be
-//! opened (tried again after [`REOPEN_AFTER`]) renewals take a pooled connection as before.
+//! run. A connection is opened on first use, replaced when it closes, and until one is open
+//! (it opens on a task of its own, which no renewal waits for; tried again after
+//! [`REOPEN_AFTER`]) renewals take a pooled connection as before.
 //!
 //! A connection is also replaced once a renewal on it gave up waiting for its answer (the
 //! store timeout): a connection that went silent (a firewall or NAT dropping the flow) never
@@ -48,8 +49,8 @@ pub(super) struct RenewalConnections {
 /// The renewal connection of one thread.
 #[derive(Default)]
 struct ThreadConnection {
-    /// Held while the connection is opened, so that the renewals of the thread wait for one
-    /// connection instead of each opening their own.
+    /// The connection, and when one was last tried: `tried_at` lets one attempt at a time
+    /// open it, in the background (see [`RenewalConnections::client`]).
     state: AsyncMutex<ConnectionState>,
 }
 
@@ -114,8 +115,12 @@ struct ConnectionState {
 }
 
 impl RenewalConnections {
-    /// This thread's renewal connection, opened now if there is none or it closed; `None`
-    /// while one cannot be opened (the caller takes a pooled connection).
+    /// This thread's renewal connection; `None` while there is none open (the caller takes
+    /// a pooled connection), one being then opened on a task of this thread's own. No
+    /// renewal waits for it to open: one that did could be given up by the store timeout
+    /// before it fell back to the pool, and so could every renewal of the thread waiting
+    /// behind it, while new connections hang (an overloaded server, a full firewall table)
+    /// and the pool's open ones still answer.
     pub(super) async fn client(&self, pool: &PostgresPool) -> Option<Arc<RenewalClient>> {
         let connection = self.of_this_thread();
         let mut state = connection.state.lock().await;
@@ -130,26 +135,34 @@ impl RenewalConnections {
             return None;
         }
         state.tried_at = Some(Instant::now());
-        match actix_rt::time::timeout(CONNECT_TIMEOUT, pool.dedicated_connection()).await {
-            Ok(Ok(client)) => {
-                let client = Arc::new(RenewalClient {
-                    client,
-                    gave_up: AtomicBool::new(false),
-                });
-                state.client = Some(Arc::clone(&client));
-                Some(client)
+        drop(state);
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return None;
+        };
+        let pool = pool.clone();
+        // On this thread's runtime (an Actix worker's is single-threaded): the connection's
+        // I/O runs there.
+        drop(runtime.spawn(async move {
+            let opened =
+                actix_rt::time::timeout(CONNECT_TIMEOUT, pool.dedicated_connection()).await;
+            match opened {
+                Ok(Ok(client)) => {
+                    connection.state.lock().await.client = Some(Arc::new(RenewalClient {
+                        client,
+                        gave_up: AtomicBool::new(false),
+                    }));
+                }
+                Ok(Err(error)) => {
+                    tracing::debug!(%error, "idempotency: cannot open a PostgreSQL connection for renewals; renewing on the pool");
+                }
+                Err(_) => {
+                    tracing::debug!(
+                        "idempotency: opening a PostgreSQL connection for renewals timed out; renewing on the pool"
+                    );
+                }
             }
-            Ok(Err(error)) => {
-                tracing::debug!(%error, "idempotency: cannot open a PostgreSQL connection for renewals; renewing on the pool");
-                None
-            }
-            Err(_) => {
-                tracing::debug!(
-                    "idempotency: opening a PostgreSQL connection for renewals timed out; renewing on the pool"
-                );
-                None
-            }
-        }
+        }));
+        None
     }
 
     /// Drops `client`, this thread's connection, which lost its session: the next renewal
