@@ -329,10 +329,12 @@ impl Engine {
         pending.armed.set(false);
         // Failing open, the handler runs under the token of a `begin` that did not answer
         // (see `run_failed_open`), which abandons it only if its response is not committed;
-        // not while draining, which refuses instead (below).
-        let runs_under_token = self.settings.fail_mode == FailMode::Open
-            && !policy.transactional
-            && !work_in_progress::draining();
+        // not while draining, which refuses instead (below). Read once: a drain that began
+        // between two reads would refuse the request without abandoning its token, and a
+        // `begin` that landed would hold the key for a lease.
+        let draining = work_in_progress::draining();
+        let runs_under_token =
+            self.settings.fail_mode == FailMode::Open && !policy.transactional && !draining;
         if begun
             .as_ref()
             .is_err_and(|error| !matches!(error, StoreError::Refused(_)))
@@ -450,7 +452,7 @@ impl Engine {
             Err(error) => match self.settings.fail_mode {
                 // Draining, no handler runs for a new key, not even unprotected: one whose
                 // client leaves is cut short, and the retry is for another instance.
-                FailMode::Open if work_in_progress::draining() => {
+                FailMode::Open if draining => {
                     tracing::warn!(%error, "idempotency store failed while the process drains; answering 503 (shutting-down) instead of failing open");
                     let retry_after = self.settings.retry_after;
                     Ok(self.refuse(req, IdempotencyError::ShuttingDown { retry_after }))
