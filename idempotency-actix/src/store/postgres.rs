@@ -76,8 +76,8 @@ pub const EXPIRY_BATCH: i64 = 1_000;
 /// opens one connection of the store's own for them with the pool's connection manager, on
 /// first use and beyond the pool's `max_size`, and sends its renewals over it, pipelined. So
 /// a pool saturated by `begin`s (a retry storm, slow writes) does not keep renewals from the
-/// database until a lease lapses under a running handler; while that connection cannot be
-/// opened, renewals take pooled connections.
+/// database until a lease lapses under a running handler; until that connection is open (it
+/// opens in the background) or while it cannot be opened, renewals take pooled connections.
 ///
 /// The pool built by [`PostgresStore::pool`] skips bb8's health check on checkout; a
 /// connection that fails because the server went away is discarded and the statement retried
