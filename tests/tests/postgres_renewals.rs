@@ -283,6 +283,80 @@ fn pool_of_two_on(url: &str) -> PostgresPool {
         .build_unchecked(manager)
 }
 
+/// Two instances of one app on one database, the first reaching PostgreSQL through a proxy
+/// of the test's own, the second directly; `/orders` holds its first run until `held` opens.
+struct ProxiedPair {
+    _database: TestDatabase,
+    proxy: MovableAddress,
+    first: actix_test::TestServer,
+    second: actix_test::TestServer,
+    orders: RunCounter,
+    held: Gate,
+    client: awc::Client,
+}
+
+impl ProxiedPair {
+    async fn start(lease: Duration, store_timeout: Duration) -> Self {
+        let database = TestDatabase::create().await;
+        let config: tokio_postgres::Config = database.url().parse().unwrap();
+        let port = config.get_ports().first().copied().unwrap_or(5432);
+        let proxy = MovableAddress::to(port);
+        let proxied_url = format!(
+            "postgres://{}@127.0.0.1:{}/{}",
+            config.get_user().unwrap(),
+            proxy.port(),
+            config.get_dbname().unwrap()
+        );
+        let direct = PostgresStore::new(pool_of_two(&database));
+        direct.migrate().await.unwrap();
+        let proxied = PostgresStore::new(pool_of_two_on(&proxied_url));
+        let (orders, held) = (RunCounter::default(), Gate::default());
+        let instance = |store: PostgresStore| {
+            let (orders, held) = (orders.clone(), held.clone());
+            actix_test::start(move || {
+                App::new()
+                    .app_data(web::Data::new(orders.clone()))
+                    .app_data(web::Data::new(held.clone()))
+                    .wrap(Idempotency::postgres(store.clone()).store_timeout(store_timeout))
+                    .service(
+                        web::resource("/orders")
+                            .wrap(IdempotentRoute::with_policy(
+                                IdempotencyPolicy::default().lease(lease),
+                            ))
+                            .route(web::post().to(order)),
+                    )
+            })
+        };
+        let (first, second) = (instance(proxied), instance(direct));
+        // The test server's own client gives up after 5 s.
+        let client = awc::Client::builder()
+            .timeout(Duration::from_secs(30))
+            .finish();
+        Self {
+            _database: database,
+            proxy,
+            first,
+            second,
+            orders,
+            held,
+            client,
+        }
+    }
+
+    /// Posts `key` to `/orders` of `server` (one of the pair), answered on a task.
+    fn post(
+        &self,
+        server: &actix_test::TestServer,
+        key: &str,
+    ) -> actix_rt::task::JoinHandle<Reply> {
+        let request = self
+            .client
+            .post(server.url("/orders"))
+            .insert_header(("idempotency-key", key.to_owned()));
+        actix_rt::spawn(async move { Reply::read(request.send().await.unwrap()).await.unwrap() })
+    }
+}
+
 /// The renewal connection goes silent (a firewall or NAT dropping the flow: nothing is
 /// answered, nothing looks closed) while a handler runs on one instance: its renewals time
 /// out, and the next one must go over a new connection, or the lease lapses and another
@@ -292,63 +366,22 @@ fn pool_of_two_on(url: &str) -> PostgresPool {
 async fn a_renewal_connection_that_goes_silent_is_replaced() {
     // Renewals every 1.5 s, each given up after 500 ms.
     let lease = Duration::from_millis(4_500);
-    let database = TestDatabase::create().await;
-    let config: tokio_postgres::Config = database.url().parse().unwrap();
-    let port = config.get_ports().first().copied().unwrap_or(5432);
-    let proxy = MovableAddress::to(port);
-    let proxied_url = format!(
-        "postgres://{}@127.0.0.1:{}/{}",
-        config.get_user().unwrap(),
-        proxy.port(),
-        config.get_dbname().unwrap()
-    );
-    let direct = PostgresStore::new(pool_of_two(&database));
-    direct.migrate().await.unwrap();
-    let proxied = PostgresStore::new(pool_of_two_on(&proxied_url));
-    let (orders, held) = (RunCounter::default(), Gate::default());
-    let instance = |store: PostgresStore| {
-        let (orders, held) = (orders.clone(), held.clone());
-        actix_test::start(move || {
-            App::new()
-                .app_data(web::Data::new(orders.clone()))
-                .app_data(web::Data::new(held.clone()))
-                .wrap(
-                    Idempotency::postgres(store.clone()).store_timeout(Duration::from_millis(500)),
-                )
-                .service(
-                    web::resource("/orders")
-                        .wrap(IdempotentRoute::with_policy(
-                            IdempotencyPolicy::default().lease(lease),
-                        ))
-                        .route(web::post().to(order)),
-                )
-        })
-    };
-    let (first_instance, second_instance) = (instance(proxied), instance(direct));
-    let client = awc::Client::builder()
-        .timeout(Duration::from_secs(30))
-        .finish();
-    let post = |server: &actix_test::TestServer, key: &str| {
-        let request = client
-            .post(server.url("/orders"))
-            .insert_header(("idempotency-key", key.to_owned()));
-        actix_rt::spawn(async move { Reply::read(request.send().await.unwrap()).await.unwrap() })
-    };
+    let pair = ProxiedPair::start(lease, Duration::from_millis(500)).await;
 
-    let first = post(&first_instance, "order");
-    orders.wait_for(1).await;
+    let first = pair.post(&pair.first, "order");
+    pair.orders.wait_for(1).await;
     // A renewal has opened the renewal connection (a third of the lease in).
     actix_rt::time::sleep(Duration::from_secs(2)).await;
-    proxy.silence_open_connections();
+    pair.proxy.silence_open_connections();
     actix_rt::time::sleep(lease + Duration::from_millis(1_500)).await;
 
-    let duplicate = post(&second_instance, "order").await.unwrap();
-    assert_eq!(orders.get(), 1, "the handler ran a second time");
+    let duplicate = pair.post(&pair.second, "order").await.unwrap();
+    assert_eq!(pair.orders.get(), 1, "the handler ran a second time");
     assert_eq!(duplicate.status, StatusCode::CONFLICT, "{duplicate:?}");
-    held.open();
+    pair.held.open();
     // Its commit goes over the silenced pool: the response still reaches the client.
     assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
-    assert_eq!(orders.get(), 1);
+    assert_eq!(pair.orders.get(), 1);
 }
 
 /// New connections to PostgreSQL hang (the server or a pooler in front of it no longer
@@ -363,63 +396,21 @@ async fn renewals_reach_the_pool_while_new_connections_hang() {
     // Renewals every 1.5 s, each given up after 1.5 s (under the 2 s a connection may take
     // to open).
     let lease = Duration::from_millis(4_500);
-    let database = TestDatabase::create().await;
-    let config: tokio_postgres::Config = database.url().parse().unwrap();
-    let port = config.get_ports().first().copied().unwrap_or(5432);
-    let proxy = MovableAddress::to(port);
-    let proxied_url = format!(
-        "postgres://{}@127.0.0.1:{}/{}",
-        config.get_user().unwrap(),
-        proxy.port(),
-        config.get_dbname().unwrap()
-    );
-    let direct = PostgresStore::new(pool_of_two(&database));
-    direct.migrate().await.unwrap();
-    let proxied = PostgresStore::new(pool_of_two_on(&proxied_url));
+    let pair = ProxiedPair::start(lease, Duration::from_millis(1_500)).await;
     // Takes connections into its backlog and never answers a login.
     let black_hole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let (orders, held) = (RunCounter::default(), Gate::default());
-    let instance = |store: PostgresStore| {
-        let (orders, held) = (orders.clone(), held.clone());
-        actix_test::start(move || {
-            App::new()
-                .app_data(web::Data::new(orders.clone()))
-                .app_data(web::Data::new(held.clone()))
-                .wrap(
-                    Idempotency::postgres(store.clone())
-                        .store_timeout(Duration::from_millis(1_500)),
-                )
-                .service(
-                    web::resource("/orders")
-                        .wrap(IdempotentRoute::with_policy(
-                            IdempotencyPolicy::default().lease(lease),
-                        ))
-                        .route(web::post().to(order)),
-                )
-        })
-    };
-    let (first_instance, second_instance) = (instance(proxied), instance(direct));
-    let client = awc::Client::builder()
-        .timeout(Duration::from_secs(30))
-        .finish();
-    let post = |server: &actix_test::TestServer, key: &str| {
-        let request = client
-            .post(server.url("/orders"))
-            .insert_header(("idempotency-key", key.to_owned()));
-        actix_rt::spawn(async move { Reply::read(request.send().await.unwrap()).await.unwrap() })
-    };
 
-    let first = post(&first_instance, "order");
-    orders.wait_for(1).await;
+    let first = pair.post(&pair.first, "order");
+    pair.orders.wait_for(1).await;
     // The pooled connection its `begin` took stays open; new connections hang from now on,
     // before the first renewal opens the renewal connection.
-    proxy.move_to(black_hole.local_addr().unwrap().port());
+    pair.proxy.move_to(black_hole.local_addr().unwrap().port());
     actix_rt::time::sleep(lease + Duration::from_millis(1_500)).await;
 
-    let duplicate = post(&second_instance, "order").await.unwrap();
-    assert_eq!(orders.get(), 1, "the handler ran a second time");
+    let duplicate = pair.post(&pair.second, "order").await.unwrap();
+    assert_eq!(pair.orders.get(), 1, "the handler ran a second time");
     assert_eq!(duplicate.status, StatusCode::CONFLICT, "{duplicate:?}");
-    held.open();
+    pair.held.open();
     assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
     drop(black_hole);
 }

@@ -42,32 +42,14 @@ async fn refused_until_the_functions_are_loaded(redis: PrivateRedis) {
 
     let pool = RedisStore::pool(&url_of(&redis, "app")).unwrap();
     let app = FloodServer::start(move || Idempotency::redis(pool.clone()), 64);
-    for attempt in 0..3 {
-        let refused = app.post("/orders", "charge-1").await;
-        assert_eq!(
-            refused.status,
-            StatusCode::SERVICE_UNAVAILABLE,
-            "attempt {attempt}: {refused:?}"
-        );
-    }
-    assert_eq!(app.runs.get(), 0, "a handler ran with nothing to fence it");
+    refused_with_no_run(&app).await;
     let keys: u64 = redis::cmd("DBSIZE").query_async(&mut admin).await.unwrap();
     assert_eq!(keys, 0, "refused requests left records behind");
 
     // An app connecting as the default user loads the functions on its first request.
     let admin_pool = RedisStore::pool(&redis.url()).unwrap();
     let loader = FloodServer::start(move || Idempotency::redis(admin_pool.clone()), 64);
-    assert_eq!(
-        loader.post("/orders", "load").await.status,
-        StatusCode::CREATED
-    );
-
-    let first = app.post("/orders", "charge-1").await;
-    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
-    let replay = app.post("/orders", "charge-1").await;
-    assert!(replay.is_replay(), "{replay:?}");
-    assert_eq!(replay.body, first.body);
-    assert_eq!(app.runs.get(), 1);
+    served_once_loaded(&app, &loader).await;
 }
 
 /// The same on a Redis Cluster of its own (3 primaries, 3 replicas), whose functions no
@@ -88,6 +70,15 @@ async fn a_cluster_user_who_cannot_load_the_functions_is_refused_until_they_are_
         .collect();
     let client = RedisClusterStore::client(app_urls).unwrap();
     let app = FloodServer::start(move || Idempotency::redis_cluster(client.clone()), 64);
+    refused_with_no_run(&app).await;
+
+    let admin_client = cluster.client();
+    let loader = FloodServer::start(move || Idempotency::redis_cluster(admin_client.clone()), 64);
+    served_once_loaded(&app, &loader).await;
+}
+
+/// Keyed requests to `app` get 503, and no handler runs.
+async fn refused_with_no_run(app: &FloodServer) {
     for attempt in 0..3 {
         let refused = app.post("/orders", "charge-1").await;
         assert_eq!(
@@ -97,14 +88,15 @@ async fn a_cluster_user_who_cannot_load_the_functions_is_refused_until_they_are_
         );
     }
     assert_eq!(app.runs.get(), 0, "a handler ran with nothing to fence it");
+}
 
-    let admin_client = cluster.client();
-    let loader = FloodServer::start(move || Idempotency::redis_cluster(admin_client.clone()), 64);
+/// Once `loader` (a user who may) has loaded the functions with a request of its own, `app`
+/// runs a new key once and replays it.
+async fn served_once_loaded(app: &FloodServer, loader: &FloodServer) {
     assert_eq!(
         loader.post("/orders", "load").await.status,
         StatusCode::CREATED
     );
-
     let first = app.post("/orders", "charge-1").await;
     assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
     let replay = app.post("/orders", "charge-1").await;
