@@ -283,6 +283,20 @@ fn pool_of_two_on(url: &str) -> PostgresPool {
         .build_unchecked(manager)
 }
 
+/// A proxy of the test's own to `database`'s server, and the URL of `database` through it.
+fn proxied(database: &TestDatabase) -> (MovableAddress, String) {
+    let config: tokio_postgres::Config = database.url().parse().unwrap();
+    let port = config.get_ports().first().copied().unwrap_or(5432);
+    let proxy = MovableAddress::to(port);
+    let url = format!(
+        "postgres://{}@127.0.0.1:{}/{}",
+        config.get_user().unwrap(),
+        proxy.port(),
+        config.get_dbname().unwrap()
+    );
+    (proxy, url)
+}
+
 /// Two instances of one app on one database, the first reaching PostgreSQL through a proxy
 /// of the test's own, the second directly; `/orders` holds its first run until `held` opens.
 struct ProxiedPair {
@@ -298,15 +312,7 @@ struct ProxiedPair {
 impl ProxiedPair {
     async fn start(lease: Duration, store_timeout: Duration) -> Self {
         let database = TestDatabase::create().await;
-        let config: tokio_postgres::Config = database.url().parse().unwrap();
-        let port = config.get_ports().first().copied().unwrap_or(5432);
-        let proxy = MovableAddress::to(port);
-        let proxied_url = format!(
-            "postgres://{}@127.0.0.1:{}/{}",
-            config.get_user().unwrap(),
-            proxy.port(),
-            config.get_dbname().unwrap()
-        );
+        let (proxy, proxied_url) = proxied(&database);
         let direct = PostgresStore::new(pool_of_two(&database));
         direct.migrate().await.unwrap();
         let proxied = PostgresStore::new(pool_of_two_on(&proxied_url));
@@ -413,4 +419,101 @@ async fn renewals_reach_the_pool_while_new_connections_hang() {
     pair.held.open();
     assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
     drop(black_hole);
+}
+
+/// Counts its run and holds its key until the gate opens.
+async fn held_order(runs: web::Data<RunCounter>, gate: web::Data<Gate>) -> HttpResponse {
+    runs.record();
+    gate.wait().await;
+    HttpResponse::Created().finish()
+}
+
+/// New connections to PostgreSQL are refused (a server or a role at its connection limit)
+/// while the pool's open connections still work, and leases are renewed on two workers at
+/// once (two instances of one app sharing one store, each on a worker thread of its own):
+/// each worker tries to open its renewal connection at most once a second, and renews on
+/// the pool meanwhile. The first renewal of one worker used to drop the other's entry,
+/// which had no connection, and each worker's next renewal then tried again at once: a
+/// connection attempt (a forked backend, on PostgreSQL) for nearly every renewal.
+#[actix_web::test]
+async fn refused_renewal_connections_are_tried_once_a_second_per_worker() {
+    let lease = Duration::from_millis(600);
+    let database = TestDatabase::create().await;
+    let (proxy, proxied_url) = proxied(&database);
+    PostgresStore::new(pool_of_two(&database))
+        .migrate()
+        .await
+        .unwrap();
+    let pool = pool_of_two_on(&proxied_url);
+    // The pool's two connections open now; every connection opened later is refused.
+    let (first, second) = futures_util::future::join(pool.get(), pool.get()).await;
+    drop((first.unwrap(), second.unwrap()));
+    let refuser = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let attempts = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    proxy.move_to(refuser.local_addr().unwrap().port());
+    std::thread::spawn({
+        let attempts = Arc::clone(&attempts);
+        move || {
+            for refused in refuser.incoming() {
+                attempts.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                drop(refused);
+            }
+        }
+    });
+
+    let store = PostgresStore::new(pool);
+    let (runs, gate) = (RunCounter::default(), Gate::default());
+    let instance = || {
+        let (store, runs, gate) = (store.clone(), runs.clone(), gate.clone());
+        actix_test::start(move || {
+            App::new()
+                .app_data(web::Data::new(runs.clone()))
+                .app_data(web::Data::new(gate.clone()))
+                .wrap(Idempotency::postgres(store.clone()))
+                .service(
+                    web::resource("/orders")
+                        .wrap(IdempotentRoute::with_policy(
+                            IdempotencyPolicy::default().lease(lease),
+                        ))
+                        .route(web::post().to(held_order)),
+                )
+        })
+    };
+    let servers = [instance(), instance()];
+    let client = awc::Client::builder()
+        .connector(awc::Connector::new().limit(0))
+        .timeout(Duration::from_secs(30))
+        .finish();
+    // Posts `key` to one of the two instances, answered on a task.
+    let post = |index: usize, key: &'static str| {
+        let request = client
+            .post(servers[index % 2].url("/orders"))
+            .insert_header(("idempotency-key", key));
+        actix_rt::spawn(async move { Reply::read(request.send().await.unwrap()).await.unwrap() })
+    };
+    let held: Vec<_> = ["a", "b", "c", "d"]
+        .into_iter()
+        .enumerate()
+        .map(|(index, key)| post(index, key))
+        .collect();
+    runs.wait_for(4).await;
+
+    // Renewals every 200 ms for each of the four keys, for 3 s.
+    let before = attempts.load(std::sync::atomic::Ordering::SeqCst);
+    actix_rt::time::sleep(Duration::from_secs(3)).await;
+    let tried = attempts.load(std::sync::atomic::Ordering::SeqCst) - before;
+    // At most one attempt a second on each of the two workers, and one more each for the
+    // moment the 3 s start in.
+    assert!(
+        tried <= 8,
+        "{tried} renewal connections tried in 3 s on two workers"
+    );
+    // The leases held, on the pool.
+    let duplicate = post(0, "a").await.unwrap();
+    assert_eq!(duplicate.status, StatusCode::CONFLICT, "{duplicate:?}");
+    gate.open();
+    for reply in held {
+        assert_eq!(reply.await.unwrap().status, StatusCode::CREATED);
+    }
+    assert_eq!(runs.get(), 4);
 }

@@ -180,8 +180,11 @@ impl RenewalConnections {
     }
 
     /// The entry of this thread, made on first use; the entries of other threads whose
-    /// connection closed (a stopped worker's, whose runtime ended) or that have none are
-    /// dropped meanwhile, so that the map stays as large as the threads that renew.
+    /// connection closed (a stopped worker's, whose runtime ended) or that have none and
+    /// tried none for [`REOPEN_AFTER`] are dropped meanwhile, so that the map stays as large
+    /// as the threads that renew. One that tried lately is kept: dropped, its thread would
+    /// try again at its next renewal, and while connections are refused two workers that
+    /// renew in turn would each drop the other's entry and try once per renewal.
     fn of_this_thread(&self) -> Arc<ThreadConnection> {
         let this = std::thread::current().id();
         let mut by_thread = self
@@ -192,10 +195,12 @@ impl RenewalConnections {
             return Arc::clone(connection);
         }
         by_thread.retain(|_, connection| {
-            connection
-                .state
-                .try_lock()
-                .is_none_or(|state| state.client.as_ref().is_some_and(|client| client.usable()))
+            connection.state.try_lock().is_none_or(|state| {
+                state.client.as_ref().is_some_and(|client| client.usable())
+                    || state
+                        .tried_at
+                        .is_some_and(|tried| tried.elapsed() < REOPEN_AFTER)
+            })
         });
         Arc::clone(by_thread.entry(this).or_default())
     }
