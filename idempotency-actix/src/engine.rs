@@ -506,12 +506,7 @@ impl Engine {
                                     panic = panic_message(panic.as_ref()),
                                     "idempotency: the request panicked (fail-open)"
                                 );
-                                engine.abandon_token_in_background(
-                                    &key,
-                                    token,
-                                    lease,
-                                    remember_for,
-                                );
+                                engine.abandon_token(&key, token, lease, remember_for).await;
                                 Err(IdempotencyError::HandlerPanicked.into())
                             }
                         }
@@ -551,9 +546,10 @@ impl Engine {
     /// held back waiting for a store that just failed). Where the `begin` landed, a duplicate
     /// gets 409 during the run; where the commit lands (over that record, or written anew on
     /// a free key), a retry gets the replay instead of a second run. Where the response is
-    /// not stored (an error, a panic, a streamed body) or its commit fails or finds another
-    /// request's record, the token is abandoned in the background, as it would have been at
-    /// once before the run. Its caller runs it to its end even if the client leaves.
+    /// not stored (an error, a panic, a streamed body) the token is abandoned before the
+    /// response goes out, as a release gives the key back, so a retry runs the handler
+    /// again; where its commit fails or finds another request's record, in the background.
+    /// Its caller runs it to its end even if the client leaves.
     async fn run_failed_open<S, B>(
         self: &Rc<Self>,
         policy: Policy,
@@ -610,10 +606,32 @@ impl Engine {
             Some((stored, ttl)) => self.commit_failed_open(lock, stored, ttl, held.remember_for),
             None => {
                 let (key, token) = (&lock.storage_key, lock.token);
-                self.abandon_token_in_background(key, token, lock.lease.get(), held.remember_for);
+                self.abandon_token(key, token, lock.lease.get(), held.remember_for)
+                    .await;
             }
         }
         result
+    }
+
+    /// Abandons `token` of `key` before the response goes out, as a release gives a key back
+    /// (bounded by the store timeout), so that a retry sent as soon as the response arrives
+    /// finds the key free; in the background (see
+    /// [`abandon_token_in_background`](Self::abandon_token_in_background)) if that does
+    /// not answer that it is done.
+    async fn abandon_token(
+        &self,
+        key: &StorageKey,
+        token: LeaseToken,
+        lease: Duration,
+        remember_for: Duration,
+    ) {
+        let abandon = self.store.abandon(key, &token, remember_for);
+        if !matches!(
+            self.bounded(StoreOperation::Release, abandon).await,
+            Ok(true)
+        ) {
+            self.abandon_token_in_background(key, token, lease, remember_for);
+        }
     }
 
     /// Commits the response of a run that failed open under `lock`'s token, in the

@@ -418,6 +418,15 @@ async fn a_waiting_retry_does_not_fail_open_beside_the_first_request() {
     assert_eq!(runs.get(), 1);
 }
 
+/// A faulty memory store whose first `begin` lands but does not answer (a store timeout).
+fn first_begin_lands_unanswered() -> FaultyStore {
+    let store = FaultyStore::default();
+    store
+        .landed_failed_begins
+        .store(1, std::sync::atomic::Ordering::SeqCst);
+    store
+}
+
 /// An app that fails open, whose first `begin` landed but did not answer (a store timeout,
 /// the store healthy again at once): the handler runs unprotected under the token that
 /// `begin` sent. A duplicate during the run meets that `begin`'s in-flight record and gets
@@ -427,10 +436,7 @@ async fn a_waiting_retry_does_not_fail_open_beside_the_first_request() {
 #[actix_web::test]
 async fn fail_open_after_a_begin_that_landed_runs_the_handler_once() {
     use futures_util::future::{Either, select};
-    let store = FaultyStore::default();
-    store
-        .landed_failed_begins
-        .store(1, std::sync::atomic::Ordering::SeqCst);
+    let store = first_begin_lands_unanswered();
     let routes = GatedRoutes::default();
     let (runs, gate) = (routes.work_runs.clone(), routes.gate.clone());
     let server = actix_test::start({
@@ -495,10 +501,7 @@ async fn fail_open_after_a_begin_that_landed_runs_the_handler_once() {
 /// handler again.
 #[actix_web::test]
 async fn a_fail_open_run_whose_client_left_runs_to_its_end_and_is_replayed() {
-    let store = FaultyStore::default();
-    store
-        .landed_failed_begins
-        .store(1, std::sync::atomic::Ordering::SeqCst);
+    let store = first_begin_lands_unanswered();
     let routes = GatedRoutes::default();
     let (runs, gate) = (routes.work_runs.clone(), routes.gate.clone());
     let server = actix_test::start({
@@ -558,6 +561,30 @@ async fn fails_first(runs: web::Data<RunCounter>, gate: web::Data<Gate>) -> Http
     HttpResponse::Created().body(format!("run {seq}"))
 }
 
+/// An app on `store` (global key scope, configured by `configure`) whose `POST /charge`
+/// runs [`fails_first`] with `runs` and `gate`.
+fn charging(
+    store: &FaultyStore,
+    runs: &RunCounter,
+    gate: &Gate,
+    configure: fn(Idempotency) -> Idempotency,
+) -> actix_test::TestServer {
+    let (store, runs, gate) = (store.clone(), runs.clone(), gate.clone());
+    actix_test::start(move || {
+        App::new()
+            .app_data(web::Data::new(runs.clone()))
+            .app_data(web::Data::new(gate.clone()))
+            .wrap(configure(
+                Idempotency::new(store.clone()).scope(KeyScope::global()),
+            ))
+            .service(
+                web::resource("/charge")
+                    .wrap(IdempotentRoute::new())
+                    .route(web::post().to(fails_first)),
+            )
+    })
+}
+
 /// Three retries wait for the first request's run, which answers 500 and so releases the
 /// key (DESIGN §5: the next try may run): one of them takes the key and runs the handler,
 /// the other two wait for that run and replay it. Never two runs at once.
@@ -565,24 +592,9 @@ async fn fails_first(runs: web::Data<RunCounter>, gate: web::Data<Gate>) -> Http
 async fn a_key_released_while_retries_wait_runs_for_one_of_them() {
     let store = FaultyStore::default();
     let (runs, gate) = (RunCounter::default(), Gate::default());
-    let server = actix_test::start({
-        let (store, runs, gate) = (store.clone(), runs.clone(), gate.clone());
-        move || {
-            let waiting = IdempotencyPolicy::default().wait_for_completion(Duration::from_secs(10));
-            App::new()
-                .app_data(web::Data::new(runs.clone()))
-                .app_data(web::Data::new(gate.clone()))
-                .wrap(
-                    Idempotency::new(store.clone())
-                        .policy(waiting)
-                        .scope(KeyScope::global()),
-                )
-                .service(
-                    web::resource("/charge")
-                        .wrap(IdempotentRoute::new())
-                        .route(web::post().to(fails_first)),
-                )
-        }
+    let server = charging(&store, &runs, &gate, |idempotency| {
+        idempotency
+            .policy(IdempotencyPolicy::default().wait_for_completion(Duration::from_secs(10)))
     });
     let client = awc::Client::default();
     let url = server.url("/charge");
@@ -610,6 +622,33 @@ async fn a_key_released_while_retries_wait_runs_for_one_of_them() {
     }
     let replayed = retries.iter().filter(|retry| retry.replayed).count();
     assert_eq!(replayed, 2, "one retry ran, the others replayed its run");
+    assert_eq!(runs.get(), 2);
+}
+
+/// Posts key `k` to `url`, which answers 500, and again as soon as that arrives: the retry.
+async fn retried_right_after_a_500(url: &str) -> Reply {
+    let client = awc::Client::default();
+    let first = post(&client, url, "k").await;
+    assert_eq!(first.status, StatusCode::INTERNAL_SERVER_ERROR);
+    post(&client, url, "k").await
+}
+
+/// An app that fails open, whose `begin` landed but did not answer: the handler runs under
+/// that `begin`'s token and answers 500, so its key is given back, and a retry sent as soon
+/// as the 500 arrives runs the handler again (DESIGN §5), as after a 500 whose `begin`
+/// answered. The token used to be abandoned only in the background, 50 ms after the
+/// response went out: the retry got 409 "still being processed" with nothing running.
+#[actix_web::test]
+async fn a_retry_right_after_a_fail_open_run_that_answered_500_runs_the_handler() {
+    let store = first_begin_lands_unanswered();
+    let (runs, gate) = (RunCounter::default(), Gate::default());
+    gate.open();
+    let server = charging(&store, &runs, &gate, |idempotency| {
+        idempotency.on_store_error(FailMode::Open)
+    });
+    let retry = retried_right_after_a_500(&server.url("/charge")).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
+    assert_eq!(retry.body, "run 2");
     assert_eq!(runs.get(), 2);
 }
 
@@ -759,6 +798,26 @@ async fn a_run_whose_client_left_and_that_panics_after_the_handler_releases_the_
     assert_eq!(runs.get(), 2);
 }
 
+/// An app that fails open, on a store whose first `begin` lands but does not answer, whose
+/// `POST /panicky` runs [`slow_with_a_panicking_body`] with `runs`.
+fn panicking_after_an_unanswered_begin(runs: &RunCounter) -> actix_test::TestServer {
+    let (runs, store) = (runs.clone(), first_begin_lands_unanswered());
+    actix_test::start(move || {
+        App::new()
+            .app_data(web::Data::new(runs.clone()))
+            .wrap(
+                Idempotency::new(store.clone())
+                    .on_store_error(FailMode::Open)
+                    .scope(KeyScope::global()),
+            )
+            .service(
+                web::resource("/panicky")
+                    .wrap(IdempotentRoute::new())
+                    .route(web::post().to(slow_with_a_panicking_body)),
+            )
+    })
+}
+
 /// The same, on an app that fails open after a `begin` that landed but did not answer: the
 /// run under that `begin`'s token goes on without its client and panics once the handler is
 /// done. Its token is abandoned, as when the client stays, so the retry is not locked out
@@ -766,27 +825,7 @@ async fn a_run_whose_client_left_and_that_panics_after_the_handler_releases_the_
 #[actix_web::test]
 async fn a_fail_open_run_whose_client_left_and_that_panics_after_the_handler_frees_the_key() {
     let runs = RunCounter::default();
-    let store = FaultyStore::default();
-    store
-        .landed_failed_begins
-        .store(1, std::sync::atomic::Ordering::SeqCst);
-    let server = actix_test::start({
-        let (runs, store) = (runs.clone(), store.clone());
-        move || {
-            App::new()
-                .app_data(web::Data::new(runs.clone()))
-                .wrap(
-                    Idempotency::new(store.clone())
-                        .on_store_error(FailMode::Open)
-                        .scope(KeyScope::global()),
-                )
-                .service(
-                    web::resource("/panicky")
-                        .wrap(IdempotentRoute::new())
-                        .route(web::post().to(slow_with_a_panicking_body)),
-                )
-        }
-    });
+    let server = panicking_after_an_unanswered_begin(&runs);
     let mut socket = std::net::TcpStream::connect(server.addr()).unwrap();
     write!(
         socket,
@@ -813,6 +852,20 @@ async fn a_fail_open_run_whose_client_left_and_that_panics_after_the_handler_fre
         StatusCode::CONFLICT,
         "the key stayed locked by the panicked fail-open run"
     );
+    assert_eq!(runs.get(), 2);
+}
+
+/// The same, with the client there: the run under the unanswered `begin`'s token panics
+/// once the handler is done and the client gets 500; a retry sent as soon as it arrives is
+/// not refused with 409 "still being processed" (nothing runs), but runs the handler again,
+/// as after a panic whose `begin` answered. The token used to be abandoned only 50 ms
+/// after the 500 went out.
+#[actix_web::test]
+async fn a_retry_right_after_a_fail_open_run_that_panicked_after_the_handler_runs_it_again() {
+    let runs = RunCounter::default();
+    let server = panicking_after_an_unanswered_begin(&runs);
+    let retry = retried_right_after_a_500(&server.url("/panicky")).await;
+    assert_ne!(retry.status, StatusCode::CONFLICT, "{:?}", retry.body);
     assert_eq!(runs.get(), 2);
 }
 
