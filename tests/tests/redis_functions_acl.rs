@@ -4,10 +4,17 @@
 //! then run again for a retry. So keyed requests are refused with 503 before any handler
 //! runs; once someone who may loads the functions, the same user is served (it needs
 //! `FCALL`, not `FUNCTION`). On Redis, Valkey, and a Redis Cluster of its own.
+//!
+//! Meanwhile the store opens a connection again (and looks for the functions) once per retry
+//! interval (1 s) at most, however many requests it refuses: a flood of keyed requests is no
+//! flood of connections, `FUNCTION LOAD`s and errors in the log against the server.
 
-#![allow(clippy::unwrap_used)]
+use std::io::Write;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use actix_web::http::StatusCode;
+use futures_util::future::join_all;
 use idempotency_actix::{Idempotency, RedisClusterStore, RedisStore};
 use idempotency_actix_tests::cluster::RedisCluster;
 use idempotency_actix_tests::{FloodServer, PrivateRedis};
@@ -19,6 +26,17 @@ const NO_FUNCTION_LOAD: [&str; 7] = ["SETUSER", "app", "on", "nopass", "~*", "+@
 fn url_of(redis: &PrivateRedis, user: &str) -> String {
     format!("redis://{user}:any@127.0.0.1:{}", redis.port())
 }
+
+/// How many keyed requests are refused while the functions are missing, in batches of
+/// [`AT_ONCE`] sent together.
+const REFUSED: usize = 200;
+/// How many of them are in flight at once.
+const AT_ONCE: usize = 20;
+/// The pause after each batch: the refusals span three retry intervals (1 s) and more.
+const PAUSE: Duration = Duration::from_millis(350);
+/// How long the store may take to serve requests once the functions are loaded: its retry
+/// interval (1 s) with room for a loaded machine.
+const SERVED_WITHIN: Duration = Duration::from_secs(5);
 
 #[actix_web::test]
 async fn a_user_who_cannot_load_the_functions_is_refused_until_they_are_loaded() {
@@ -38,16 +56,20 @@ async fn refused_until_the_functions_are_loaded(redis: PrivateRedis) {
         .arg(&NO_FUNCTION_LOAD[..])
         .query_async(&mut admin)
         .await
-        .unwrap();
+        .expect("ACL SETUSER");
 
-    let pool = RedisStore::pool(&url_of(&redis, "app")).unwrap();
+    let pool = RedisStore::pool(&url_of(&redis, "app")).expect("a pool for the app user");
     let app = FloodServer::start(move || Idempotency::redis(pool.clone()), 64);
-    refused_with_no_run(&app).await;
-    let keys: u64 = redis::cmd("DBSIZE").query_async(&mut admin).await.unwrap();
+    // The store's own connection: one connection per attempt.
+    refused_with_no_run(&app, &[redis.port()], 1).await;
+    let keys: u64 = redis::cmd("DBSIZE")
+        .query_async(&mut admin)
+        .await
+        .expect("DBSIZE");
     assert_eq!(keys, 0, "refused requests left records behind");
 
     // An app connecting as the default user loads the functions on its first request.
-    let admin_pool = RedisStore::pool(&redis.url()).unwrap();
+    let admin_pool = RedisStore::pool(&redis.url()).expect("a pool for the default user");
     let loader = FloodServer::start(move || Idempotency::redis(admin_pool.clone()), 64);
     served_once_loaded(&app, &loader).await;
 }
@@ -61,46 +83,192 @@ async fn a_cluster_user_who_cannot_load_the_functions_is_refused_until_they_are_
         let _: () = redis::cmd("ACL")
             .arg(&NO_FUNCTION_LOAD[..])
             .query(&mut cluster.connection(port))
-            .unwrap();
+            .expect("ACL SETUSER");
     }
     let app_urls: Vec<String> = cluster
         .ports()
         .iter()
         .map(|port| format!("redis://app:any@127.0.0.1:{port}"))
         .collect();
-    let client = RedisClusterStore::client(app_urls).unwrap();
+    let client = RedisClusterStore::client(app_urls).expect("a client for the app user");
     let app = FloodServer::start(move || Idempotency::redis_cluster(client.clone()), 64);
-    refused_with_no_run(&app).await;
+    // A cluster connection connects to a seed for the slot map, then to every node.
+    let ports = cluster.ports();
+    refused_with_no_run(&app, &ports, ports.len() + 1).await;
 
     let admin_client = cluster.client();
     let loader = FloodServer::start(move || Idempotency::redis_cluster(admin_client.clone()), 64);
     served_once_loaded(&app, &loader).await;
 }
 
-/// Keyed requests to `app` get 503, and no handler runs.
-async fn refused_with_no_run(app: &FloodServer) {
-    for attempt in 0..3 {
-        let refused = app.post("/orders", "charge-1").await;
-        assert_eq!(
-            refused.status,
-            StatusCode::SERVICE_UNAVAILABLE,
-            "attempt {attempt}: {refused:?}"
-        );
+/// What the store logs when a connection finds the functions missing and cannot load them.
+const MISSING_FUNCTIONS_LOGGED: &str = "lacks this crate's functions";
+
+/// [`REFUSED`] keyed requests to `app` get 503, and no handler runs; meanwhile the servers on
+/// `ports` see the store look for the functions (`FCALL_RO`) once per retry interval (1 s)
+/// at most, on as many new connections as `connections_per_attempt` allows each time (with
+/// no retry interval: about twice per request, and each time on new connections).
+async fn refused_with_no_run(app: &FloodServer, ports: &[u16], connections_per_attempt: usize) {
+    let mut counters: Vec<redis::Connection> = ports.iter().map(|port| counter(*port)).collect();
+    let before = tally(&mut counters);
+    let logged_before = errors_logged(MISSING_FUNCTIONS_LOGGED);
+    let started = Instant::now();
+    for batch in 0..REFUSED / AT_ONCE {
+        let keys: Vec<String> = (0..AT_ONCE)
+            .map(|i| format!("charge-{}", batch * AT_ONCE + i))
+            .collect();
+        let replies = join_all(keys.iter().map(|key| app.post("/orders", key))).await;
+        for (key, refused) in keys.iter().zip(replies) {
+            assert_eq!(
+                refused.status,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "{key}: {refused:?}"
+            );
+        }
+        actix_rt::time::sleep(PAUSE).await;
     }
+    let elapsed = started.elapsed();
+    let after = tally(&mut counters);
+    let logged = errors_logged(MISSING_FUNCTIONS_LOGGED) - logged_before;
     assert_eq!(app.runs.get(), 0, "a handler ran with nothing to fence it");
+
+    let (connections, probes) = (
+        after.connections - before.connections,
+        after.probes - before.probes,
+    );
+    // The first attempt, one more per whole interval elapsed, and one for an interval that
+    // ran out between two batches.
+    let attempts = 2 + elapsed.as_secs();
+    eprintln!(
+        "{REFUSED} refused requests in {elapsed:?}: {connections} connections, {probes} probes, \
+         {logged} errors logged for the missing functions"
+    );
+    // At 0 s, and again once 1 s and 2 s have passed: the store keeps trying.
+    assert!(
+        probes >= 3,
+        "{probes} probes for the functions in {elapsed:?}: the store gave up"
+    );
+    assert!(
+        probes <= attempts,
+        "{probes} probes for the functions for {REFUSED} refused requests in {elapsed:?}"
+    );
+    assert!(
+        connections <= attempts * connections_per_attempt as u64,
+        "{connections} connections for {REFUSED} refused requests in {elapsed:?}"
+    );
+    assert_eq!(logged, probes, "one error in the log per attempt");
 }
 
 /// Once `loader` (a user who may) has loaded the functions with a request of its own, `app`
-/// runs a new key once and replays it.
+/// runs a new key once (within its retry interval; until then it is refused, with no run)
+/// and replays it.
 async fn served_once_loaded(app: &FloodServer, loader: &FloodServer) {
     assert_eq!(
         loader.post("/orders", "load").await.status,
         StatusCode::CREATED
     );
-    let first = app.post("/orders", "charge-1").await;
-    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let loaded = Instant::now();
+    let first = loop {
+        let reply = app.post("/orders", "charge-1").await;
+        if reply.status != StatusCode::SERVICE_UNAVAILABLE || loaded.elapsed() > SERVED_WITHIN {
+            break reply;
+        }
+        assert_eq!(app.runs.get(), 0, "a refused request ran");
+        actix_rt::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        first.status,
+        StatusCode::CREATED,
+        "{:?} after loading: {first:?}",
+        loaded.elapsed()
+    );
     let replay = app.post("/orders", "charge-1").await;
     assert!(replay.is_replay(), "{replay:?}");
     assert_eq!(replay.body, first.body);
     assert_eq!(app.runs.get(), 1);
+}
+
+/// A connection to the node on `port` as the default user, to read its counts.
+fn counter(port: u16) -> redis::Connection {
+    redis::Client::open(format!("redis://127.0.0.1:{port}"))
+        .expect("a valid URL")
+        .get_connection()
+        .unwrap_or_else(|error| panic!("node {port}: {error}"))
+}
+
+/// What servers counted, summed over them.
+#[derive(Clone, Copy)]
+struct Tally {
+    /// Connections they accepted (`total_connections_received`).
+    connections: u64,
+    /// `FCALL_RO`s they were sent (run or refused): the store's probes for its functions.
+    probes: u64,
+}
+
+/// The counts of the servers `counters` are connected to.
+fn tally(counters: &mut [redis::Connection]) -> Tally {
+    let mut tally = Tally {
+        connections: 0,
+        probes: 0,
+    };
+    for counter in counters {
+        let info: String = redis::cmd("INFO")
+            .arg("stats")
+            .arg("commandstats")
+            .query(counter)
+            .expect("INFO stats commandstats");
+        for line in info.lines() {
+            if let Some(count) = line.strip_prefix("total_connections_received:") {
+                tally.connections += count.trim().parse::<u64>().expect("a count");
+            }
+            if let Some(stats) = line.strip_prefix("cmdstat_fcall_ro:") {
+                tally.probes += stats
+                    .split(',')
+                    .filter_map(|stat| {
+                        stat.strip_prefix("calls=")
+                            .or_else(|| stat.strip_prefix("rejected_calls="))
+                    })
+                    .map(|count| count.trim().parse::<u64>().expect("a count"))
+                    .sum::<u64>();
+            }
+        }
+    }
+    tally
+}
+
+/// How many errors logged so far (by any test of this process: nextest runs each in a
+/// process of its own) hold `marker`.
+fn errors_logged(marker: &str) -> u64 {
+    let log = error_log().lock().expect("the log");
+    let logged = String::from_utf8_lossy(&log);
+    logged.lines().filter(|line| line.contains(marker)).count() as u64
+}
+
+/// Every error this process logged, from the first call on.
+fn error_log() -> &'static Mutex<Vec<u8>> {
+    static LOG: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
+    LOG.get_or_init(|| {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let sink = Arc::clone(&log);
+        tracing_subscriber::fmt()
+            .with_max_level(tracing_subscriber::filter::LevelFilter::ERROR)
+            .with_ansi(false)
+            .with_writer(move || LogWriter(Arc::clone(&sink)))
+            .init();
+        log
+    })
+}
+
+/// Appends what is logged to a shared buffer.
+struct LogWriter(Arc<Mutex<Vec<u8>>>);
+
+impl Write for LogWriter {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().expect("the log").extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }

@@ -10,6 +10,7 @@ use redis::cluster_async::ClusterConnection;
 
 use super::conditional_set::ConditionalSet;
 use super::exchange::{Exchange, Reply};
+use super::missing_library::MissingLibrary;
 use super::protocol;
 use super::replication::ReplicatedWrites;
 use super::spares::Spares;
@@ -54,7 +55,10 @@ const FIRST_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Functions are replicated and kept with the data, so a replica promoted by a failover
 /// has them. A primary without them (a new cluster, an empty node given slots) makes the
 /// step load them with `FUNCTION LOAD`, which the cluster connection sends to every
-/// primary (while one is unreachable, that load fails, and the step with it).
+/// primary (while one is unreachable, that load fails, and the step with it). A Redis user
+/// that may not load them is refused as on [`RedisStore`](crate::RedisStore): keyed
+/// requests get 503 before any handler runs until someone who may has loaded them, and the
+/// store makes a new connection to look again once a second at most.
 ///
 /// With [`replicated_writes`](Self::replicated_writes), `WAIT` is pipelined behind each
 /// write on the connection of the key's primary, so it counts that primary's replicas.
@@ -81,6 +85,8 @@ pub struct RedisClusterStore {
     connecting: AsyncMutex<()>,
     /// Connections of their own for exchanges that block theirs (`WAIT`).
     spares: Spares<ClusterConnection>,
+    /// Whether a connection found the functions missing lately: none is made meanwhile.
+    library: MissingLibrary,
     replication: Option<ReplicatedWrites>,
     /// Whether the cluster's nodes take `SET … IFEQ`, learnt from the first commit.
     conditional_set: ConditionalSet,
@@ -124,6 +130,7 @@ impl RedisClusterStore {
             connection: Mutex::new(None),
             connecting: AsyncMutex::new(()),
             spares: Spares::new(),
+            library: MissingLibrary::default(),
             replication: None,
             conditional_set: ConditionalSet::default(),
         }
@@ -181,15 +188,17 @@ impl RedisClusterStore {
     }
 
     /// A new cluster connection, bounded by the first-connect timeout, with the functions
-    /// loaded on every primary (`FUNCTION LOAD` goes to all of them).
+    /// loaded on every primary (`FUNCTION LOAD` goes to all of them). None while a
+    /// connection that found the functions missing is recent (see [`MissingLibrary`]).
     async fn open(&self) -> Result<ClusterConnection, StoreError> {
-        let mut connection =
-            actix_rt::time::timeout(FIRST_CONNECT_TIMEOUT, self.client.get_async_connection())
-                .await
-                .map_err(|_| StoreError::Timeout(FIRST_CONNECT_TIMEOUT))?
-                .map_err(protocol::store_error)?;
-        protocol::load_library_ahead(&mut connection).await?;
-        Ok(connection)
+        self.library
+            .open(async {
+                actix_rt::time::timeout(FIRST_CONNECT_TIMEOUT, self.client.get_async_connection())
+                    .await
+                    .map_err(|_| StoreError::Timeout(FIRST_CONNECT_TIMEOUT))?
+                    .map_err(protocol::store_error)
+            })
+            .await
     }
 }
 

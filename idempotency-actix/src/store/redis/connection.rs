@@ -26,6 +26,7 @@ use redis::{Cmd, Pipeline, RedisFuture, Value};
 use super::RedisPool;
 use super::direct::DirectConnection;
 use super::exchange::{Exchange, Reply};
+use super::missing_library::MissingLibrary;
 use super::packed::{Carrier, PackedCommand};
 use super::protocol;
 use super::silence::SilenceWatch;
@@ -42,6 +43,8 @@ pub(super) struct SharedConnection {
     connecting: AsyncMutex<()>,
     /// Connections of their own for exchanges that block theirs (`WAIT`).
     spares: Spares<StoreConnection>,
+    /// Whether a connection found the functions missing lately: none is opened meanwhile.
+    library: MissingLibrary,
 }
 
 /// A connection and a number that tells it apart from the one it replaced.
@@ -107,6 +110,7 @@ impl SharedConnection {
             current: Mutex::new(None),
             connecting: AsyncMutex::new(()),
             spares: Spares::new(),
+            library: MissingLibrary::default(),
         }
     }
 
@@ -213,18 +217,21 @@ impl SharedConnection {
     }
 
     /// A new connection, driven by this thread: the store's own when the pool knows its
-    /// server's address, else one from the pool's connection manager.
+    /// server's address, else one from the pool's connection manager. None while a
+    /// connection that found the functions missing is recent (see [`MissingLibrary`]).
     async fn open(&self) -> Result<StoreConnection, StoreError> {
-        let mut connection = match self.pool.server() {
-            Some(server) => StoreConnection::Direct(
-                DirectConnection::open(server)
-                    .await
-                    .map_err(protocol::store_error)?,
-            ),
-            None => StoreConnection::Multiplexed(self.open_multiplexed().await?),
-        };
-        protocol::load_library_ahead(&mut connection).await?;
-        Ok(connection)
+        self.library
+            .open(async {
+                Ok(match self.pool.server() {
+                    Some(server) => StoreConnection::Direct(
+                        DirectConnection::open(server)
+                            .await
+                            .map_err(protocol::store_error)?,
+                    ),
+                    None => StoreConnection::Multiplexed(self.open_multiplexed().await?),
+                })
+            })
+            .await
     }
 
     /// A new redis-rs connection from the pool's connection manager, driven by this thread.

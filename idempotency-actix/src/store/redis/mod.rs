@@ -13,6 +13,7 @@ mod connection;
 mod direct;
 mod exchange;
 mod inspection;
+mod missing_library;
 mod packed;
 mod pool;
 mod protocol;
@@ -53,7 +54,10 @@ use self::steps::Steps;
 /// `FUNCTION LOAD` when it opens a connection, and again if a server lacks it later). A
 /// Redis user that may not load it needs someone who may to load it first: until then a
 /// connection that finds it missing is not used, and keyed requests get 503 before any
-/// handler runs, since nothing could fence their commits.
+/// handler runs, since nothing could fence their commits. The store then opens no other
+/// connection for 1 s, refusing keyed requests the same way meanwhile, so it tries (and
+/// logs why it failed) once a second, not once per request, and serves requests within a
+/// second of the library being loaded.
 ///
 /// Connections: the store opens one multiplexed connection and shares it between all its
 /// requests, so their commands go out together; it never holds a pool slot, so it neither

@@ -32,6 +32,7 @@ use std::time::Duration;
 use actix_web::web::Bytes;
 use redis::Value;
 
+use super::missing_library::LibraryMissing;
 use super::packed::{Carrier, PackedCommand, Packer};
 use super::record::{self, Found};
 use crate::fingerprint::Fingerprint;
@@ -227,8 +228,11 @@ pub(crate) async fn load_library(
 /// a commit, renew a lease or give a key back, so a handler run under the connection's
 /// `begin` would leave its key locked for a lease and then run again for a retry. The
 /// connection is not used: keyed requests are refused (503 when failing closed) before
-/// any handler runs, and the next request opens a connection anew, so they are served
-/// once someone who may loads the library (a user that needs `FCALL` only is then fine).
+/// any handler runs, and a request opens a connection anew once the store's
+/// [`RETRY_INTERVAL`](super::missing_library::RETRY_INTERVAL) has passed (see
+/// [`MissingLibrary`](super::missing_library::MissingLibrary), through which every
+/// connection is opened), so they are served within it once someone who may loads the
+/// library (a user that needs `FCALL` only is then fine).
 ///
 /// On Redis 7.0 and 7.1 it also keeps replicated writes honest: there a `WAIT` sent as a
 /// connection's very first command answers at once, whatever the replicas hold, where
@@ -238,7 +242,7 @@ pub(crate) async fn load_library(
 /// [`rewrite`].) Keep it so.
 pub(crate) async fn load_library_ahead(
     connection: &mut impl redis::aio::ConnectionLike,
-) -> Result<(), StoreError> {
+) -> Result<(), LibraryMissing> {
     let Err(error) = load_library(connection).await else {
         return Ok(());
     };
@@ -249,13 +253,13 @@ pub(crate) async fn load_library_ahead(
     tracing::error!(
         %error,
         "idempotency: the Redis server lacks this crate's functions and this connection may \
-         not load them (FUNCTION LOAD): keyed requests are refused until they are loaded; \
-         grant the user FUNCTION LOAD, or connect once as a user who has it"
+         not load them (FUNCTION LOAD): keyed requests are refused until they are loaded \
+         (the store looks again once a second); grant the user FUNCTION LOAD, or connect \
+         once as a user who has it"
     );
-    Err(StoreError::Unavailable(
-        format!("the Redis server lacks the store's functions and FUNCTION LOAD failed: {error}")
-            .into(),
-    ))
+    Err(LibraryMissing::new(format!(
+        "the Redis server lacks the store's functions and FUNCTION LOAD failed: {error}"
+    )))
 }
 
 /// Whether the server says it has no function of [`LIBRARY`]: an `FCALL_RO` of one with no

@@ -1,0 +1,120 @@
+//! [`MissingLibrary`]: what a store remembers of a connection that found the functions
+//! missing and could not load them, so that it opens another once per
+//! [`RETRY_INTERVAL`] at most, not once per request.
+//!
+//! Such a connection is not used (see [`protocol::load_library_ahead`]): the request that
+//! opened it is refused (503 when failing closed) before any handler runs. Every keyed
+//! request needs a connection, so without a memory of that failure each one would open a
+//! connection of its own, send `FUNCTION LOAD` and the probe again, and log the error: under
+//! traffic, a storm of connections against the server and a flood in the log. With it, the
+//! requests of the next interval are refused the same way at once, with no connection
+//! opened, no command sent and nothing logged by the store; the first request after it
+//! opens a connection again, so requests are served within one interval of someone
+//! loading the functions.
+
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use redis::aio::ConnectionLike;
+
+use super::protocol;
+use crate::store::StoreError;
+
+/// How long a store refuses keyed requests without opening a connection after one found
+/// the functions missing and could not load them: about one connection, `FUNCTION LOAD`
+/// and error line per second for each store (one per worker), and requests served at most
+/// a second after the functions are loaded.
+pub(crate) const RETRY_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Why a connection was not used: the server lacks the store's functions and the
+/// connection may not load them. The error of every request refused for it.
+#[derive(Clone, Debug)]
+pub(crate) struct LibraryMissing(Arc<str>);
+
+impl LibraryMissing {
+    pub(crate) fn new(why: String) -> Self {
+        Self(why.into())
+    }
+
+    fn store_error(&self) -> StoreError {
+        StoreError::Unavailable(Box::new(self.clone()))
+    }
+}
+
+impl std::fmt::Display for LibraryMissing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for LibraryMissing {}
+
+/// The last time a connection of a store found the functions missing, and why.
+#[derive(Default)]
+pub(crate) struct MissingLibrary {
+    found: Mutex<Option<(Instant, LibraryMissing)>>,
+}
+
+impl MissingLibrary {
+    /// A connection from `open` with the functions loaded ahead
+    /// ([`protocol::load_library_ahead`]); or, within [`RETRY_INTERVAL`] of a connection
+    /// that found them missing and could not load them, that connection's error at once,
+    /// with `open` left unpolled (no connection opened).
+    pub(crate) async fn open<C, Opened>(&self, open: Opened) -> Result<C, StoreError>
+    where
+        C: ConnectionLike,
+        Opened: Future<Output = Result<C, StoreError>>,
+    {
+        if let Some(missing) = self.recent(Instant::now()) {
+            return Err(missing.store_error());
+        }
+        let mut connection = open.await?;
+        match protocol::load_library_ahead(&mut connection).await {
+            Ok(()) => {
+                *self.lock() = None;
+                Ok(connection)
+            }
+            Err(missing) => {
+                let error = missing.store_error();
+                *self.lock() = Some((Instant::now(), missing));
+                Err(error)
+            }
+        }
+    }
+
+    /// The error of a connection that found the functions missing less than
+    /// [`RETRY_INTERVAL`] before `now`.
+    fn recent(&self, now: Instant) -> Option<LibraryMissing> {
+        match &*self.lock() {
+            Some((found, missing)) if now.saturating_duration_since(*found) < RETRY_INTERVAL => {
+                Some(missing.clone())
+            }
+            _ => None,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<(Instant, LibraryMissing)>> {
+        self.found
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_library_is_remembered_for_the_retry_interval() {
+        let memory = MissingLibrary::default();
+        let found = Instant::now();
+        assert!(memory.recent(found).is_none(), "nothing found yet");
+        *memory.lock() = Some((found, LibraryMissing::new("missing".to_owned())));
+        let recent = memory
+            .recent(found + RETRY_INTERVAL / 2)
+            .expect("remembered");
+        assert_eq!(recent.to_string(), "missing");
+        assert!(memory.recent(found + RETRY_INTERVAL).is_none(), "forgotten");
+    }
+}
