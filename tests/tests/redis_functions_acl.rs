@@ -10,7 +10,7 @@
 //! flood of connections, `FUNCTION LOAD`s and errors in the log against the server.
 
 use std::io::Write;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, LazyLock, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use actix_web::http::StatusCode;
@@ -38,8 +38,14 @@ const PAUSE: Duration = Duration::from_millis(350);
 /// interval (1 s) with room for a loaded machine.
 const SERVED_WITHIN: Duration = Duration::from_secs(5);
 
+/// Held by each test of this file for its whole run: they count the errors the process logs
+/// for missing functions, and `cargo test` runs a file's tests side by side in one process.
+static ONE_AT_A_TIME: LazyLock<futures_util::lock::Mutex<()>> =
+    LazyLock::new(|| futures_util::lock::Mutex::new(()));
+
 #[actix_web::test]
 async fn a_user_who_cannot_load_the_functions_is_refused_until_they_are_loaded() {
+    let _alone = ONE_AT_A_TIME.lock().await;
     refused_until_the_functions_are_loaded(PrivateRedis::start().await).await;
 }
 
@@ -47,6 +53,7 @@ async fn a_user_who_cannot_load_the_functions_is_refused_until_they_are_loaded()
 /// renewals and releases do.
 #[actix_web::test]
 async fn a_valkey_user_who_cannot_load_the_functions_is_refused_until_they_are_loaded() {
+    let _alone = ONE_AT_A_TIME.lock().await;
     refused_until_the_functions_are_loaded(PrivateRedis::start_valkey(&[]).await).await;
 }
 
@@ -78,6 +85,7 @@ async fn refused_until_the_functions_are_loaded(redis: PrivateRedis) {
 /// one has loaded yet.
 #[actix_web::test]
 async fn a_cluster_user_who_cannot_load_the_functions_is_refused_until_they_are_loaded() {
+    let _alone = ONE_AT_A_TIME.lock().await;
     let cluster = RedisCluster::start();
     for port in cluster.ports() {
         let _: () = redis::cmd("ACL")
