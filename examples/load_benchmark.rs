@@ -21,6 +21,8 @@
 //! | `memory` | memory, new key, after 1 000 000 keys | in-memory store (64 MiB, full and evicting by then) | a new key each; the warm-up sends at least 1 000 000 first |
 //! | `memory` | memory, replay | in-memory store | one key, completed before the run |
 //! | `redis` | Redis, no key | `REDIS_URL` | no key (the route is protected, the key optional) |
+//! | `unguarded` | unguarded layer, new key | the comparator `examples/unguarded_layer.rs`, `REDIS_URL` | a new key each |
+//! | `unguarded` | unguarded layer, replay | the same | one key, completed before the run |
 //! | `replicated` | Redis + 1 replica, new key | `REDIS_URL`, `IDEMPOTENCY_REPLICAS=1`; a `redis-server --replicaof` the private one, started for this mode only | a new key each |
 //! | `cluster` | Redis Cluster, new key | `REDIS_CLUSTER_URLS`: a private cluster of 3 primaries (no replicas) | a new key each |
 //! | `cluster` | Redis Cluster, replay | the same | one key, completed before the run |
@@ -30,7 +32,11 @@
 //! | `postgres` | baseline `POST /ledger` | `IDEMPOTENCY=off`, `DATABASE_URL`: the handler inserts its row in a transaction of its own; before and after the `/ledger` mode | a new key each |
 //!
 //! `BENCH_MODES` is a comma-separated list of those names (default: all of them), to
-//! shorten a run; the baseline always runs. The cluster's nodes are `redis-server
+//! shorten a run; the baseline always runs. The `unguarded` modes run the comparator, the
+//! design of the simplest idempotency layers (`GET`, run, `SET … NX EX`; no lock in flight,
+//! no fingerprint, no fence: not safe to use) around the reference server's own handlers on
+//! the same private Redis, against the same baseline, so that one run shows what this
+//! crate's guarantees cost next to it. The cluster's nodes are `redis-server
 //! --cluster-enabled yes` on free loopback ports at most 55535 (their bus ports add 10000),
 //! joined by `redis-cli --cluster create`; the database is created with `psql` on the server
 //! at `BENCH_DATABASE_URL` [`postgres://postgres@127.0.0.1:5432/postgres`] and dropped at
@@ -128,6 +134,9 @@ enum Backend {
     RedisCluster,
     /// A fresh database on the PostgreSQL server (`DATABASE_URL`).
     Postgres,
+    /// The private `redis-server` (`REDIS_URL`), through the comparator
+    /// (`examples/unguarded_layer.rs`) instead of the reference server.
+    UnguardedRedis,
 }
 
 /// The route a mode loads, and so the baseline it is compared with.
@@ -202,9 +211,16 @@ const LEDGER_BASELINE: Mode = Mode {
 };
 
 /// The `BENCH_MODES` names, in the order the modes run.
-const GROUPS: [&str; 5] = ["redis", "memory", "replicated", "cluster", "postgres"];
+const GROUPS: [&str; 6] = [
+    "redis",
+    "memory",
+    "unguarded",
+    "replicated",
+    "cluster",
+    "postgres",
+];
 
-const MODES: [Mode; 12] = [
+const MODES: [Mode; 14] = [
     Mode {
         name: "Redis, new key",
         group: "redis",
@@ -263,6 +279,26 @@ const MODES: [Mode; 12] = [
         route: Route::Orders,
         keys: Keys::None,
         target: Some(0.95),
+        keys_before: 0,
+    },
+    Mode {
+        name: "unguarded layer, new key",
+        group: "unguarded",
+        env: &[],
+        backend: Backend::UnguardedRedis,
+        route: Route::Orders,
+        keys: Keys::New,
+        target: None,
+        keys_before: 0,
+    },
+    Mode {
+        name: "unguarded layer, replay",
+        group: "unguarded",
+        env: &[],
+        backend: Backend::UnguardedRedis,
+        route: Route::Orders,
+        keys: Keys::Replay,
+        target: None,
         keys_before: 0,
     },
     Mode {
@@ -573,7 +609,12 @@ fn run() -> Result<(), Error> {
     let connections: u64 = env_number("BENCH_CONNECTIONS", 32)?;
     let rounds: u64 = env_number("BENCH_ROUNDS", 1)?.max(1);
     let groups = selected_groups()?;
-    let server = build_reference_server()?;
+    let server = build_example("reference_server")?;
+    let unguarded = if groups.contains(&"unguarded") {
+        Some(build_example("unguarded_layer")?)
+    } else {
+        None
+    };
     // Declared before every server, so dropped (removed) after them.
     let work_dir = WorkDir::create()?;
     let work = work_dir.0.clone();
@@ -622,6 +663,7 @@ fn run() -> Result<(), Error> {
     println!("load before: {}", load_average());
     let load = Load {
         server: &server,
+        unguarded: unguarded.as_deref(),
         work: &work,
         redis: &redis,
         replica: None,
@@ -851,8 +893,9 @@ fn load_average() -> String {
         .unwrap_or_default()
 }
 
-/// Builds the reference server (release) and returns its path, next to this executable.
-fn build_reference_server() -> Result<PathBuf, Error> {
+/// Builds the example `name` (release; the reference server, the comparator) and returns its
+/// path, next to this executable.
+fn build_example(name: &str) -> Result<PathBuf, Error> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     // A group of its own, so that a stop signal stops its `rustc`s too.
     let mut child = own_process_group(&mut Command::new(cargo))
@@ -862,21 +905,21 @@ fn build_reference_server() -> Result<PathBuf, Error> {
             "-p",
             "idempotency-actix-examples",
             "--example",
-            "reference_server",
+            name,
         ])
         .stdin(Stdio::null())
         .spawn()?;
     let status = wait_or_stop(&mut child, true)?;
     if !status.success() {
-        return Err("building the reference server failed".into());
+        return Err(format!("building the example {name} failed").into());
     }
     let here = std::env::current_exe()?;
     let path = here
         .parent()
         .ok_or("this executable has no directory")?
-        .join("reference_server");
+        .join(name);
     if !path.exists() {
-        return Err(format!("no reference server at {}", path.display()).into());
+        return Err(format!("no {name} at {}", path.display()).into());
     }
     Ok(path)
 }
@@ -1245,6 +1288,8 @@ fn with_database(url: &str, name: &str) -> String {
 #[derive(Clone, Copy)]
 struct Load<'a> {
     server: &'a Path,
+    /// The comparator (`examples/unguarded_layer.rs`), when its modes were asked for.
+    unguarded: Option<&'a Path>,
     work: &'a Path,
     redis: &'a Redis,
     /// The replica of `redis`, while a mode with replicated writes runs.
@@ -1262,7 +1307,11 @@ impl Load<'_> {
             "bench-{}:",
             mode.name.replace([' ', ',', '(', ')', '='], "")
         );
-        let mut command = Command::new(self.server);
+        let binary = match mode.backend {
+            Backend::UnguardedRedis => self.unguarded.ok_or("the comparator was not built")?,
+            _ => self.server,
+        };
+        let mut command = Command::new(binary);
         command
             .env("BIND", "127.0.0.1:0")
             .env("WORKERS", "1")
@@ -1277,7 +1326,7 @@ impl Load<'_> {
             .env_remove("LOG_LEVEL");
         match mode.backend {
             Backend::Nothing => {}
-            Backend::Redis | Backend::RedisReplicated => {
+            Backend::Redis | Backend::RedisReplicated | Backend::UnguardedRedis => {
                 command.env("REDIS_URL", self.redis.url());
             }
             Backend::RedisCluster => {
@@ -1357,7 +1406,7 @@ impl Load<'_> {
     fn redis_nodes(&self, backend: Backend) -> Vec<&Redis> {
         match backend {
             Backend::Nothing | Backend::Postgres => Vec::new(),
-            Backend::Redis => vec![self.redis],
+            Backend::Redis | Backend::UnguardedRedis => vec![self.redis],
             Backend::RedisReplicated => std::iter::once(self.redis).chain(self.replica).collect(),
             Backend::RedisCluster => self
                 .cluster
@@ -1500,7 +1549,7 @@ impl Server {
                     let _ = child.kill();
                     let _ = child.wait();
                     let log = std::fs::read_to_string(log).unwrap_or_default();
-                    return Err(format!("the reference server did not start:\n{log}").into());
+                    return Err(format!("the server did not start:\n{log}").into());
                 }
             }
         };

@@ -45,6 +45,24 @@ pub use self::routes::{
     Counters, FlakyAnswer, MAX_DELAY_MS, MAX_LARGE_BYTES, NewOrder, Order, Payment, Seq, Stats,
 };
 
+/// The reference server's routes without any idempotency, as its `IDEMPOTENCY=off` app
+/// registers them; they need a [`Counters`] in the app's data. For apps that wrap a layer of
+/// their own around the same handlers: the load benchmark's comparator
+/// (`examples/unguarded_layer.rs`).
+///
+/// ```
+/// use actix_web::{App, web};
+/// use idempotency_actix_examples::reference_app::{self, Counters};
+///
+/// let app = App::new()
+///     .app_data(web::Data::new(Counters::default()))
+///     .configure(reference_app::unprotected_routes);
+/// # drop(app);
+/// ```
+pub fn unprotected_routes(config: &mut web::ServiceConfig) {
+    routes::unprotected(config);
+}
+
 /// How long each write waits for its replicas with `IDEMPOTENCY_REPLICAS` set.
 pub const REPLICA_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
 
