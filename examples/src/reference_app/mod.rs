@@ -15,9 +15,10 @@
 //! | `POST /ledger` | `#[idempotent(transactional)]`, with `DATABASE_URL` only | JSON `{"amount"}` → one row in table `ledger` through the request's transaction, 201 `{"entry_id", "amount", "seq"}`; `X-Crash: before_commit` / `after_commit` aborts the process |
 //! | `GET /ledger` | none, with `DATABASE_URL` only | `{"rows"}`: the committed rows of `ledger` |
 //!
-//! Each route but `/stats` counts the runs of its handler; `seq` is the count after this run.
-//! The counters live in one [`Counters`] shared by all workers. Idempotency keys are scoped
-//! by the caller named in [`PRINCIPAL_HEADER`] (`X-User`).
+//! `/orders`, `/payments`, `/flaky`, `/profile`, `/large`, `/untagged` and `POST /ledger` count
+//! the runs of their handlers (`GET` routes count nothing); `seq` is the count after this run.
+//! The counters live in one [`Counters`] (`POST /ledger`'s in [`LedgerRuns`]) shared by all
+//! workers. Idempotency keys are scoped by the caller named in [`PRINCIPAL_HEADER`] (`X-User`).
 
 mod config;
 mod ledger;
