@@ -768,9 +768,12 @@ mod tests {
         assert_eq!(unwritten(Value::Nil, &mine).unwrap(), Unwritten::Free(None));
         let marker = record::abandoned(&theirs);
         assert_eq!(found(marker.clone()), Unwritten::Free(Some(marker)));
+        // Made once: a record holds its expiry in milliseconds, so two made a millisecond
+        // apart differ.
+        let completed_by_me = completed(&mine);
         assert_eq!(
-            found(completed(&mine)),
-            Unwritten::CompletedEarlier(completed(&mine))
+            found(completed_by_me.clone()),
+            Unwritten::CompletedEarlier(completed_by_me.clone())
         );
         assert_eq!(found(completed(&theirs)), Unwritten::Taken);
         assert_eq!(found(record::in_flight(&print, &theirs)), Unwritten::Taken);
@@ -783,8 +786,8 @@ mod tests {
 
         assert_eq!(recreated(Value::Nil, &mine).unwrap(), None);
         assert_eq!(
-            recreated(Value::BulkString(completed(&mine)), &mine).unwrap(),
-            Some(Unwritten::CompletedEarlier(completed(&mine))),
+            recreated(Value::BulkString(completed_by_me.clone()), &mine).unwrap(),
+            Some(Unwritten::CompletedEarlier(completed_by_me)),
             "sent again after its connection died"
         );
         assert_eq!(
