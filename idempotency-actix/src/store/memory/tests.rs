@@ -26,6 +26,17 @@ fn response(body_len: usize) -> StoredResponse {
     }
 }
 
+/// Held for its whole run by each test whose store logs a warning (a completed record
+/// evicted, a response too large to keep), and by the one that captures those warnings. A
+/// callsite's interest is cached for the process: a test's first warning, registering the
+/// callsite while the capturing test installs its subscriber (`cargo test` runs this crate's
+/// tests side by side in one process), may store an interest computed without that
+/// subscriber after tracing rebuilt it with it, and the warning is then lost to it (seen:
+/// `one warning of each: [true]`, about one run in fifty of `store::memory` with
+/// `--test-threads=8`).
+static WARNING_TESTS: std::sync::LazyLock<futures_util::lock::Mutex<()>> =
+    std::sync::LazyLock::new(|| futures_util::lock::Mutex::new(()));
+
 /// A store of one shard, so that every record competes for the same budget.
 fn one_shard(max_bytes: usize) -> MemoryStore {
     MemoryStore::builder()
@@ -85,6 +96,7 @@ async fn expired_records_are_reclaimed_by_later_operations() {
 
 #[actix_web::test]
 async fn eviction_takes_the_completed_record_soonest_to_expire() {
+    let _warns = WARNING_TESTS.lock().await;
     let store = one_shard(60_000);
     complete(&store, "long", 10_000, LONG).await;
     complete(&store, "short", 10_000, Duration::from_secs(60)).await;
@@ -132,6 +144,7 @@ async fn in_flight_records_are_never_evicted_and_a_full_store_recovers() {
 
 #[actix_web::test]
 async fn a_store_full_of_in_flight_records_can_complete_them_all() {
+    let _warns = WARNING_TESTS.lock().await;
     let store = one_shard(4_000);
     let mut held = Vec::new();
     while let Ok(token) = begin(&store, &format!("held{}", held.len()), LONG).await {
@@ -155,6 +168,7 @@ async fn a_store_full_of_in_flight_records_can_complete_them_all() {
 
 #[actix_web::test]
 async fn a_response_larger_than_the_store_is_completed_without_its_body() {
+    let _warns = WARNING_TESTS.lock().await;
     let store = one_shard(4_000);
     let token = begin(&store, "big", LONG).await.unwrap();
     assert!(
@@ -175,6 +189,7 @@ async fn a_response_larger_than_the_store_is_completed_without_its_body() {
 
 #[actix_web::test]
 async fn renewals_commits_releases_and_abandons_keep_the_indices_exact() {
+    let _warns = WARNING_TESTS.lock().await;
     let store = one_shard(50_000);
     for round in 0..300 {
         let name = format!("k{}", round % 37);
@@ -348,6 +363,7 @@ impl tracing::Subscriber for ShardLockProbe {
 
 #[actix_web::test]
 async fn what_a_commit_logs_is_logged_once_the_shard_is_unlocked() {
+    let _warns = WARNING_TESTS.lock().await;
     let store = one_shard(20_000);
     let free_at_events = Arc::new(Mutex::new(Vec::new()));
     let probe = ShardLockProbe {
