@@ -232,19 +232,23 @@ impl PrivateRedis {
     }
 
     async fn start_server(server: PathBuf, extra_args: &[&str]) -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|listener| listener.local_addr())
-            .expect("a free loopback port")
-            .port();
         let extra_args: Vec<String> = extra_args.iter().map(|&arg| arg.to_owned()).collect();
-        let started = Self {
-            child: spawn_redis_server(&server, port, &extra_args),
-            server,
-            port,
-            extra_args,
-        };
-        started.wait_until_it_answers().await;
-        started
+        for _ in 0..PORT_TRIES {
+            let port = free_loopback_port();
+            let mut started = Self {
+                child: spawn_redis_server(&server, port, &extra_args),
+                server: server.clone(),
+                port,
+                extra_args: extra_args.clone(),
+            };
+            if started.wait_until_it_answers().await {
+                return started;
+            }
+        }
+        panic!(
+            "{} could not listen on any of {PORT_TRIES} free loopback ports",
+            server.display()
+        );
     }
 
     /// Starts one as a replica of `primary` and waits until it is in sync with it.
@@ -253,22 +257,29 @@ impl PrivateRedis {
     ///
     /// When it does not start, or is not in sync within 10 s.
     pub async fn start_replica_of(primary: &PrivateRedis) -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|listener| listener.local_addr())
-            .expect("a free loopback port")
-            .port();
         let extra_args = vec![
             "--replicaof".to_owned(),
             "127.0.0.1".to_owned(),
             primary.port.to_string(),
         ];
-        let replica = Self {
-            child: spawn_redis_server(&primary.server, port, &extra_args),
-            server: primary.server.clone(),
-            port,
-            extra_args,
-        };
-        replica.wait_until_it_answers().await;
+        let mut replica = None;
+        for _ in 0..PORT_TRIES {
+            let port = free_loopback_port();
+            let mut started = Self {
+                child: spawn_redis_server(&primary.server, port, &extra_args),
+                server: primary.server.clone(),
+                port,
+                extra_args: extra_args.clone(),
+            };
+            if started.wait_until_it_answers().await {
+                replica = Some(started);
+                break;
+            }
+        }
+        let replica = replica.unwrap_or_else(|| {
+            panic!("the replica could not listen on any of {PORT_TRIES} free loopback ports")
+        });
+        let port = replica.port;
         for _ in 0..100 {
             let info: String = redis::cmd("INFO")
                 .arg("replication")
@@ -293,13 +304,23 @@ impl PrivateRedis {
     pub async fn restart(&mut self) {
         self.stop();
         self.child = spawn_redis_server(&self.server, self.port, &self.extra_args);
-        self.wait_until_it_answers().await;
+        assert!(
+            self.wait_until_it_answers().await,
+            "port {} was taken while its redis-server was down",
+            self.port
+        );
     }
 
-    async fn wait_until_it_answers(&self) {
+    /// Waits until this server's own process answers on its port: true once it does,
+    /// false if it exited first (the port it was given was taken in the meantime, by an
+    /// outgoing connection or another test's server, which must not be mistaken for it).
+    async fn wait_until_it_answers(&mut self) -> bool {
         for _ in 0..100 {
-            if self.answers_ping().await {
-                return;
+            if matches!(self.child.try_wait(), Ok(Some(_))) {
+                return false;
+            }
+            if self.answers_as_itself().await {
+                return true;
             }
             actix_rt::time::sleep(std::time::Duration::from_millis(100)).await;
         }
@@ -309,16 +330,24 @@ impl PrivateRedis {
         );
     }
 
-    async fn answers_ping(&self) -> bool {
+    /// Whether the server on its port answers and is this one's process (`INFO server`'s
+    /// `process_id`).
+    async fn answers_as_itself(&self) -> bool {
         let Ok(client) = redis::Client::open(self.url()) else {
             return false;
         };
         let Ok(mut connection) = client.get_multiplexed_async_connection().await else {
             return false;
         };
-        let pong: redis::RedisResult<String> =
-            redis::cmd("PING").query_async(&mut connection).await;
-        pong.is_ok()
+        let info: redis::RedisResult<String> = redis::cmd("INFO")
+            .arg("server")
+            .query_async(&mut connection)
+            .await;
+        let own = self.child.id().to_string();
+        info.is_ok_and(|info| {
+            info.lines()
+                .any(|line| line.strip_prefix("process_id:").map(str::trim) == Some(&own))
+        })
     }
 
     /// Its URL.
@@ -387,6 +416,18 @@ impl PrivateRedis {
             })
             .collect()
     }
+}
+
+/// How many free ports a private server is tried on before a test gives up.
+const PORT_TRIES: usize = 5;
+
+/// A loopback port free at the time of asking; a server started on it may still find it
+/// taken (see [`PrivateRedis::wait_until_it_answers`]).
+fn free_loopback_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free loopback port")
+        .port()
 }
 
 fn spawn_redis_server<S: AsRef<std::ffi::OsStr>>(
