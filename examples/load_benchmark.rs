@@ -7,8 +7,9 @@
 //! BENCH_MODES=postgres,cluster BENCH_SECONDS=3 cargo run --release -p idempotency-actix-examples --example load_benchmark
 //! ```
 //!
-//! It builds the reference server (release), starts one `redis-server` of its own on a free
-//! loopback port (never 6379), and for each mode starts the reference server with
+//! It builds the reference server (release; the comparator too when the `unguarded` modes
+//! are asked for), starts one `redis-server` of its own on a free loopback port (never
+//! 6379), and for each mode starts the reference server (or the comparator) with
 //! `WORKERS=1`, warms it up, and runs `wrk -t1 -c32` against `POST /orders` (or
 //! `POST /ledger`, JSON `{"amount":1}`, where named). Modes, by their `BENCH_MODES` name:
 //!
