@@ -361,6 +361,17 @@ impl ProxiedPair {
             .insert_header(("idempotency-key", key.to_owned()));
         actix_rt::spawn(async move { Reply::read(request.send().await.unwrap()).await.unwrap() })
     }
+
+    /// The lease outlived the trouble: a duplicate to the second instance gets 409 and runs
+    /// nothing; once the gate opens, `first` (the held request) is answered 201.
+    async fn assert_the_lease_held(&self, first: actix_rt::task::JoinHandle<Reply>) {
+        let duplicate = self.post(&self.second, "order").await.unwrap();
+        assert_eq!(self.orders.get(), 1, "the handler ran a second time");
+        assert_eq!(duplicate.status, StatusCode::CONFLICT, "{duplicate:?}");
+        self.held.open();
+        // Its commit may go over a silenced or hanging pool: the response still comes.
+        assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+    }
 }
 
 /// The renewal connection goes silent (a firewall or NAT dropping the flow: nothing is
@@ -381,12 +392,7 @@ async fn a_renewal_connection_that_goes_silent_is_replaced() {
     pair.proxy.silence_open_connections();
     actix_rt::time::sleep(lease + Duration::from_millis(1_500)).await;
 
-    let duplicate = pair.post(&pair.second, "order").await.unwrap();
-    assert_eq!(pair.orders.get(), 1, "the handler ran a second time");
-    assert_eq!(duplicate.status, StatusCode::CONFLICT, "{duplicate:?}");
-    pair.held.open();
-    // Its commit goes over the silenced pool: the response still reaches the client.
-    assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+    pair.assert_the_lease_held(first).await;
     assert_eq!(pair.orders.get(), 1);
 }
 
@@ -413,11 +419,7 @@ async fn renewals_reach_the_pool_while_new_connections_hang() {
     pair.proxy.move_to(black_hole.local_addr().unwrap().port());
     actix_rt::time::sleep(lease + Duration::from_millis(1_500)).await;
 
-    let duplicate = pair.post(&pair.second, "order").await.unwrap();
-    assert_eq!(pair.orders.get(), 1, "the handler ran a second time");
-    assert_eq!(duplicate.status, StatusCode::CONFLICT, "{duplicate:?}");
-    pair.held.open();
-    assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+    pair.assert_the_lease_held(first).await;
     drop(black_hole);
 }
 
