@@ -8,8 +8,12 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-/// The highest data port a node may use: its cluster bus listens on the data port + 10000.
-const MAX_DATA_PORT: u16 = 55_535;
+/// The highest data port a node may use: its cluster bus listens on the data port + 10000,
+/// and both stay below Linux's default ephemeral range (32768–60999), from which the
+/// kernel picks the local port of every outgoing connection and of every listener bound to
+/// port 0 (the tests' private servers): a port found free there could be taken by one of
+/// those before the node binds it.
+const MAX_DATA_PORT: u16 = 22_767;
 /// The lowest port tried, above the usual well-known and registered services.
 const MIN_DATA_PORT: u16 = 20_000;
 /// How long a node may stay silent before the others consider it failed. Short enough for
