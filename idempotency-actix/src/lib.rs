@@ -14,7 +14,10 @@
 //! use actix_web::dev::{ServiceRequest, ServiceResponse};
 //! use actix_web::middleware::{Next, from_fn};
 //! use actix_web::{App, Error, HttpMessage, HttpResponse, HttpServer, post, web};
+//! # #[cfg(feature = "redis")]
 //! use idempotency_actix::{Idempotency, KeyScope, RedisStore, idempotent};
+//! # #[cfg(not(feature = "redis"))]
+//! # use idempotency_actix::idempotent;
 //!
 //! #[idempotent(ttl = "24h")]
 //! #[post("/orders")]
@@ -36,6 +39,7 @@
 //! }
 //! # fn verify_token(_: &ServiceRequest) -> Result<String, Error> { Ok("user-1".to_owned()) }
 //!
+//! # #[cfg(feature = "redis")]
 //! #[actix_web::main]
 //! async fn main() -> std::io::Result<()> {
 //!     let pool = RedisStore::pool("redis://127.0.0.1:6379").expect("a valid Redis URL");
@@ -53,6 +57,7 @@
 //!     .run()
 //!     .await
 //! }
+//! # #[cfg(not(feature = "redis"))] fn main() {}
 //! ```
 //!
 //! Choosing the scope is part of setting up: see [`KeyScope`] for the patterns. An app that

@@ -42,8 +42,10 @@ use crate::store::BeginOutcome;
 ///
 /// ```
 /// use actix_web::{App, HttpServer};
+/// # #[cfg(feature = "redis")]
 /// use idempotency_actix::{Idempotency, RedisStore, ReplayCache};
 ///
+/// # #[cfg(feature = "redis")]
 /// # #[actix_web::main]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// let pool = RedisStore::pool("redis://127.0.0.1:6379")?; // connects on first use
@@ -53,6 +55,7 @@ use crate::store::BeginOutcome;
 /// });
 /// # Ok(())
 /// # }
+/// # #[cfg(not(feature = "redis"))] fn main() {}
 /// ```
 #[derive(Clone)]
 pub struct ReplayCache {

@@ -325,8 +325,10 @@ impl Idempotency {
     /// # Examples
     ///
     /// ```
+    /// # #[cfg(feature = "redis")]
     /// use idempotency_actix::{Idempotency, RedisStore, ReplayCache};
     ///
+    /// # #[cfg(feature = "redis")]
     /// # #[actix_web::main]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// let pool = RedisStore::pool("redis://127.0.0.1:6379")?; // connects on first use
@@ -334,6 +336,7 @@ impl Idempotency {
     /// let idempotency = Idempotency::redis(pool).replay_cache(cache.clone());
     /// # Ok(())
     /// # }
+    /// # #[cfg(not(feature = "redis"))] fn main() {}
     /// ```
     #[must_use]
     pub fn replay_cache(mut self, cache: ReplayCache) -> Self {
