@@ -14,6 +14,29 @@ pin_project! {
     /// handler's body as it passes while the middleware stores it).
     ///
     /// Handlers never see this type; it appears in the middleware's `Service` signature.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::body::{BodySize, MessageBody};
+    /// use actix_web::{App, HttpResponse, http::Method, test, web};
+    /// use idempotency_actix::{Idempotency, IdempotentBody, MemoryStore};
+    ///
+    /// # actix_web::rt::System::new().block_on(async {
+    /// let idempotency = Idempotency::new(MemoryStore::new()).protect_methods([Method::POST]);
+    /// let handler = || async { HttpResponse::Created().body("order 7") };
+    /// let app = App::new().wrap(idempotency).route("/", web::post().to(handler));
+    /// let app = test::init_service(app).await;
+    /// let request =
+    ///     || test::TestRequest::post().insert_header(("Idempotency-Key", "k")).to_request();
+    /// test::call_service(&app, request()).await;
+    /// // A replay's body is one the middleware made, from the stored bytes:
+    /// let replay = test::call_service(&app, request()).await;
+    /// let body: &IdempotentBody<_> = replay.response().body();
+    /// assert_eq!(body.size(), BodySize::Sized(7));
+    /// assert_eq!(test::read_body(replay).await, "order 7");
+    /// # });
+    /// ```
     pub struct IdempotentBody<B> {
         #[pin]
         kind: Kind<B>,

@@ -70,6 +70,28 @@ pub struct Idempotency {
 
 impl Idempotency {
     /// Idempotency on any [`IdempotencyStore`].
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::{App, HttpResponse, http::Method, test, web};
+    /// use idempotency_actix::{Idempotency, MemoryStore};
+    ///
+    /// # actix_web::rt::System::new().block_on(async {
+    /// let store = MemoryStore::new();
+    /// let app = test::init_service(
+    ///     App::new()
+    ///         .wrap(Idempotency::new(store.clone()).protect_methods([Method::POST]))
+    ///         .route("/orders", web::post().to(HttpResponse::Created)),
+    /// )
+    /// .await;
+    /// let order = test::TestRequest::post()
+    ///     .uri("/orders")
+    ///     .insert_header(("Idempotency-Key", "o-1"));
+    /// assert_eq!(test::call_service(&app, order.to_request()).await.status(), 201);
+    /// assert_eq!(store.len(), 1); // the completed record, replayed to every retry
+    /// # });
+    /// ```
     pub fn new(store: impl IdempotencyStore) -> Self {
         Self {
             store: Rc::new(store),
@@ -84,6 +106,20 @@ impl Idempotency {
     /// See [`RedisStore`](crate::RedisStore) for the protocol and
     /// [`RedisStore::pool`](crate::RedisStore::pool) for a pool that skips bb8's `PING` on
     /// checkout.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::App;
+    /// use idempotency_actix::{Idempotency, RedisStore};
+    ///
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let pool = RedisStore::pool("redis://127.0.0.1:6379")?; // connects on first use
+    /// let app = App::new().wrap(Idempotency::redis(pool));
+    /// # Ok(())
+    /// # }
+    /// ```
     #[cfg(feature = "redis")]
     pub fn redis(pool: impl Into<crate::store::RedisPool>) -> Self {
         Self::new(crate::store::RedisStore::new(pool))
@@ -92,6 +128,20 @@ impl Idempotency {
     /// Idempotency on PostgreSQL: durable records, and the store of transactional routes
     /// (see `PostgresStore` and
     /// `IdempotentTransaction`).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::App;
+    /// use idempotency_actix::{Idempotency, PostgresStore};
+    ///
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let pool = PostgresStore::pool("postgres://app@127.0.0.1/app")?; // connects on first use
+    /// let app = App::new().wrap(Idempotency::postgres(PostgresStore::new(pool)));
+    /// # Ok(())
+    /// # }
+    /// ```
     #[cfg(feature = "postgres")]
     pub fn postgres(store: crate::store::PostgresStore) -> Self {
         Self::new(store)
@@ -125,6 +175,33 @@ impl Idempotency {
     /// The store holds at most 64 MiB; when full, it evicts completed records, which
     /// shortens their keys' idempotency window (see [`MemoryStore`]).
     /// [`memory_with`](Self::memory_with) sets another budget.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::{App, HttpResponse, post, test};
+    /// use idempotency_actix::{Idempotency, REPLAYED_HEADER, idempotent};
+    ///
+    /// #[idempotent]
+    /// #[post("/orders")]
+    /// async fn create_order() -> HttpResponse {
+    ///     HttpResponse::Created().body("order 7")
+    /// }
+    ///
+    /// # actix_web::rt::System::new().block_on(async {
+    /// let app = App::new().wrap(Idempotency::memory()).service(create_order);
+    /// let app = test::init_service(app).await;
+    /// let order = || {
+    ///     test::TestRequest::post()
+    ///         .uri("/orders")
+    ///         .insert_header(("Idempotency-Key", "memory-doc"))
+    /// };
+    /// assert_eq!(test::call_service(&app, order().to_request()).await.status(), 201);
+    /// let retry = test::call_service(&app, order().to_request()).await;
+    /// assert_eq!(retry.headers().get(REPLAYED_HEADER).unwrap(), "true");
+    /// assert_eq!(test::read_body(retry).await, "order 7");
+    /// # });
+    /// ```
     pub fn memory() -> Self {
         Self::new(MemoryStore::shared())
     }
@@ -199,6 +276,28 @@ impl Idempotency {
     /// in-flight record under a key with this prefix: the store would refuse every new key
     /// (503). The store's builder checks the share against prefixes of up to 64 bytes; a
     /// longer prefix may need a larger budget or fewer shards.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::{App, HttpResponse, http::Method, test, web};
+    /// use idempotency_actix::{Idempotency, Inspector, MemoryStore};
+    ///
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = MemoryStore::new();
+    /// let idempotency = Idempotency::new(store.clone()).key_prefix("shop:");
+    /// let app = App::new().wrap(idempotency.protect_methods([Method::POST]));
+    /// let app = test::init_service(app.route("/", web::post().to(HttpResponse::Ok))).await;
+    /// let request = test::TestRequest::post().insert_header(("Idempotency-Key", "k"));
+    /// test::call_service(&app, request.to_request()).await;
+    ///
+    /// let inspector = Inspector::new(store);
+    /// assert!(inspector.clone().key_prefix("shop:").lookup(b"", "k").await?.is_some());
+    /// assert!(inspector.lookup(b"", "k").await?.is_none()); // nothing under `idempotency:`
+    /// # Ok(())
+    /// # }
+    /// ```
     #[must_use]
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.settings.prefix = prefix.into();
@@ -214,6 +313,25 @@ impl Idempotency {
     /// Without this call there is one key space for all callers, and the first app built
     /// in the process logs a warning saying so; `.scope(KeyScope::global())` keeps one key
     /// space on purpose and silences it.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::{App, HttpResponse, http::Method, test, web};
+    /// use idempotency_actix::{Idempotency, KeyScope, MemoryStore};
+    ///
+    /// # actix_web::rt::System::new().block_on(async {
+    /// let by_tenant = KeyScope::header("x-tenant-id").unwrap();
+    /// let idempotency = Idempotency::new(MemoryStore::new()).scope(by_tenant);
+    /// let app = App::new().wrap(idempotency.protect_methods([Method::POST]));
+    /// let app = test::init_service(app.route("/", web::post().to(HttpResponse::Ok))).await;
+    /// let request = || test::TestRequest::post().insert_header(("Idempotency-Key", "k"));
+    /// let scoped = request().insert_header(("x-tenant-id", "acme"));
+    /// assert_eq!(test::call_service(&app, scoped.to_request()).await.status(), 200);
+    /// // A keyed request whose scope cannot be determined is refused:
+    /// assert_eq!(test::call_service(&app, request().to_request()).await.status(), 400);
+    /// # });
+    /// ```
     #[must_use]
     pub fn scope(mut self, scope: KeyScope) -> Self {
         self.settings.scope = scope;
@@ -222,6 +340,27 @@ impl Idempotency {
     }
 
     /// Which parts of a request are fingerprinted (default: method, path, query, body).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::{App, HttpResponse, http::Method, test, web};
+    /// use idempotency_actix::{FingerprintParts, Idempotency, MemoryStore};
+    ///
+    /// # actix_web::rt::System::new().block_on(async {
+    /// let parts = FingerprintParts::default().header("api-version").unwrap();
+    /// let idempotency = Idempotency::new(MemoryStore::new()).fingerprint(parts);
+    /// let app = App::new().wrap(idempotency.protect_methods([Method::POST]));
+    /// let app = test::init_service(app.route("/", web::post().to(HttpResponse::Ok))).await;
+    /// let request = |version: &'static str| {
+    ///     let request = test::TestRequest::post().insert_header(("Idempotency-Key", "k"));
+    ///     request.insert_header(("api-version", version)).to_request()
+    /// };
+    /// assert_eq!(test::call_service(&app, request("1")).await.status(), 200);
+    /// // The same key for another API version is another request: 422.
+    /// assert_eq!(test::call_service(&app, request("2")).await.status(), 422);
+    /// # });
+    /// ```
     #[must_use]
     pub fn fingerprint(mut self, parts: FingerprintParts) -> Self {
         self.settings.fingerprint = parts;
@@ -230,6 +369,32 @@ impl Idempotency {
 
     /// Which response headers are replayed (default: all but cookies, `Date`, hop-by-hop
     /// and framing headers).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::{App, HttpResponse, http::Method, test, web};
+    /// use idempotency_actix::{Idempotency, MemoryStore, ReplayedHeaders};
+    ///
+    /// # actix_web::rt::System::new().block_on(async {
+    /// let headers = ReplayedHeaders::only(["location"]).unwrap();
+    /// let idempotency = Idempotency::new(MemoryStore::new()).replayed_headers(headers);
+    /// let handler = || async {
+    ///     HttpResponse::Created()
+    ///         .insert_header(("location", "/orders/7"))
+    ///         .insert_header(("x-trace", "a1"))
+    ///         .finish()
+    /// };
+    /// let app = App::new().wrap(idempotency.protect_methods([Method::POST]));
+    /// let app = test::init_service(app.route("/", web::post().to(handler))).await;
+    /// let request =
+    ///     || test::TestRequest::post().insert_header(("Idempotency-Key", "k")).to_request();
+    /// test::call_service(&app, request()).await;
+    /// let replay = test::call_service(&app, request()).await;
+    /// assert_eq!(replay.headers().get("location").unwrap(), "/orders/7");
+    /// assert!(replay.headers().get("x-trace").is_none());
+    /// # });
+    /// ```
     #[must_use]
     pub fn replayed_headers(mut self, headers: ReplayedHeaders) -> Self {
         self.settings.replayed_headers = headers;
@@ -237,6 +402,17 @@ impl Idempotency {
     }
 
     /// What happens when the store fails (default [`FailMode::Closed`]: 503).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::App;
+    /// use idempotency_actix::{FailMode, Idempotency};
+    ///
+    /// assert_eq!(FailMode::default(), FailMode::Closed);
+    /// // Availability over safety: while the store fails, handlers run unprotected.
+    /// let app = App::new().wrap(Idempotency::memory().on_store_error(FailMode::Open));
+    /// ```
     #[must_use]
     pub fn on_store_error(mut self, mode: FailMode) -> Self {
         self.settings.fail_mode = mode;
@@ -248,6 +424,17 @@ impl Idempotency {
     /// # Panics
     ///
     /// If the duration is zero or over [`MAX_DURATION`](crate::MAX_DURATION).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// use actix_web::App;
+    /// use idempotency_actix::Idempotency;
+    ///
+    /// let app = App::new().wrap(Idempotency::memory().store_timeout(Duration::from_millis(500)));
+    /// ```
     #[must_use]
     pub fn store_timeout(mut self, timeout: Duration) -> Self {
         self.settings.store_timeout = checked(timeout);
@@ -260,6 +447,36 @@ impl Idempotency {
     /// # Panics
     ///
     /// If the duration is zero or over [`MAX_DURATION`](crate::MAX_DURATION).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// use actix_web::{App, HttpResponse, http::Method, test, web};
+    /// use idempotency_actix::{
+    ///     Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, LeaseToken, MemoryStore,
+    ///     StorageKey,
+    /// };
+    ///
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = MemoryStore::new();
+    /// // Another request holds the key `k` (as the middleware would have locked it):
+    /// let key = StorageKey::new("idempotency:", b"", &IdempotencyKey::parse(b"k")?);
+    /// let print = Fingerprint::compute(&Method::POST, "/", "", b"", []);
+    /// store.begin(&key, &print, &LeaseToken::generate(), Duration::from_secs(30)).await?;
+    ///
+    /// let idempotency = Idempotency::new(store).retry_after(Duration::from_millis(1500));
+    /// let app = App::new().wrap(idempotency.protect_methods([Method::POST]));
+    /// let app = test::init_service(app.route("/", web::post().to(HttpResponse::Ok))).await;
+    /// let request = test::TestRequest::post().insert_header(("Idempotency-Key", "k"));
+    /// let conflict = test::call_service(&app, request.to_request()).await;
+    /// assert_eq!(conflict.status(), 409);
+    /// assert_eq!(conflict.headers().get("retry-after").unwrap(), "2"); // rounded up
+    /// # Ok(())
+    /// # }
+    /// ```
     #[must_use]
     pub fn retry_after(mut self, delay: Duration) -> Self {
         self.settings.retry_after = checked(delay);
@@ -270,6 +487,25 @@ impl Idempotency {
     /// (ttl 24 h, lease 30 s, key optional, 1 MiB request and stored bodies, errors not
     /// stored, no waiting). A route's own [`IdempotencyPolicy`] overrides them. Calling this
     /// twice applies both, the later one winning where both set an option.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// use actix_web::{App, HttpResponse, http::Method, test, web};
+    /// use idempotency_actix::{Idempotency, IdempotencyPolicy, MemoryStore};
+    ///
+    /// # actix_web::rt::System::new().block_on(async {
+    /// let defaults = IdempotencyPolicy::default().ttl(Duration::from_secs(3600)).required();
+    /// let idempotency = Idempotency::new(MemoryStore::new()).policy(defaults);
+    /// let app = App::new().wrap(idempotency.protect_methods([Method::POST]));
+    /// let app = test::init_service(app.route("/", web::post().to(HttpResponse::Ok))).await;
+    /// // Keys are required now: a request without one is refused.
+    /// let keyless = test::TestRequest::post().to_request();
+    /// assert_eq!(test::call_service(&app, keyless).await.status(), 400);
+    /// # });
+    /// ```
     #[must_use]
     pub fn policy(mut self, policy: IdempotencyPolicy) -> Self {
         self.settings.defaults = policy.apply_to(&self.settings.defaults);
@@ -286,6 +522,17 @@ impl Idempotency {
     /// # Panics
     ///
     /// If `requests` is zero (a configuration mistake: nothing could be protected).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::App;
+    /// use idempotency_actix::{DEFAULT_MAX_IN_FLIGHT, Idempotency};
+    ///
+    /// assert_eq!(DEFAULT_MAX_IN_FLIGHT, 1024);
+    /// // A small instance: at most 64 keyed requests at once per worker.
+    /// let app = App::new().wrap(Idempotency::memory().max_in_flight(64));
+    /// ```
     #[must_use]
     pub fn max_in_flight(mut self, requests: usize) -> Self {
         assert!(
@@ -309,6 +556,16 @@ impl Idempotency {
     /// # Panics
     ///
     /// If `requests` is zero.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::App;
+    /// use idempotency_actix::{DEFAULT_MAX_DETACHED, Idempotency};
+    ///
+    /// assert_eq!(DEFAULT_MAX_DETACHED, 256);
+    /// let app = App::new().wrap(Idempotency::memory().max_in_flight(256).max_detached(32));
+    /// ```
     #[must_use]
     pub fn max_detached(mut self, requests: usize) -> Self {
         assert!(requests > 0, "Idempotency::max_detached must be at least 1");
@@ -504,6 +761,31 @@ fn warn_once_keys_are_shared() {
 }
 
 /// The service [`Idempotency`] wraps around the app.
+///
+/// # Examples
+///
+/// ```
+/// # #[actix_web::main]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use actix_web::dev::{Service, Transform};
+/// use actix_web::http::Method;
+/// use actix_web::{App, test};
+/// use idempotency_actix::{Idempotency, IdempotencyMiddleware, MemoryStore};
+///
+/// // `wrap` makes one per worker around the app's routes:
+/// let app = App::new().wrap(Idempotency::memory());
+///
+/// // A test can make one around any service (here one that answers 200):
+/// let idempotency = Idempotency::new(MemoryStore::new()).protect_methods([Method::POST]);
+/// let middleware: IdempotencyMiddleware<_> =
+///     idempotency.new_transform(test::ok_service()).await.map_err(|()| "no middleware")?;
+/// let request = || test::TestRequest::post().insert_header(("Idempotency-Key", "k"));
+/// assert_eq!(middleware.call(request().to_srv_request()).await?.status(), 200);
+/// let replay = middleware.call(request().to_srv_request()).await?;
+/// assert_eq!(replay.headers().get("idempotent-replayed").unwrap(), "true");
+/// # Ok(())
+/// # }
+/// ```
 pub struct IdempotencyMiddleware<S> {
     service: Rc<S>,
     engine: Rc<Engine>,

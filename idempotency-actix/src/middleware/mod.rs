@@ -32,6 +32,27 @@ pin_project! {
     /// The future of both middleware services' responses. A request the middleware does not
     /// touch costs no allocation: it is the inner service's own future; nor does a keyless
     /// request that its route lets through while no subscriber wants its span.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use actix_web::dev::{Service, Transform};
+    /// use actix_web::{App, test};
+    /// use idempotency_actix::{Idempotency, IdempotencyFuture, MemoryStore};
+    ///
+    /// // What the services of `App::new().wrap(Idempotency::memory())` return from `call`:
+    /// let middleware = Idempotency::new(MemoryStore::new())
+    ///     .new_transform(test::ok_service())
+    ///     .await
+    ///     .map_err(|()| "no middleware")?;
+    /// let request = test::TestRequest::post().to_srv_request();
+    /// let future: IdempotencyFuture<_, _> = middleware.call(request);
+    /// assert_eq!(future.await?.status(), 200);
+    /// # Ok(())
+    /// # }
+    /// ```
     pub struct IdempotencyFuture<S, B>
     where
         S: Service<ServiceRequest>,

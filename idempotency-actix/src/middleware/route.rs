@@ -54,16 +54,59 @@ pub struct IdempotentRoute {
 
 impl IdempotentRoute {
     /// Protection with the app's defaults.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::{App, HttpResponse, web};
+    /// use idempotency_actix::{Idempotency, IdempotencyPolicy, IdempotentRoute};
+    ///
+    /// assert_eq!(IdempotentRoute::new().policy(), &IdempotencyPolicy::default());
+    /// let app = App::new().wrap(Idempotency::memory()).service(
+    ///     web::resource("/charges")
+    ///         .wrap(IdempotentRoute::new())
+    ///         .route(web::post().to(HttpResponse::Created)),
+    /// );
+    /// ```
     pub fn new() -> Self {
         Self::default()
     }
 
     /// Protection with `policy`'s overrides of the app's defaults.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::{App, HttpResponse, test, web};
+    /// use idempotency_actix::{Idempotency, IdempotencyPolicy, IdempotentRoute, MemoryStore};
+    ///
+    /// # actix_web::rt::System::new().block_on(async {
+    /// let required = IdempotentRoute::with_policy(IdempotencyPolicy::default().required());
+    /// let app = test::init_service(App::new().wrap(Idempotency::new(MemoryStore::new())).service(
+    ///     web::resource("/charges").wrap(required).route(web::post().to(HttpResponse::Created)),
+    /// ))
+    /// .await;
+    /// let keyless = test::TestRequest::post().uri("/charges").to_request();
+    /// assert_eq!(test::call_service(&app, keyless).await.status(), 400);
+    /// # });
+    /// ```
     pub fn with_policy(policy: IdempotencyPolicy) -> Self {
         Self { policy }
     }
 
     /// The overrides this route applies.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// use idempotency_actix::{IdempotencyPolicy, IdempotentRoute};
+    ///
+    /// let policy = IdempotencyPolicy::default().ttl(Duration::from_secs(60));
+    /// let route = IdempotentRoute::with_policy(policy.clone());
+    /// assert_eq!(route.policy(), &policy);
+    /// ```
     pub fn policy(&self) -> &IdempotencyPolicy {
         &self.policy
     }
@@ -89,6 +132,26 @@ where
 }
 
 /// The service [`IdempotentRoute`] wraps around a route.
+///
+/// # Examples
+///
+/// ```
+/// use actix_web::{App, HttpResponse, test, web};
+/// use idempotency_actix::{Idempotency, IdempotentRoute, MemoryStore};
+///
+/// # actix_web::rt::System::new().block_on(async {
+/// let store = MemoryStore::new();
+/// // `wrap(IdempotentRoute::new())` puts one around the route's handler:
+/// let charges = web::resource("/charges")
+///     .wrap(IdempotentRoute::new())
+///     .route(web::post().to(HttpResponse::Created));
+/// let app = App::new().wrap(Idempotency::new(store.clone())).service(charges);
+/// let app = test::init_service(app).await;
+/// let charge = test::TestRequest::post().uri("/charges").insert_header(("Idempotency-Key", "c1"));
+/// assert_eq!(test::call_service(&app, charge.to_request()).await.status(), 201);
+/// assert_eq!(store.len(), 1);
+/// # });
+/// ```
 pub struct IdempotentRouteMiddleware<S> {
     service: Rc<S>,
     policy: Rc<IdempotencyPolicy>,
