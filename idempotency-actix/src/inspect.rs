@@ -53,6 +53,18 @@ pub struct Inspector<S> {
 }
 
 /// Why an [`Inspector`] could not answer.
+///
+/// # Examples
+///
+/// ```
+/// use idempotency_actix::{InspectionError, Inspector, KeyError, MemoryStore};
+///
+/// # actix_web::rt::System::new().block_on(async {
+/// let inspector = Inspector::new(MemoryStore::new());
+/// let answer = inspector.lookup(b"", "").await;
+/// assert!(matches!(answer, Err(InspectionError::InvalidKey(KeyError::Empty))));
+/// # });
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum InspectionError {
@@ -66,6 +78,20 @@ pub enum InspectionError {
 
 impl<S: IdempotencyStore> Inspector<S> {
     /// An inspector of `store` under the default key prefix, `idempotency:`.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::{Inspector, MemoryStore};
+    ///
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = MemoryStore::new(); // a clone of the app's store
+    /// let inspector = Inspector::new(store);
+    /// assert!(inspector.lookup(b"", "order-1").await?.is_none());
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn new(store: S) -> Self {
         Self {
             store,
@@ -75,6 +101,17 @@ impl<S: IdempotencyStore> Inspector<S> {
     }
 
     /// The key prefix the app uses, if not the default.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::{Inspector, MemoryStore};
+    ///
+    /// // For an app that calls `Idempotency::key_prefix("shop:")`:
+    /// let inspector = Inspector::new(MemoryStore::new()).key_prefix("shop:");
+    /// assert!(inspector.storage_key(b"", "order-1")?.as_str().starts_with("shop:"));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     #[must_use]
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
@@ -107,6 +144,19 @@ impl<S: IdempotencyStore> Inspector<S> {
     /// # Errors
     ///
     /// When `key` is not a valid idempotency key.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::{IdempotencyKey, Inspector, MemoryStore, StorageKey};
+    ///
+    /// let inspector = Inspector::new(MemoryStore::new());
+    /// let key = inspector.storage_key(b"tenant-a", "\"order-1\"")?;
+    /// let order_1 = IdempotencyKey::parse(b"order-1")?;
+    /// assert_eq!(key, StorageKey::new("idempotency:", b"tenant-a", &order_1));
+    /// assert!(inspector.storage_key(b"", "").is_err());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn storage_key(&self, scope: &[u8], key: &str) -> Result<StorageKey, KeyError> {
         let key = IdempotencyKey::parse(key.as_bytes())?;
         Ok(StorageKey::new(&self.prefix, scope, &key))
@@ -118,6 +168,32 @@ impl<S: IdempotencyStore> Inspector<S> {
     /// # Errors
     ///
     /// When `key` is invalid or the store fails.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::http::StatusCode;
+    /// use idempotency_actix::{Inspector, MemoryStore, RecordState};
+    ///
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = MemoryStore::new();
+    /// # use actix_web::{App, HttpResponse, http::Method, test, web};
+    /// # let idempotency = idempotency_actix::Idempotency::new(store.clone());
+    /// # let app = App::new().wrap(idempotency.protect_methods([Method::POST]));
+    /// # let handler = || async { HttpResponse::Created().body("order 7") };
+    /// # let app = test::init_service(app.route("/", web::post().to(handler))).await;
+    /// # let request = test::TestRequest::post().insert_header(("Idempotency-Key", "order-1"));
+    /// # test::call_service(&app, request.to_request()).await;
+    /// // ... the app answered a request with `Idempotency-Key: order-1` with 201 ...
+    /// let record = Inspector::new(store).lookup(b"", "order-1").await?.ok_or("no record")?;
+    /// assert_eq!(record.state, RecordState::Completed);
+    /// assert_eq!(record.status, Some(StatusCode::CREATED));
+    /// assert_eq!(record.body_size, Some(7));
+    /// assert!(record.body.is_none()); // `lookup_with_body` has it
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn lookup(
         &self,
         scope: &[u8],
@@ -131,6 +207,29 @@ impl<S: IdempotencyStore> Inspector<S> {
     /// # Errors
     ///
     /// When `key` is invalid or the store fails.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::{Inspector, MemoryStore};
+    ///
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = MemoryStore::new();
+    /// # use actix_web::{App, HttpResponse, http::Method, test, web};
+    /// # let idempotency = idempotency_actix::Idempotency::new(store.clone());
+    /// # let app = App::new().wrap(idempotency.protect_methods([Method::POST]));
+    /// # let handler = || async { HttpResponse::Created().body("order 7") };
+    /// # let app = test::init_service(app.route("/", web::post().to(handler))).await;
+    /// # let request = test::TestRequest::post().insert_header(("Idempotency-Key", "order-1"));
+    /// # test::call_service(&app, request.to_request()).await;
+    /// // ... the app answered a request with `Idempotency-Key: order-1` with 201 ...
+    /// let inspector = Inspector::new(store);
+    /// let record = inspector.lookup_with_body(b"", "order-1").await?.ok_or("no record")?;
+    /// assert_eq!(record.body.as_deref(), Some(&b"order 7"[..]));
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn lookup_with_body(
         &self,
         scope: &[u8],
@@ -145,6 +244,29 @@ impl<S: IdempotencyStore> Inspector<S> {
     /// # Errors
     ///
     /// When `key` is invalid or the store fails.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::{Deletion, Inspector, MemoryStore};
+    ///
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = MemoryStore::new();
+    /// # use actix_web::{App, HttpResponse, http::Method, test, web};
+    /// # let idempotency = idempotency_actix::Idempotency::new(store.clone());
+    /// # let app = App::new().wrap(idempotency.protect_methods([Method::POST]));
+    /// # let handler = || async { HttpResponse::Created().body("order 7") };
+    /// # let app = test::init_service(app.route("/", web::post().to(handler))).await;
+    /// # let request = test::TestRequest::post().insert_header(("Idempotency-Key", "order-1"));
+    /// # test::call_service(&app, request.to_request()).await;
+    /// // ... the app answered a request with `Idempotency-Key: order-1` with 201 ...
+    /// let inspector = Inspector::new(store);
+    /// assert_eq!(inspector.delete(b"", "order-1").await?, Deletion::Deleted);
+    /// assert_eq!(inspector.delete(b"", "order-1").await?, Deletion::NotFound);
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn delete(&self, scope: &[u8], key: &str) -> Result<Deletion, InspectionError> {
         self.remove(scope, key, false).await
     }
@@ -155,6 +277,29 @@ impl<S: IdempotencyStore> Inspector<S> {
     /// # Errors
     ///
     /// When `key` is invalid or the store fails.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// use actix_web::http::Method;
+    /// use idempotency_actix::{Deletion, Fingerprint, IdempotencyKey, IdempotencyStore, Inspector,
+    ///     LeaseToken, MemoryStore, StorageKey};
+    ///
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = MemoryStore::new();
+    /// # let key = StorageKey::new("idempotency:", b"", &IdempotencyKey::parse(b"stuck")?);
+    /// # let print = Fingerprint::compute(&Method::POST, "/", "", b"", []);
+    /// # store.begin(&key, &print, &LeaseToken::generate(), Duration::from_secs(30)).await?;
+    /// // ... the request with the key `stuck` is in flight, and known to be dead ...
+    /// let inspector = Inspector::new(store);
+    /// assert_eq!(inspector.delete(b"", "stuck").await?, Deletion::InFlight);
+    /// assert_eq!(inspector.force_delete(b"", "stuck").await?, Deletion::Deleted);
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn force_delete(&self, scope: &[u8], key: &str) -> Result<Deletion, InspectionError> {
         self.remove(scope, key, true).await
     }

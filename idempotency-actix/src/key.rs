@@ -49,6 +49,19 @@ pub const MAX_KEY_LENGTH: usize = 255;
 pub struct IdempotencyKey(String);
 
 /// Why an `Idempotency-Key` header was rejected. Each variant becomes a 400 problem response.
+///
+/// # Examples
+///
+/// ```
+/// use idempotency_actix::{IdempotencyKey, KeyError, MAX_KEY_LENGTH};
+///
+/// assert_eq!(IdempotencyKey::parse(b"  "), Err(KeyError::Empty));
+/// let long = "k".repeat(MAX_KEY_LENGTH + 1);
+/// assert_eq!(IdempotencyKey::parse(long.as_bytes()), Err(KeyError::TooLong { length: 256 }));
+/// assert_eq!(IdempotencyKey::parse(br#""a\n""#), Err(KeyError::InvalidEscape));
+/// assert_eq!(IdempotencyKey::parse(br#""abc"x"#), Err(KeyError::TrailingCharacters));
+/// assert_eq!(KeyError::Repeated.to_string(), "the idempotency key header appears more than once");
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum KeyError {
@@ -104,6 +117,19 @@ impl IdempotencyKey {
     /// # Errors
     ///
     /// Returns a [`KeyError`] that says what is wrong with the value.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::IdempotencyKey;
+    ///
+    /// let key = IdempotencyKey::parse(br#""8e03978e-40d5-43e8-bc93-6894a57f9324""#)?;
+    /// assert_eq!(key.as_str(), "8e03978e-40d5-43e8-bc93-6894a57f9324");
+    /// // Surrounding whitespace is not part of the key; `\"` and `\\` are the only escapes.
+    /// assert_eq!(IdempotencyKey::parse(b" order-1 ")?.as_str(), "order-1");
+    /// assert_eq!(IdempotencyKey::parse(br#""say \"hi\"""#)?.as_str(), r#"say "hi""#);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn parse(value: &[u8]) -> Result<Self, KeyError> {
         let value = value.trim_ascii();
         let (key, rest) = match value.split_first() {
@@ -173,6 +199,16 @@ impl IdempotencyKey {
     }
 
     /// The key, without sf-string quoting or escapes.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::IdempotencyKey;
+    ///
+    /// let key = IdempotencyKey::parse(br#""a \\ b";v=1"#)?;
+    /// assert_eq!(key.as_str(), r"a \ b");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn as_str(&self) -> &str {
         &self.0
     }

@@ -54,6 +54,19 @@ pub struct StoredResponse {
 }
 
 /// Why bytes in a store could not be decoded as a [`StoredResponse`].
+///
+/// # Examples
+///
+/// ```
+/// use actix_web::http::StatusCode;
+/// use idempotency_actix::{RECORD_VERSION, RecordError, StoredResponse};
+///
+/// let bytes = StoredResponse::new(StatusCode::OK, Vec::new(), None).encode();
+/// assert_eq!(StoredResponse::decode(&bytes[..2]), Err(RecordError::Truncated));
+/// let mut newer = bytes.clone();
+/// newer[0] = RECORD_VERSION + 1;
+/// assert_eq!(StoredResponse::decode(&newer), Err(RecordError::UnsupportedVersion(2)));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum RecordError {
@@ -70,6 +83,18 @@ pub enum RecordError {
 
 impl StoredResponse {
     /// A stored response: what a replay answers (`body: None` when it was not stored).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::http::StatusCode;
+    /// use idempotency_actix::StoredResponse;
+    ///
+    /// // A response whose body was over the stored-body limit:
+    /// let response = StoredResponse::new(StatusCode::OK, Vec::new(), None);
+    /// assert_eq!(response.status, StatusCode::OK);
+    /// assert!(response.headers.is_empty() && response.body.is_none());
+    /// ```
     pub fn new(
         status: StatusCode,
         headers: Vec<(HeaderName, HeaderValue)>,
@@ -83,6 +108,17 @@ impl StoredResponse {
     }
 
     /// Encodes the response in the current record version.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::http::StatusCode;
+    /// use idempotency_actix::{RECORD_VERSION, StoredResponse};
+    ///
+    /// let bytes = StoredResponse::new(StatusCode::NO_CONTENT, Vec::new(), None).encode();
+    /// // The version, the status (204), the flags (no body stored), the header count (0):
+    /// assert_eq!(bytes, [RECORD_VERSION, 0, 204, 0, 0, 0]);
+    /// ```
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(self.encoded_len());
         self.encode_into(&mut out);
@@ -135,6 +171,20 @@ impl StoredResponse {
     /// # Errors
     ///
     /// A [`RecordError`] when the bytes are not a record this version can read.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::http::StatusCode;
+    /// use actix_web::web::Bytes;
+    /// use idempotency_actix::StoredResponse;
+    ///
+    /// let body = Some(Bytes::from_static(b"{}"));
+    /// let response = StoredResponse::new(StatusCode::CREATED, Vec::new(), body);
+    /// assert_eq!(StoredResponse::decode(&response.encode())?, response);
+    /// assert!(StoredResponse::decode(b"").is_err());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn decode(bytes: &[u8]) -> Result<Self, RecordError> {
         let (mut response, body) = Self::decode_head(bytes)?;
         response.body = body.map(|start| Bytes::copy_from_slice(&bytes[start..]));

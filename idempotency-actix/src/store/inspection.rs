@@ -10,6 +10,22 @@ use actix_web::web::Bytes;
 use crate::record::StoredResponse;
 
 /// Whether a record's request is still running or its response is stored.
+///
+/// # Examples
+///
+/// ```
+/// use actix_web::http::StatusCode;
+/// use idempotency_actix::{RecordSnapshot, RecordState, StoredResponse};
+///
+/// let response = StoredResponse::new(StatusCode::CREATED, Vec::new(), None);
+/// let snapshot = RecordSnapshot::completed(response, None, false);
+/// let what = match snapshot.state {
+///     RecordState::InFlight => "running",
+///     RecordState::Completed => "replayed to retries",
+///     _ => "a state of a later version",
+/// };
+/// assert_eq!(what, "replayed to retries");
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum RecordState {
@@ -51,6 +67,19 @@ pub struct RecordSnapshot {
 
 impl RecordSnapshot {
     /// An in-flight record that expires in `expires_in` unless renewed.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// use idempotency_actix::{RecordSnapshot, RecordState};
+    ///
+    /// let snapshot = RecordSnapshot::in_flight(Some(Duration::from_secs(30)));
+    /// assert_eq!(snapshot.state, RecordState::InFlight);
+    /// assert_eq!(snapshot.expires_in, Some(Duration::from_secs(30)));
+    /// assert!(snapshot.status.is_none() && snapshot.headers.is_empty());
+    /// ```
     pub fn in_flight(expires_in: Option<Duration>) -> Self {
         Self {
             state: RecordState::InFlight,
@@ -63,6 +92,22 @@ impl RecordSnapshot {
     }
 
     /// A completed record holding `response`, with its body only if `with_body`.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::http::StatusCode;
+    /// use actix_web::web::Bytes;
+    /// use idempotency_actix::{RecordSnapshot, StoredResponse};
+    ///
+    /// let body = Some(Bytes::from_static(b"order 7"));
+    /// let response = StoredResponse::new(StatusCode::CREATED, Vec::new(), body);
+    /// let without_body = RecordSnapshot::completed(response.clone(), None, false);
+    /// assert_eq!(without_body.status, Some(StatusCode::CREATED));
+    /// assert_eq!((without_body.body_size, without_body.body), (Some(7), None));
+    /// let with_body = RecordSnapshot::completed(response, None, true);
+    /// assert_eq!(with_body.body.as_deref(), Some(&b"order 7"[..]));
+    /// ```
     pub fn completed(
         response: StoredResponse,
         expires_in: Option<Duration>,
@@ -80,6 +125,25 @@ impl RecordSnapshot {
 }
 
 /// What [`IdempotencyStore::delete`](crate::IdempotencyStore::delete) did.
+///
+/// # Examples
+///
+/// ```
+/// use idempotency_actix::{Deletion, Inspector, MemoryStore};
+///
+/// # #[actix_web::main]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let inspector = Inspector::new(MemoryStore::new());
+/// let said = match inspector.delete(b"", "order-1").await? {
+///     Deletion::Deleted => "the next request with this key runs the handler",
+///     Deletion::NotFound => "no record: nothing to delete",
+///     Deletion::InFlight => "still running: force_delete it if its request is dead",
+///     _ => "an answer of a later version",
+/// };
+/// assert_eq!(said, "no record: nothing to delete");
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Deletion {

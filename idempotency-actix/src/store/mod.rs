@@ -72,6 +72,16 @@ impl LeaseToken {
     /// The generator (`rand`'s thread-local ChaCha, seeded from the operating system and
     /// reseeded periodically) makes no system call per token, and the token is held inline
     /// (no allocation), so tokens are cheap to make and to copy, unique and unguessable.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::LeaseToken;
+    ///
+    /// let token = LeaseToken::generate();
+    /// assert_ne!(token, LeaseToken::generate());
+    /// assert_eq!(token.as_str().len(), 32);
+    /// ```
     pub fn generate() -> Self {
         const HEX: &[u8; 16] = b"0123456789abcdef";
         let bits: u128 = rand::random();
@@ -84,6 +94,15 @@ impl LeaseToken {
     }
 
     /// The token as stores keep it.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::LeaseToken;
+    ///
+    /// let token = LeaseToken::generate();
+    /// assert!(token.as_str().bytes().all(|digit| matches!(digit, b'0'..=b'9' | b'a'..=b'f')));
+    /// ```
     pub fn as_str(&self) -> &str {
         // Only ASCII hex digits are ever written.
         std::str::from_utf8(&self.0).unwrap_or_default()
@@ -97,6 +116,34 @@ impl std::fmt::Debug for LeaseToken {
 }
 
 /// What [`IdempotencyStore::begin`] found.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+///
+/// use actix_web::http::{Method, StatusCode};
+/// use idempotency_actix::{BeginOutcome, Fingerprint, IdempotencyKey, IdempotencyStore, LeaseToken,
+///     MemoryStore, StorageKey, StoredResponse};
+///
+/// # #[actix_web::main]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let (store, lease) = (MemoryStore::new(), Duration::from_secs(30));
+/// let key = StorageKey::new("doc:", b"", &IdempotencyKey::parse(b"k")?);
+/// let print = Fingerprint::compute(&Method::POST, "/orders", "", b"{}", []);
+/// let token = LeaseToken::generate();
+/// assert_eq!(store.begin(&key, &print, &token, lease).await?, BeginOutcome::Acquired);
+/// let response = StoredResponse::new(StatusCode::CREATED, Vec::new(), None);
+/// store.commit(&key, &print, &token, &response, Duration::from_secs(60)).await?;
+///
+/// let retry = store.begin(&key, &print, &LeaseToken::generate(), lease).await?;
+/// assert_eq!(retry, BeginOutcome::Completed(response));
+/// let other = Fingerprint::compute(&Method::POST, "/orders", "", b"[]", []);
+/// let reused = store.begin(&key, &other, &LeaseToken::generate(), lease).await?;
+/// assert_eq!(reused, BeginOutcome::FingerprintMismatch);
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum BeginOutcome {
@@ -117,6 +164,23 @@ pub enum BeginOutcome {
 
 /// A store could not do what was asked. The client sees an opaque 503 (or, fail-open, an
 /// unprotected run); the full error goes to the log.
+///
+/// # Examples
+///
+/// ```
+/// use std::error::Error;
+/// use std::time::Duration;
+///
+/// use idempotency_actix::{RecordError, StoreError};
+///
+/// let down = StoreError::Unavailable("connection refused".into());
+/// assert_eq!(down.to_string(), "store unavailable: connection refused");
+/// let timeout = StoreError::Timeout(Duration::from_secs(2));
+/// assert_eq!(timeout.to_string(), "store did not answer within 2s");
+/// // The cause stays the source:
+/// let corrupt = StoreError::from(RecordError::Truncated);
+/// assert_eq!(corrupt.source().map(ToString::to_string).as_deref(), Some("record is truncated"));
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum StoreError {
