@@ -33,6 +33,21 @@ pub struct Fingerprint([u8; 32]);
 impl Fingerprint {
     /// Computes the fingerprint of a request from its parts; `headers` are (name, value)
     /// pairs that were chosen to be part of it (an absent header is an empty value).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::http::Method;
+    /// use idempotency_actix::Fingerprint;
+    ///
+    /// let plain = Fingerprint::compute(&Method::POST, "/orders", "dry_run=1", b"{}", []);
+    /// let version = [("api-version", &b"2"[..])];
+    /// let versioned = Fingerprint::compute(&Method::POST, "/orders", "dry_run=1", b"{}", version);
+    /// assert_ne!(plain, versioned);
+    /// // Parts never run into each other: ("/a", "b") is not ("/ab", "").
+    /// let split = Fingerprint::compute(&Method::POST, "/a", "b", b"", []);
+    /// assert_ne!(split, Fingerprint::compute(&Method::POST, "/ab", "", b"", []));
+    /// ```
     pub fn compute<'a>(
         method: &Method,
         path: &str,
@@ -57,11 +72,33 @@ impl Fingerprint {
     }
 
     /// Rebuilds a fingerprint from the 32 bytes [`Fingerprint::as_bytes`] returned.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::http::Method;
+    /// use idempotency_actix::Fingerprint;
+    ///
+    /// let fingerprint = Fingerprint::compute(&Method::PUT, "/orders/7", "", b"{}", []);
+    /// let stored: [u8; 32] = *fingerprint.as_bytes();
+    /// assert_eq!(Fingerprint::from_bytes(stored), fingerprint);
+    /// ```
     pub const fn from_bytes(bytes: [u8; 32]) -> Self {
         Self(bytes)
     }
 
     /// The 32 digest bytes, as stores keep them.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::http::Method;
+    /// use idempotency_actix::Fingerprint;
+    ///
+    /// let fingerprint = Fingerprint::compute(&Method::POST, "/orders", "", b"{}", []);
+    /// let again = Fingerprint::compute(&Method::POST, "/orders", "", b"{}", []);
+    /// assert_eq!(fingerprint.as_bytes(), again.as_bytes());
+    /// ```
     pub const fn as_bytes(&self) -> &[u8; 32] {
         &self.0
     }
@@ -127,6 +164,16 @@ impl FingerprintParts {
     /// # Errors
     ///
     /// When `name` is not a valid header name.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::FingerprintParts;
+    ///
+    /// let parts = FingerprintParts::default().header("accept-language")?.header("api-version")?;
+    /// assert!(FingerprintParts::default().header("not a header").is_err());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn header<N: TryInto<HeaderName>>(mut self, name: N) -> Result<Self, N::Error> {
         self.headers.push(name.try_into()?);
         Ok(self)

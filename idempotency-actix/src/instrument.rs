@@ -78,6 +78,16 @@ pub enum Outcome {
 
 impl Outcome {
     /// Every outcome, for dashboards and tests.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::Outcome;
+    ///
+    /// assert!(Outcome::ALL.contains(&Outcome::Replayed));
+    /// let labels: Vec<&str> = Outcome::ALL.iter().map(|outcome| outcome.as_str()).collect();
+    /// assert!(labels.contains(&"fail_open"));
+    /// ```
     pub const ALL: [Self; 14] = [
         Self::Executed,
         Self::Replayed,
@@ -98,6 +108,15 @@ impl Outcome {
     /// The label value: `executed`, `replayed`, `conflict`, `mismatch`, `invalid_key`,
     /// `missing_key`, `no_key`, `missing_scope`, `body_unreadable`, `too_large`,
     /// `store_error`, `fail_open`, `overloaded` or `shutting_down`.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::Outcome;
+    ///
+    /// assert_eq!(Outcome::Executed.as_str(), "executed");
+    /// assert_eq!(Outcome::InvalidKey.as_str(), "invalid_key");
+    /// ```
     pub const fn as_str(self) -> &'static str {
         match self {
             Self::Executed => "executed",
@@ -180,6 +199,14 @@ pub enum EvictionSource {
 
 impl EvictionSource {
     /// The label value: `memory_store` or `replay_cache`.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::EvictionSource;
+    ///
+    /// assert_eq!(EvictionSource::ReplayCache.as_str(), "replay_cache");
+    /// ```
     pub const fn as_str(self) -> &'static str {
         match self {
             Self::MemoryStore => "memory_store",

@@ -152,6 +152,17 @@ impl IdempotencyPolicy {
     /// # Panics
     ///
     /// If `ttl` is zero or over [`MAX_DURATION`] (a configuration mistake).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// use idempotency_actix::{IdempotencyPolicy, Policy};
+    ///
+    /// let policy = IdempotencyPolicy::default().ttl(Duration::from_secs(3600));
+    /// assert_eq!(policy.apply_to(&Policy::default()).ttl, Duration::from_secs(3600));
+    /// ```
     #[must_use]
     pub const fn ttl(mut self, ttl: Duration) -> Self {
         self.ttl = Some(checked(ttl));
@@ -163,6 +174,19 @@ impl IdempotencyPolicy {
     /// # Panics
     ///
     /// If `lease` is under [`MIN_LEASE`] or over [`MAX_DURATION`] (a configuration mistake).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// use idempotency_actix::{IdempotencyPolicy, MIN_LEASE, Policy};
+    ///
+    /// // A handler that may take minutes (a slow payment provider): a longer lease.
+    /// let policy = IdempotencyPolicy::default().lease(Duration::from_secs(120));
+    /// assert_eq!(policy.apply_to(&Policy::default()).lease, Duration::from_secs(120));
+    /// assert_eq!(MIN_LEASE, Duration::from_millis(500)); // the shortest accepted
+    /// ```
     #[must_use]
     pub const fn lease(mut self, lease: Duration) -> Self {
         assert!(
@@ -175,6 +199,15 @@ impl IdempotencyPolicy {
     }
 
     /// Requests to this route without a key are refused with 400.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::{IdempotencyPolicy, Policy};
+    ///
+    /// assert!(!Policy::default().required);
+    /// assert!(IdempotencyPolicy::default().required().apply_to(&Policy::default()).required);
+    /// ```
     #[must_use]
     pub const fn required(mut self) -> Self {
         self.required = Some(true);
@@ -203,6 +236,24 @@ impl IdempotencyPolicy {
     }
 
     /// Keyed requests to this route may send at most `bytes` of body (413 above).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::{App, HttpResponse, http::Method, test, web};
+    /// use idempotency_actix::{Idempotency, IdempotencyPolicy, MemoryStore};
+    ///
+    /// # actix_web::rt::System::new().block_on(async {
+    /// let small = IdempotencyPolicy::default().max_request_body(16);
+    /// let idempotency = Idempotency::new(MemoryStore::new()).policy(small);
+    /// let app = App::new().wrap(idempotency.protect_methods([Method::POST]));
+    /// let app = test::init_service(app.route("/", web::post().to(HttpResponse::Ok))).await;
+    /// let request = test::TestRequest::post().insert_header(("Idempotency-Key", "k"));
+    /// let too_large = request.set_payload("x".repeat(17)).to_request();
+    /// let response = test::call_service(&app, too_large).await;
+    /// assert_eq!(response.status(), 413);
+    /// # });
+    /// ```
     #[must_use]
     pub const fn max_request_body(mut self, bytes: usize) -> Self {
         self.max_request_body = Some(bytes);
@@ -211,6 +262,28 @@ impl IdempotencyPolicy {
 
     /// Responses of this route larger than `bytes` are not stored (the record completes
     /// without a body).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::{App, HttpResponse, http::Method, test, web};
+    /// use idempotency_actix::{BODY_OMITTED_HEADER, Idempotency, IdempotencyPolicy, MemoryStore};
+    ///
+    /// # actix_web::rt::System::new().block_on(async {
+    /// let policy = IdempotencyPolicy::default().max_stored_body(4);
+    /// let idempotency = Idempotency::new(MemoryStore::new()).policy(policy);
+    /// let app = App::new().wrap(idempotency.protect_methods([Method::POST]));
+    /// let handler = || async { HttpResponse::Ok().body("a long report") };
+    /// let app = test::init_service(app.route("/", web::post().to(handler))).await;
+    /// let request =
+    ///     || test::TestRequest::post().insert_header(("Idempotency-Key", "k")).to_request();
+    /// let first = test::call_service(&app, request()).await;
+    /// assert_eq!(test::read_body(first).await, "a long report"); // sent whole
+    /// let replay = test::call_service(&app, request()).await;
+    /// assert_eq!(replay.headers().get(BODY_OMITTED_HEADER).unwrap(), "true");
+    /// assert!(test::read_body(replay).await.is_empty());
+    /// # });
+    /// ```
     #[must_use]
     pub const fn max_stored_body(mut self, bytes: usize) -> Self {
         self.max_stored_body = Some(bytes);
@@ -227,6 +300,34 @@ impl IdempotencyPolicy {
     /// body, and replays them to every retry with that key for the whole ttl. A route whose
     /// retries must run again after a transient failure keeps the default, which releases
     /// the key on every status >= 400.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::sync::atomic::{AtomicUsize, Ordering};
+    ///
+    /// use actix_web::{App, HttpResponse, http::Method, test, web};
+    /// use idempotency_actix::{Idempotency, IdempotencyPolicy, MemoryStore};
+    ///
+    /// # actix_web::rt::System::new().block_on(async {
+    /// let runs = Arc::new(AtomicUsize::new(0));
+    /// let counted = Arc::clone(&runs);
+    /// let declined = move || {
+    ///     counted.fetch_add(1, Ordering::SeqCst);
+    ///     async { HttpResponse::PaymentRequired().finish() }
+    /// };
+    /// let policy = IdempotencyPolicy::default().store_errors();
+    /// let idempotency = Idempotency::new(MemoryStore::new()).policy(policy);
+    /// let app = App::new().wrap(idempotency.protect_methods([Method::POST]));
+    /// let app = test::init_service(app.route("/", web::post().to(declined))).await;
+    /// for _ in 0..2 {
+    ///     let request = test::TestRequest::post().insert_header(("Idempotency-Key", "k"));
+    ///     assert_eq!(test::call_service(&app, request.to_request()).await.status(), 402);
+    /// }
+    /// assert_eq!(runs.load(Ordering::SeqCst), 1); // the retry got the stored 402
+    /// # });
+    /// ```
     #[must_use]
     pub const fn store_errors(mut self) -> Self {
         self.store_errors = Some(true);
@@ -236,6 +337,17 @@ impl IdempotencyPolicy {
     /// Responses of this route with status >= 400 are not stored (the default): the key is
     /// released and a retry runs the handler again, even under an app policy that
     /// [`store_errors`](Self::store_errors): it undoes that for this route.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::{IdempotencyPolicy, Policy};
+    ///
+    /// let app_defaults = IdempotencyPolicy::default().store_errors().apply_to(&Policy::default());
+    /// assert!(app_defaults.store_errors);
+    /// let route = IdempotencyPolicy::default().release_errors();
+    /// assert!(!route.apply_to(&app_defaults).store_errors);
+    /// ```
     #[must_use]
     pub const fn release_errors(mut self) -> Self {
         self.store_errors = Some(false);
@@ -252,6 +364,19 @@ impl IdempotencyPolicy {
     /// # Panics
     ///
     /// If `bound` is zero or over [`MAX_DURATION`] (a configuration mistake).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// use idempotency_actix::{IdempotencyPolicy, Policy};
+    ///
+    /// let policy = IdempotencyPolicy::default().wait_for_completion(Duration::from_secs(5));
+    /// let effective = policy.apply_to(&Policy::default());
+    /// assert_eq!(effective.wait_for_completion, Some(Duration::from_secs(5)));
+    /// assert_eq!(Policy::default().wait_for_completion, None); // 409 at once
+    /// ```
     #[must_use]
     pub const fn wait_for_completion(mut self, bound: Duration) -> Self {
         self.wait_for_completion = Some(checked(bound));
@@ -268,6 +393,16 @@ impl IdempotencyPolicy {
     ///
     /// Only with the `postgres` feature: without it a transactional route does not compile
     /// (it would have no store to run in, and no fail mode may run it unprotected).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::{IdempotencyPolicy, IdempotentRoute, Policy};
+    ///
+    /// // What `#[idempotent(transactional)]` attaches to its route:
+    /// let route = IdempotentRoute::with_policy(IdempotencyPolicy::default().transactional());
+    /// assert!(route.policy().apply_to(&Policy::default()).transactional);
+    /// ```
     #[cfg(feature = "postgres")]
     #[must_use]
     pub const fn transactional(mut self) -> Self {
@@ -276,6 +411,16 @@ impl IdempotencyPolicy {
     }
 
     /// The effective policy: `defaults` with these overrides.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::{DEFAULT_TTL, IdempotencyPolicy, Policy};
+    ///
+    /// let effective = IdempotencyPolicy::default().required().apply_to(&Policy::default());
+    /// assert!(effective.required);
+    /// assert_eq!(effective.ttl, DEFAULT_TTL); // not set: the level above's
+    /// ```
     pub fn apply_to(&self, defaults: &Policy) -> Policy {
         Policy {
             ttl: self.ttl.unwrap_or(defaults.ttl),

@@ -43,6 +43,17 @@ impl ProtectedRoute {
     /// at each `(method, path)` of `routes` (methods in lower case, paths as Actix writes
     /// them, e.g. `("post", "/orders/{id}")`); whether a key is required is the app's
     /// policy.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::ProtectedRoute;
+    ///
+    /// const ORDERS: ProtectedRoute =
+    ///     ProtectedRoute::new("create_order", &[("post", "/orders"), ("put", "/orders/{id}")]);
+    /// assert_eq!(ORDERS.routes().len(), 2);
+    /// assert!(!ORDERS.requires_key() && !ORDERS.is_optional()); // the app's policy decides
+    /// ```
     pub const fn new(
         handler: &'static str,
         routes: &'static [(&'static str, &'static str)],
@@ -55,6 +66,16 @@ impl ProtectedRoute {
     }
 
     /// The same route, refusing requests without a key (`#[idempotent(required)]`).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::ProtectedRoute;
+    ///
+    /// const PAYMENTS: ProtectedRoute =
+    ///     ProtectedRoute::new("pay", &[("post", "/payments")]).required();
+    /// assert!(PAYMENTS.requires_key());
+    /// ```
     #[must_use]
     pub const fn required(mut self) -> Self {
         self.required = Some(true);
@@ -86,21 +107,58 @@ impl ProtectedRoute {
     }
 
     /// The handler's function name.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::ProtectedRoute;
+    ///
+    /// assert_eq!(ProtectedRoute::new("refund", &[("post", "/refunds")]).handler(), "refund");
+    /// ```
     pub const fn handler(&self) -> &'static str {
         self.handler
     }
 
     /// The `(method, path)` pairs the handler is routed at.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::ProtectedRoute;
+    ///
+    /// let route = ProtectedRoute::new("refund", &[("post", "/refunds/{id}")]);
+    /// assert_eq!(route.routes(), &[("post", "/refunds/{id}")]);
+    /// ```
     pub const fn routes(&self) -> &'static [(&'static str, &'static str)] {
         self.routes
     }
 
     /// Whether a request without a key is refused with 400, whatever the app says.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::ProtectedRoute;
+    ///
+    /// let route = ProtectedRoute::new("pay", &[("post", "/payments")]);
+    /// assert!(!route.requires_key());
+    /// assert!(route.required().requires_key());
+    /// ```
     pub const fn requires_key(&self) -> bool {
         matches!(self.required, Some(true))
     }
 
     /// Whether a request without a key is let through, whatever the app says.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::ProtectedRoute;
+    ///
+    /// let route = ProtectedRoute::new("webhook", &[("post", "/webhooks")]);
+    /// assert!(!route.is_optional());
+    /// assert!(route.optional().is_optional());
+    /// ```
     pub const fn is_optional(&self) -> bool {
         matches!(self.required, Some(false))
     }

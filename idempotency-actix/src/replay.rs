@@ -71,6 +71,32 @@ pub struct ReplayedHeaders {
 
 impl ReplayedHeaders {
     /// Every header but the ones never replayed (the default).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::{App, HttpResponse, http::Method, test, web};
+    /// use idempotency_actix::{Idempotency, MemoryStore, ReplayedHeaders};
+    ///
+    /// # actix_web::rt::System::new().block_on(async {
+    /// let headers = ReplayedHeaders::all();
+    /// let idempotency = Idempotency::new(MemoryStore::new()).replayed_headers(headers);
+    /// let handler = || async {
+    ///     HttpResponse::Created()
+    ///         .insert_header(("location", "/orders/7"))
+    ///         .insert_header(("set-cookie", "s=1"))
+    ///         .finish()
+    /// };
+    /// let app = App::new().wrap(idempotency.protect_methods([Method::POST]));
+    /// let app = test::init_service(app.route("/", web::post().to(handler))).await;
+    /// let request =
+    ///     || test::TestRequest::post().insert_header(("Idempotency-Key", "k")).to_request();
+    /// test::call_service(&app, request()).await;
+    /// let replay = test::call_service(&app, request()).await;
+    /// assert_eq!(replay.headers().get("location").unwrap(), "/orders/7");
+    /// assert!(replay.headers().get("set-cookie").is_none()); // never replayed
+    /// # });
+    /// ```
     pub fn all() -> Self {
         Self::default()
     }
@@ -81,6 +107,15 @@ impl ReplayedHeaders {
     /// # Errors
     ///
     /// When a name is not a valid header name.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::ReplayedHeaders;
+    ///
+    /// assert!(ReplayedHeaders::only(["location", "content-type"]).is_ok());
+    /// assert!(ReplayedHeaders::only(["not a header"]).is_err());
+    /// ```
     pub fn only<I>(names: I) -> Result<Self, <I::Item as TryInto<HeaderName>>::Error>
     where
         I: IntoIterator,

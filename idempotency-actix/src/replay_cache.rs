@@ -126,6 +126,17 @@ impl moka::Expiry<String, Arc<Entry>> for RemainingTtl {
 impl ReplayCache {
     /// A cache that holds at most about `max_bytes` of records (bodies, headers, keys and
     /// the cache's bookkeeping for each).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::ReplayCache;
+    ///
+    /// let cache = ReplayCache::with_max_bytes(64 * 1024 * 1024);
+    /// // Clones share it: hand one to each worker's `Idempotency::replay_cache`.
+    /// let for_a_worker = cache.clone();
+    /// assert_eq!(for_a_worker.max_bytes(), 64 * 1024 * 1024);
+    /// ```
     pub fn with_max_bytes(max_bytes: u64) -> Self {
         Self {
             entries: moka::sync::Cache::builder()
@@ -146,6 +157,14 @@ impl ReplayCache {
     }
 
     /// The bound given to [`with_max_bytes`](Self::with_max_bytes).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::ReplayCache;
+    ///
+    /// assert_eq!(ReplayCache::with_max_bytes(1 << 20).max_bytes(), 1 << 20);
+    /// ```
     pub fn max_bytes(&self) -> u64 {
         self.max_bytes
     }

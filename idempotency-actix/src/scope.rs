@@ -80,6 +80,16 @@ impl KeyScope {
     /// One key space for all callers of the app: what an app that chose no scope gets, but
     /// chosen on purpose (no warning at start). Fit for apps whose callers are one trusted
     /// party, or where keys are unguessable and a shared space is acceptable.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::App;
+    /// use idempotency_actix::{Idempotency, KeyScope};
+    ///
+    /// // One trusted caller (a back office): one key space on purpose, and no warning at start.
+    /// let app = App::new().wrap(Idempotency::memory().scope(KeyScope::global()));
+    /// ```
     pub fn global() -> Self {
         Self(ScopeSource::Global)
     }
@@ -91,11 +101,60 @@ impl KeyScope {
     /// # Errors
     ///
     /// When `name` is not a valid header name.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::{App, HttpResponse, http::Method, test, web};
+    /// use idempotency_actix::{Idempotency, KeyScope, MemoryStore};
+    ///
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = MemoryStore::new();
+    /// let idempotency = Idempotency::new(store.clone()).scope(KeyScope::header("x-tenant-id")?);
+    /// let app = App::new().wrap(idempotency.protect_methods([Method::POST]));
+    /// let app = test::init_service(app.route("/", web::post().to(HttpResponse::Ok))).await;
+    /// for tenant in ["acme", "globex"] {
+    ///     let request = test::TestRequest::post().insert_header(("Idempotency-Key", "k"));
+    ///     let request = request.insert_header(("x-tenant-id", tenant));
+    ///     test::call_service(&app, request.to_request()).await;
+    /// }
+    /// assert_eq!(store.len(), 2); // the same key, one record per tenant
+    /// assert!(KeyScope::header("x tenant").is_err());
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn header<N: TryInto<HeaderName>>(name: N) -> Result<Self, N::Error> {
         Ok(Self(ScopeSource::Header(name.try_into()?)))
     }
 
     /// Scopes keys by what `scope_of` returns for the request.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::{App, HttpMessage, HttpResponse, http::Method, test, web};
+    /// use idempotency_actix::{Idempotency, KeyScope, MemoryStore};
+    ///
+    /// #[derive(Clone)]
+    /// struct UserId(u64);
+    ///
+    /// # actix_web::rt::System::new().block_on(async {
+    /// let by_user = KeyScope::from_fn(|req| {
+    ///     req.extensions().get::<UserId>().map(|user| user.0.to_string())
+    /// });
+    /// let idempotency = Idempotency::new(MemoryStore::new()).scope(by_user);
+    /// let app = App::new().wrap(idempotency.protect_methods([Method::POST]));
+    /// let app = test::init_service(app.route("/", web::post().to(HttpResponse::Ok))).await;
+    /// let request =
+    ///     || test::TestRequest::post().insert_header(("Idempotency-Key", "k")).to_request();
+    /// let signed_in = request();
+    /// signed_in.extensions_mut().insert(UserId(7)); // as an authentication middleware would
+    /// assert_eq!(test::call_service(&app, signed_in).await.status(), 200);
+    /// // No user, no scope: refused.
+    /// assert_eq!(test::call_service(&app, request()).await.status(), 400);
+    /// # });
+    /// ```
     pub fn from_fn(scope_of: impl Fn(&ServiceRequest) -> Option<String> + 'static) -> Self {
         Self(ScopeSource::Function(Rc::new(scope_of)))
     }
@@ -164,6 +223,18 @@ pub struct StorageKey(String);
 
 impl StorageKey {
     /// The storage key of `key` in `scope`, under `prefix`.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::{IdempotencyKey, StorageKey};
+    ///
+    /// let bare = StorageKey::new("idempotency:", b"", &IdempotencyKey::parse(b"order-1")?);
+    /// let quoted = StorageKey::new("idempotency:", b"", &IdempotencyKey::parse(br#""order-1""#)?);
+    /// assert_eq!(bare, quoted); // one key, one record
+    /// assert_eq!(bare.as_str().len(), "idempotency:".len() + 64);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn new(prefix: &str, scope: &[u8], key: &IdempotencyKey) -> Self {
         let mut hasher = GatheredHasher::new(&STORAGE_KEY_CONTEXT);
         hasher.push(&(scope.len() as u64).to_le_bytes());
@@ -187,6 +258,17 @@ impl StorageKey {
     }
 
     /// The full name, prefix included.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::{IdempotencyKey, StorageKey};
+    ///
+    /// let key = StorageKey::new("shop:", b"tenant-a", &IdempotencyKey::parse(b"order-1")?);
+    /// let digest = key.as_str().strip_prefix("shop:").ok_or("no prefix")?;
+    /// assert!(digest.len() == 64 && digest.bytes().all(|digit| digit.is_ascii_hexdigit()));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn as_str(&self) -> &str {
         &self.0
     }

@@ -54,6 +54,15 @@ impl MemoryStoreBuilder {
     /// When a new record would not fit, completed records are evicted, soonest to expire
     /// first; in-flight records never are. See [`MemoryStore`] for what that means for
     /// clients.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::MemoryStore;
+    ///
+    /// let store = MemoryStore::builder().max_bytes(256 * 1024 * 1024).build();
+    /// assert_eq!(store.max_bytes(), 256 * 1024 * 1024);
+    /// ```
     #[must_use]
     pub const fn max_bytes(mut self, bytes: usize) -> Self {
         self.max_bytes = bytes;
@@ -72,6 +81,16 @@ impl MemoryStoreBuilder {
     /// # Panics
     ///
     /// If `shards` is zero (a configuration mistake).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::MemoryStore;
+    ///
+    /// // Many workers, small records: 64 shards of 256 KiB each.
+    /// let store = MemoryStore::builder().max_bytes(16 * 1024 * 1024).shards(64).build();
+    /// assert_eq!(store.max_bytes(), 16 * 1024 * 1024);
+    /// ```
     #[must_use]
     pub const fn shards(mut self, shards: usize) -> Self {
         assert!(shards > 0, "MemoryStoreBuilder::shards: at least one shard");
@@ -100,6 +119,29 @@ impl MemoryStoreBuilder {
     /// would refuse every new key. The share is checked for a key prefix of up to 64 bytes;
     /// [`Idempotency::key_prefix`](crate::Idempotency::key_prefix) checks a longer one
     /// against the store it is set on.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::MemoryStore;
+    ///
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # use std::time::Duration;
+    /// # use actix_web::http::Method;
+    /// # use idempotency_actix::{
+    /// #     Fingerprint, IdempotencyKey, IdempotencyStore, LeaseToken, StorageKey,
+    /// # };
+    /// # let key = StorageKey::new("doc:", b"", &IdempotencyKey::parse(b"k")?);
+    /// # let print = Fingerprint::compute(&Method::POST, "/", "", b"", []);
+    /// # let lease = Duration::from_secs(30);
+    /// let settings = MemoryStore::builder().max_bytes(16 * 1024 * 1024);
+    /// let (mine, yours) = (settings.build(), settings.build());
+    /// mine.begin(&key, &print, &LeaseToken::generate(), lease).await?;
+    /// assert_eq!((mine.len(), yours.len()), (1, 0)); // each `build` makes a store of its own
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn build(self) -> MemoryStore {
         self.check();
         MemoryStore::from_settings(self)

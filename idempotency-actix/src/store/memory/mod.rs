@@ -95,17 +95,61 @@ impl Default for MemoryStore {
 
 impl MemoryStore {
     /// An empty store of its own with the default settings (64 MiB).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::{MemoryStore, MemoryStoreBuilder};
+    ///
+    /// let store = MemoryStore::new();
+    /// assert!(store.is_empty());
+    /// assert_eq!(store.max_bytes(), MemoryStoreBuilder::DEFAULT_MAX_BYTES);
+    /// ```
     pub fn new() -> Self {
         Self::default()
     }
 
     /// Settings for a store: its byte budget and shard count.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::MemoryStore;
+    ///
+    /// let store = MemoryStore::builder().max_bytes(32 * 1024 * 1024).shards(4).build();
+    /// assert_eq!(store.max_bytes(), 32 * 1024 * 1024);
+    /// ```
     pub const fn builder() -> MemoryStoreBuilder {
         MemoryStoreBuilder::new()
     }
 
     /// The process-wide store with the default settings, which
     /// [`Idempotency::memory`](crate::Idempotency::memory) uses.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// use actix_web::http::Method;
+    /// use idempotency_actix::{
+    ///     Fingerprint, IdempotencyKey, IdempotencyStore, Inspector, LeaseToken, MemoryStore,
+    ///     RecordState, StorageKey,
+    /// };
+    ///
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let (worker_1, worker_2) = (MemoryStore::shared(), MemoryStore::shared());
+    /// let key = StorageKey::new("idempotency:", b"", &IdempotencyKey::parse(b"shared-doc")?);
+    /// let print = Fingerprint::compute(&Method::POST, "/", "", b"", []);
+    /// let token = LeaseToken::generate();
+    /// worker_1.begin(&key, &print, &token, Duration::from_secs(30)).await?;
+    /// let seen = Inspector::new(worker_2).lookup(b"", "shared-doc").await?;
+    /// assert_eq!(seen.map(|record| record.state), Some(RecordState::InFlight));
+    /// # worker_1.release(&key, &token).await?;
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn shared() -> Self {
         Self::builder().shared()
     }
@@ -128,28 +172,137 @@ impl MemoryStore {
 
     /// How many records (in flight, completed, or expired and not yet reclaimed) the store
     /// holds.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::MemoryStore;
+    ///
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # use std::time::Duration;
+    /// # use actix_web::http::Method;
+    /// # use idempotency_actix::{
+    /// #     Fingerprint, IdempotencyKey, IdempotencyStore, LeaseToken, StorageKey,
+    /// # };
+    /// # let key = StorageKey::new("doc:", b"", &IdempotencyKey::parse(b"k")?);
+    /// # let print = Fingerprint::compute(&Method::POST, "/", "", b"", []);
+    /// # let lease = Duration::from_secs(30);
+    /// let store = MemoryStore::new();
+    /// assert_eq!(store.len(), 0);
+    /// store.begin(&key, &print, &LeaseToken::generate(), lease).await?;
+    /// assert_eq!(store.len(), 1);
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn len(&self) -> usize {
         self.shards().map(|shard| shard.len()).sum()
     }
 
     /// Whether the store holds no record.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::MemoryStore;
+    ///
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # use std::time::Duration;
+    /// # use actix_web::http::Method;
+    /// # use idempotency_actix::{
+    /// #     Fingerprint, IdempotencyKey, IdempotencyStore, LeaseToken, StorageKey,
+    /// # };
+    /// # let key = StorageKey::new("doc:", b"", &IdempotencyKey::parse(b"k")?);
+    /// # let print = Fingerprint::compute(&Method::POST, "/", "", b"", []);
+    /// # let lease = Duration::from_secs(30);
+    /// let store = MemoryStore::new();
+    /// assert!(store.is_empty());
+    /// store.begin(&key, &print, &LeaseToken::generate(), lease).await?;
+    /// assert!(!store.is_empty());
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
     /// The bytes the records it holds are charged; never more than
     /// [`max_bytes`](Self::max_bytes).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::MemoryStore;
+    ///
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # use std::time::Duration;
+    /// # use actix_web::http::Method;
+    /// # use idempotency_actix::{
+    /// #     Fingerprint, IdempotencyKey, IdempotencyStore, LeaseToken, StorageKey,
+    /// # };
+    /// # let key = StorageKey::new("doc:", b"", &IdempotencyKey::parse(b"k")?);
+    /// # let print = Fingerprint::compute(&Method::POST, "/", "", b"", []);
+    /// # let lease = Duration::from_secs(30);
+    /// let store = MemoryStore::new();
+    /// assert_eq!(store.used_bytes(), 0);
+    /// store.begin(&key, &print, &LeaseToken::generate(), lease).await?;
+    /// assert!(store.used_bytes() > 0 && store.used_bytes() <= store.max_bytes());
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn used_bytes(&self) -> usize {
         self.shards().map(|shard| shard.used_bytes()).sum()
     }
 
     /// Its byte budget.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::MemoryStore;
+    ///
+    /// let store = MemoryStore::builder().max_bytes(8 * 1024 * 1024).build();
+    /// assert_eq!(store.max_bytes(), 8 * 1024 * 1024);
+    /// ```
     pub fn max_bytes(&self) -> usize {
         self.inner.max_bytes
     }
 
     /// How many completed records were evicted before their ttl to make room, since the
     /// store was made.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// use actix_web::http::{Method, StatusCode};
+    /// use actix_web::web::Bytes;
+    /// use idempotency_actix::{
+    ///     Fingerprint, IdempotencyKey, IdempotencyStore, LeaseToken, MemoryStore, StorageKey,
+    ///     StoredResponse,
+    /// };
+    ///
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = MemoryStore::builder().max_bytes(64 * 1024).shards(1).build();
+    /// let print = Fingerprint::compute(&Method::POST, "/", "", b"", []);
+    /// let body = Some(Bytes::from(vec![0; 8192]));
+    /// let response = StoredResponse::new(StatusCode::OK, Vec::new(), body);
+    /// for n in 0..16 {
+    ///     let key = IdempotencyKey::parse(format!("k{n}").as_bytes())?;
+    ///     let key = StorageKey::new("doc:", b"", &key);
+    ///     let token = LeaseToken::generate();
+    ///     store.begin(&key, &print, &token, Duration::from_secs(30)).await?;
+    ///     store.commit(&key, &print, &token, &response, Duration::from_secs(60)).await?;
+    /// }
+    /// assert!(store.evictions() > 0); // 16 bodies of 8 KiB in 64 KiB
+    /// assert!(store.used_bytes() <= store.max_bytes());
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn evictions(&self) -> u64 {
         self.inner.evictions.total()
     }
