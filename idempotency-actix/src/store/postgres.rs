@@ -28,6 +28,25 @@ use table::{Resolution, Table, quote_identifier};
 pub use table::TableNameError;
 
 /// The pool type [`PostgresStore::new`] takes: bb8 over bb8-postgres, without TLS.
+///
+/// # Examples
+///
+/// ```
+/// use bb8_postgres::PostgresConnectionManager;
+/// use bb8_postgres::tokio_postgres::NoTls;
+/// use idempotency_actix::{PostgresPool, PostgresStore};
+///
+/// # #[actix_web::main]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// // The usual way, with the store's settings; no connection is made yet:
+/// let pool: PostgresPool = PostgresStore::pool("postgres://app@127.0.0.1/app")?;
+/// // A pool of the app's own, larger for transactional routes:
+/// let manager = PostgresConnectionManager::new_from_stringlike("host=127.0.0.1 user=app", NoTls)?;
+/// let own: PostgresPool = bb8::Pool::builder().max_size(64).build_unchecked(manager);
+/// let store = PostgresStore::new(own);
+/// # Ok(())
+/// # }
+/// ```
 pub type PostgresPool = bb8::Pool<PostgresConnectionManager<NoTls>>;
 
 /// A connection taken from the pool for a whole request (a transactional route's
@@ -468,6 +487,20 @@ impl Statements {
 
 impl PostgresStore {
     /// A store on `pool`, in the table [`DEFAULT_TABLE`] (`idempotency_records`).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::App;
+    /// use idempotency_actix::{Idempotency, PostgresStore};
+    ///
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = PostgresStore::new(PostgresStore::pool("postgres://app@127.0.0.1/app")?);
+    /// let app = App::new().wrap(Idempotency::postgres(store.clone()));
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn new(pool: PostgresPool) -> Self {
         let table = Table::new(DEFAULT_TABLE).unwrap_or_else(|_| unreachable!());
         Self {
@@ -519,6 +552,20 @@ impl PostgresStore {
     /// # Errors
     ///
     /// When `url` is not a PostgreSQL connection string.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::PostgresStore;
+    ///
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let pool = PostgresStore::pool("postgres://app@127.0.0.1/app")?;
+    /// assert_eq!(pool.state().connections, 0); // none until the first use
+    /// assert!(PostgresStore::pool("postgres://app@127.0.0.1:port/app").is_err());
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn pool(url: &str) -> Result<PostgresPool, tokio_postgres::Error> {
         let manager = PostgresConnectionManager::new_from_stringlike(url, NoTls)?;
         Ok(bb8::Pool::builder()
@@ -529,6 +576,21 @@ impl PostgresStore {
     }
 
     /// The pool this store uses.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::PostgresStore;
+    ///
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = PostgresStore::new(PostgresStore::pool("postgres://app@127.0.0.1/app")?);
+    /// // The app's own queries can share it:
+    /// let pool = store.connection_pool().clone();
+    /// assert_eq!(pool.state().connections, 0);
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn connection_pool(&self) -> &PostgresPool {
         &self.pool
     }
@@ -550,6 +612,26 @@ impl PostgresStore {
     /// When the database cannot be reached within 2 s ([`StoreError::Timeout`]) or refuses
     /// the connection (why is in the error: a database that does not exist, a refused
     /// login) or the statements.
+    ///
+    /// # Examples
+    ///
+    /// Not run here: it needs a PostgreSQL server.
+    ///
+    /// ```no_run
+    /// use actix_web::{App, HttpServer};
+    /// use idempotency_actix::{Idempotency, PostgresStore};
+    ///
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = PostgresStore::new(PostgresStore::pool("postgres://app@127.0.0.1/app")?);
+    /// store.migrate().await?; // once, before serving
+    /// HttpServer::new(move || App::new().wrap(Idempotency::postgres(store.clone())))
+    ///     .bind("127.0.0.1:8080")?
+    ///     .run()
+    ///     .await?;
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn migrate(&self) -> Result<(), StoreError> {
         // A connection of its own rather than the pool's: a pool that cannot connect tells
         // only that it timed out, where a connection tells why.
@@ -660,6 +742,22 @@ impl PostgresStore {
     /// # Errors
     ///
     /// When the database cannot be reached.
+    ///
+    /// # Examples
+    ///
+    /// Not run here: it needs a PostgreSQL server.
+    ///
+    /// ```no_run
+    /// use idempotency_actix::{EXPIRY_BATCH, PostgresStore};
+    ///
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = PostgresStore::new(PostgresStore::pool("postgres://app@127.0.0.1/app")?);
+    /// let deleted = store.delete_expired(EXPIRY_BATCH).await?;
+    /// println!("{deleted} expired records deleted");
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn delete_expired(&self, batch: i64) -> Result<u64, StoreError> {
         let sql = self.statements().await?;
         let params: [(&(dyn ToSql + Sync), Type); 1] = [(&batch, Type::INT8)];
@@ -686,6 +784,22 @@ impl PostgresStore {
     /// Spawn it once per process (`actix_web::rt::spawn`); failures are logged and retried
     /// at the next period. Expired rows count as absent whether or not this runs; it only
     /// keeps the table small.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// use idempotency_actix::PostgresStore;
+    ///
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = PostgresStore::new(PostgresStore::pool("postgres://app@127.0.0.1/app")?);
+    /// // Once per process, beside the server: every minute, delete what has expired.
+    /// actix_web::rt::spawn(store.clone().expire_periodically(Duration::from_secs(60)));
+    /// # Ok(())
+    /// # }
+    /// ```
     pub async fn expire_periodically(self, period: Duration) {
         loop {
             actix_rt::time::sleep(period).await;

@@ -21,6 +21,20 @@ use super::Statements;
 use crate::store::StoreError;
 
 /// A table name that is not a plain SQL identifier (or `schema.table` of two).
+///
+/// # Examples
+///
+/// ```
+/// use idempotency_actix::{PostgresStore, TableNameError};
+///
+/// # #[actix_web::main]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let store = PostgresStore::new(PostgresStore::pool("postgres://app@127.0.0.1/app")?);
+/// let refused = store.table("records; DROP TABLE users").err().ok_or("accepted")?;
+/// assert_eq!(refused, TableNameError("records; DROP TABLE users".to_owned()));
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
     "{0:?} is not a table name: use letters, digits and underscores (not first), at most 63 \

@@ -20,6 +20,24 @@ use crate::store::StoreError;
 /// The client [`Idempotency::redis_cluster`](crate::Idempotency::redis_cluster) takes: the
 /// `redis` crate's cluster client (seed nodes and connection settings; it connects nothing
 /// by itself). Build one with [`RedisClusterStore::client`].
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+///
+/// use idempotency_actix::{RedisClusterClient, RedisClusterStore};
+///
+/// // With the store's settings:
+/// let client: RedisClusterClient = RedisClusterStore::client(["redis://127.0.0.1:7000"])?;
+/// // With others (here a password), and a response timeout:
+/// let client = RedisClusterClient::builder(["redis://127.0.0.1:7000"])
+///     .password("secret".to_owned())
+///     .response_timeout(Duration::from_secs(1))
+///     .build()?;
+/// let store = RedisClusterStore::new(client);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub type RedisClusterClient = ClusterClient;
 
 /// How long one node may take to accept a connection.
@@ -124,6 +142,18 @@ impl RedisClusterStore {
     }
 
     /// A store on `client`; connects on first use.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::App;
+    /// use idempotency_actix::{Idempotency, RedisClusterStore};
+    ///
+    /// let seeds = ["redis://127.0.0.1:7000", "redis://127.0.0.1:7001"];
+    /// let client = RedisClusterStore::client(seeds)?;
+    /// let app = App::new().wrap(Idempotency::new(RedisClusterStore::new(client)));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn new(client: RedisClusterClient) -> Self {
         Self {
             client,
@@ -138,6 +168,21 @@ impl RedisClusterStore {
 
     /// Waits until replicas hold each write (the lock in `begin`, and the commit) before
     /// going on; see [`ReplicatedWrites`] for what it guarantees and costs.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// use actix_web::App;
+    /// use idempotency_actix::{Idempotency, RedisClusterStore, ReplicatedWrites};
+    ///
+    /// let client = RedisClusterStore::client(["redis://127.0.0.1:7000"])?;
+    /// let store = RedisClusterStore::new(client)
+    ///     .replicated_writes(ReplicatedWrites::new(1, Duration::from_millis(200)));
+    /// let app = App::new().wrap(Idempotency::new(store));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     #[must_use]
     pub fn replicated_writes(mut self, writes: ReplicatedWrites) -> Self {
         self.replication = Some(writes);
@@ -145,11 +190,36 @@ impl RedisClusterStore {
     }
 
     /// The replication setting, if any.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// use idempotency_actix::{RedisClusterStore, ReplicatedWrites};
+    ///
+    /// let store = RedisClusterStore::new(RedisClusterStore::client(["redis://127.0.0.1:7000"])?);
+    /// assert_eq!(store.replication(), None);
+    /// let writes = ReplicatedWrites::new(1, Duration::from_millis(200));
+    /// assert_eq!(store.replicated_writes(writes).replication(), Some(writes));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn replication(&self) -> Option<ReplicatedWrites> {
         self.replication
     }
 
     /// The client this store connects with.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::RedisClusterStore;
+    ///
+    /// let store = RedisClusterStore::new(RedisClusterStore::client(["redis://127.0.0.1:7000"])?);
+    /// // Another store (another worker's) on the same client:
+    /// let another = RedisClusterStore::new(store.cluster_client().clone());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn cluster_client(&self) -> &RedisClusterClient {
         &self.client
     }

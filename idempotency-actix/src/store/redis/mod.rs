@@ -96,6 +96,24 @@ pub struct RedisStore {
 impl RedisStore {
     /// A store on `pool`: a [`RedisPool`] from [`RedisStore::pool`], or a bb8 pool of the
     /// app's own.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::App;
+    /// use idempotency_actix::{Idempotency, RedisStore};
+    ///
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// // No connection is made until the first request:
+    /// let store = RedisStore::new(RedisStore::pool("redis://127.0.0.1:6379")?);
+    /// let app = App::new().wrap(Idempotency::new(store));
+    /// // Or on a bb8 pool of the app's own:
+    /// let manager = bb8_redis::RedisConnectionManager::new("redis://127.0.0.1:6379")?;
+    /// let store = RedisStore::new(bb8::Pool::builder().max_size(32).build_unchecked(manager));
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn new(pool: impl Into<RedisPool>) -> Self {
         Self {
             connection: SharedConnection::new(pool.into()),
@@ -106,6 +124,23 @@ impl RedisStore {
 
     /// Waits until replicas hold each write (the lock in `begin`, and the commit) before
     /// going on; see [`ReplicatedWrites`] for what it guarantees and costs.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// use actix_web::App;
+    /// use idempotency_actix::{Idempotency, RedisStore, ReplicatedWrites};
+    ///
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = RedisStore::new(RedisStore::pool("redis://127.0.0.1:6379")?)
+    ///     .replicated_writes(ReplicatedWrites::new(1, Duration::from_millis(200)));
+    /// let app = App::new().wrap(Idempotency::new(store));
+    /// # Ok(())
+    /// # }
+    /// ```
     #[must_use]
     pub fn replicated_writes(mut self, writes: ReplicatedWrites) -> Self {
         self.replication = Some(writes);
@@ -113,6 +148,23 @@ impl RedisStore {
     }
 
     /// The replication setting, if any.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// use idempotency_actix::{RedisStore, ReplicatedWrites};
+    ///
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = RedisStore::new(RedisStore::pool("redis://127.0.0.1:6379")?);
+    /// assert_eq!(store.replication(), None);
+    /// let writes = ReplicatedWrites::new(1, Duration::from_millis(200)).or_warn();
+    /// assert_eq!(store.replicated_writes(writes).replication(), Some(writes));
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn replication(&self) -> Option<ReplicatedWrites> {
         self.replication
     }
@@ -150,11 +202,40 @@ impl RedisStore {
     ///
     /// When `url` is not a Redis URL, or is a `rediss://` one and no TLS feature of `redis`
     /// is on ("can't connect with TLS, the feature is not enabled").
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::RedisStore;
+    ///
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let pool = RedisStore::pool("redis://127.0.0.1:6379/2")?;
+    /// assert_eq!(pool.state().connections, 0); // none until the first request
+    /// assert!(RedisStore::pool("http://127.0.0.1:6379").is_err());
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn pool(url: &str) -> Result<RedisPool, redis::RedisError> {
         RedisPool::for_url(url)
     }
 
     /// The pool this store uses.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::RedisStore;
+    ///
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = RedisStore::new(RedisStore::pool("redis://127.0.0.1:6379")?);
+    /// // The app's own commands can share it (a bb8 pool, through `Deref`):
+    /// let pool = store.connection_pool().clone();
+    /// assert_eq!(pool.state().connections, 0);
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn connection_pool(&self) -> &RedisPool {
         self.connection.pool()
     }

@@ -89,6 +89,18 @@ impl ReplicatedWrites {
     /// middleware's other durations: Redis refuses a `WAIT` timeout that large, so every
     /// replicated write would fail. (`WAIT` has no "forever" here: a zero `timeout` waits
     /// 1 ms.)
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// use idempotency_actix::ReplicatedWrites;
+    ///
+    /// const ONE_REPLICA: ReplicatedWrites = ReplicatedWrites::new(1, Duration::from_millis(200));
+    /// assert!(ONE_REPLICA.is_strict());
+    /// assert_eq!(ONE_REPLICA.replicas(), 1);
+    /// ```
     pub const fn new(replicas: u32, timeout: Duration) -> Self {
         assert!(
             timeout.as_secs() <= crate::MAX_DURATION.as_secs(),
@@ -102,6 +114,17 @@ impl ReplicatedWrites {
     }
 
     /// Fewer acknowledgements than asked log a warning and the step goes on.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// use idempotency_actix::ReplicatedWrites;
+    ///
+    /// let writes = ReplicatedWrites::new(1, Duration::from_millis(200)).or_warn();
+    /// assert!(!writes.is_strict());
+    /// ```
     #[must_use]
     pub const fn or_warn(mut self) -> Self {
         self.strict = false;
@@ -109,16 +132,49 @@ impl ReplicatedWrites {
     }
 
     /// How many replicas each write waits for.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// use idempotency_actix::ReplicatedWrites;
+    ///
+    /// assert_eq!(ReplicatedWrites::new(2, Duration::from_millis(200)).replicas(), 2);
+    /// ```
     pub const fn replicas(&self) -> u32 {
         self.replicas
     }
 
     /// How long each write waits for them at most.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// use idempotency_actix::ReplicatedWrites;
+    ///
+    /// let writes = ReplicatedWrites::new(1, Duration::from_millis(200));
+    /// assert_eq!(writes.timeout(), Duration::from_millis(200));
+    /// ```
     pub const fn timeout(&self) -> Duration {
         self.timeout
     }
 
     /// Whether fewer acknowledgements fail the step (`true` unless [`or_warn`](Self::or_warn)).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// use idempotency_actix::ReplicatedWrites;
+    ///
+    /// let strict = ReplicatedWrites::new(1, Duration::from_millis(200));
+    /// assert!(strict.is_strict());
+    /// assert!(!strict.or_warn().is_strict());
+    /// ```
     pub const fn is_strict(&self) -> bool {
         self.strict
     }
