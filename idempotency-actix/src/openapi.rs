@@ -95,6 +95,30 @@ pub struct IdempotencyOpenApi {
 
 impl IdempotencyOpenApi {
     /// Documents `routes`.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::{IdempotencyOpenApi, ProtectedRoute};
+    /// # use utoipa::openapi::path::{HttpMethod, OperationBuilder, PathItem};
+    /// # use utoipa::openapi::{OpenApi, OpenApiBuilder, PathsBuilder};
+    /// # fn spec() -> OpenApi {
+    /// #     let refund = OperationBuilder::new().operation_id(Some("refund")).build();
+    /// #     let item = PathItem::new(HttpMethod::Post, refund);
+    /// #     let paths = PathsBuilder::new().path("/refunds", item);
+    /// #     OpenApiBuilder::new().paths(paths).build()
+    /// # }
+    ///
+    /// const REFUNDS: ProtectedRoute = ProtectedRoute::new("refund", &[("post", "/refunds")]);
+    /// const IDEMPOTENCY: IdempotencyOpenApi = IdempotencyOpenApi::new(&[REFUNDS]);
+    ///
+    /// let mut spec = spec(); // what `#[derive(utoipa::OpenApi)]` generates
+    /// IDEMPOTENCY.apply(&mut spec);
+    /// let operation = spec.paths.paths["/refunds"].post.as_ref().ok_or("no operation")?;
+    /// let key = &operation.parameters.as_ref().ok_or("no parameters")?[0];
+    /// assert_eq!(key.name, "Idempotency-Key");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub const fn new(routes: &'static [ProtectedRoute]) -> Self {
         Self {
             routes: Cow::Borrowed(routes),
@@ -104,6 +128,34 @@ impl IdempotencyOpenApi {
     }
 
     /// Documents routes known only at run time.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::{IdempotencyOpenApi, ProtectedRoute};
+    /// # use utoipa::openapi::path::{HttpMethod, OperationBuilder, PathItem};
+    /// # use utoipa::openapi::{OpenApi, OpenApiBuilder, PathsBuilder};
+    /// # fn spec() -> OpenApi {
+    /// #     let refund = OperationBuilder::new().operation_id(Some("refund")).build();
+    /// #     let item = PathItem::new(HttpMethod::Post, refund);
+    /// #     let paths = PathsBuilder::new().path("/refunds", item);
+    /// #     OpenApiBuilder::new().paths(paths).build()
+    /// # }
+    ///
+    /// const REFUNDS: ProtectedRoute = ProtectedRoute::new("refund", &[("post", "/refunds")]);
+    /// const PAYOUTS: ProtectedRoute = ProtectedRoute::new("payout", &[("post", "/payouts")]);
+    /// let enabled = ["refund"]; // read from the app's configuration
+    /// let routes = [REFUNDS, PAYOUTS]
+    ///     .into_iter()
+    ///     .filter(|route| enabled.contains(&route.handler()));
+    ///
+    /// let mut spec = spec();
+    /// IdempotencyOpenApi::from_routes(routes).apply(&mut spec);
+    /// let operation = spec.paths.paths["/refunds"].post.as_ref().ok_or("no operation")?;
+    /// let key = &operation.parameters.as_ref().ok_or("no parameters")?[0];
+    /// assert_eq!(key.name, "Idempotency-Key");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn from_routes(routes: impl IntoIterator<Item = ProtectedRoute>) -> Self {
         Self {
             routes: routes.into_iter().collect(),
@@ -113,6 +165,31 @@ impl IdempotencyOpenApi {
 
     /// The key header's name, if the app sets another one with
     /// [`Idempotency::header`](crate::Idempotency::header).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::{IdempotencyOpenApi, ProtectedRoute};
+    /// # use utoipa::openapi::path::{HttpMethod, OperationBuilder, PathItem};
+    /// # use utoipa::openapi::{OpenApi, OpenApiBuilder, PathsBuilder};
+    /// # fn spec() -> OpenApi {
+    /// #     let refund = OperationBuilder::new().operation_id(Some("refund")).build();
+    /// #     let item = PathItem::new(HttpMethod::Post, refund);
+    /// #     let paths = PathsBuilder::new().path("/refunds", item);
+    /// #     OpenApiBuilder::new().paths(paths).build()
+    /// # }
+    ///
+    /// const REFUNDS: ProtectedRoute = ProtectedRoute::new("refund", &[("post", "/refunds")]);
+    /// // For an app with `Idempotency::header("X-Request-Key")`:
+    /// let idempotency = IdempotencyOpenApi::new(&[REFUNDS]).header("X-Request-Key");
+    ///
+    /// let mut spec = spec();
+    /// idempotency.apply(&mut spec);
+    /// let operation = spec.paths.paths["/refunds"].post.as_ref().ok_or("no operation")?;
+    /// let key = &operation.parameters.as_ref().ok_or("no parameters")?[0];
+    /// assert_eq!(key.name, "X-Request-Key");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     #[must_use]
     pub const fn header(mut self, name: &'static str) -> Self {
         self.header = name;
@@ -123,6 +200,31 @@ impl IdempotencyOpenApi {
     /// `#[idempotent(optional)]` ([`ProtectedRoute::optional`]), for an app that calls
     /// [`Idempotency::policy`](crate::Idempotency::policy) with
     /// [`IdempotencyPolicy::required`](crate::IdempotencyPolicy::required).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::{IdempotencyOpenApi, ProtectedRoute};
+    /// use utoipa::openapi::Required;
+    /// # use utoipa::openapi::path::{HttpMethod, OperationBuilder, PathItem};
+    /// # use utoipa::openapi::{OpenApi, OpenApiBuilder, PathsBuilder};
+    /// # fn spec() -> OpenApi {
+    /// #     let refund = OperationBuilder::new().operation_id(Some("refund")).build();
+    /// #     let item = PathItem::new(HttpMethod::Post, refund);
+    /// #     let paths = PathsBuilder::new().path("/refunds", item);
+    /// #     OpenApiBuilder::new().paths(paths).build()
+    /// # }
+    ///
+    /// const REFUNDS: ProtectedRoute = ProtectedRoute::new("refund", &[("post", "/refunds")]);
+    /// const IDEMPOTENCY: IdempotencyOpenApi = IdempotencyOpenApi::new(&[REFUNDS]).keys_required();
+    ///
+    /// let mut spec = spec();
+    /// IDEMPOTENCY.apply(&mut spec);
+    /// let operation = spec.paths.paths["/refunds"].post.as_ref().ok_or("no operation")?;
+    /// let key = &operation.parameters.as_ref().ok_or("no parameters")?[0];
+    /// assert!(matches!(key.required, Required::True));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     #[must_use]
     pub const fn keys_required(mut self) -> Self {
         self.keys_required = true;
@@ -130,6 +232,30 @@ impl IdempotencyOpenApi {
     }
 
     /// Documents the routes in `openapi` (what [`Modify::modify`] does).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::{IdempotencyOpenApi, PROBLEM_SCHEMA, ProtectedRoute};
+    /// # use utoipa::openapi::path::{HttpMethod, OperationBuilder, PathItem};
+    /// # use utoipa::openapi::{OpenApi, OpenApiBuilder, PathsBuilder};
+    /// # fn spec() -> OpenApi {
+    /// #     let refund = OperationBuilder::new().operation_id(Some("refund")).build();
+    /// #     let item = PathItem::new(HttpMethod::Post, refund);
+    /// #     let paths = PathsBuilder::new().path("/refunds", item);
+    /// #     OpenApiBuilder::new().paths(paths).build()
+    /// # }
+    ///
+    /// const REFUNDS: ProtectedRoute = ProtectedRoute::new("refund", &[("post", "/refunds")]);
+    ///
+    /// let mut spec = spec();
+    /// IdempotencyOpenApi::new(&[REFUNDS]).apply(&mut spec);
+    /// let operation = spec.paths.paths["/refunds"].post.as_ref().ok_or("no operation")?;
+    /// assert!(operation.responses.responses.contains_key("409"));
+    /// let components = spec.components.as_ref().ok_or("no components")?;
+    /// assert!(components.schemas.contains_key(PROBLEM_SCHEMA));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn apply(&self, openapi: &mut OpenApi) {
         let components = openapi.components.get_or_insert_with(Components::new);
         components
@@ -219,6 +345,25 @@ pub fn document_operation(operation: &mut Operation, header: &str, required: boo
 
 /// The RFC 9457 problem document the middleware answers with: `type` (a tag URI naming the
 /// problem), `title`, `status` and `detail`, all present.
+///
+/// # Examples
+///
+/// ```
+/// use idempotency_actix::{PROBLEM_SCHEMA, document_operation, problem_schema};
+/// use utoipa::openapi::path::Operation;
+/// use utoipa::openapi::{Components, RefOr, Schema};
+///
+/// // Documenting one operation by hand, the schema it refers to goes with it:
+/// let mut operation = Operation::new();
+/// document_operation(&mut operation, "Idempotency-Key", false);
+/// let mut components = Components::new();
+/// components.schemas.insert(PROBLEM_SCHEMA.to_owned(), problem_schema());
+///
+/// let RefOr::T(Schema::Object(problem)) = problem_schema() else { panic!("an object") };
+/// for field in ["type", "title", "status", "detail"] {
+///     assert!(problem.properties.contains_key(field));
+/// }
+/// ```
 pub fn problem_schema() -> RefOr<Schema> {
     let string = |description: &str| {
         ObjectBuilder::new()
