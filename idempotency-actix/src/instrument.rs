@@ -27,6 +27,14 @@ use crate::error::IdempotencyError;
 use crate::store::StoreError;
 
 /// The `route` label of a request that matched no route pattern.
+///
+/// # Examples
+///
+/// ```
+/// use idempotency_actix::UNMATCHED_ROUTE;
+///
+/// assert_eq!(UNMATCHED_ROUTE, "unmatched");
+/// ```
 pub const UNMATCHED_ROUTE: &str = "unmatched";
 
 /// What became of one protected request: the `outcome` label of

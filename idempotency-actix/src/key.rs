@@ -3,6 +3,18 @@
 use actix_web::http::header::{HeaderMap, HeaderName};
 
 /// The longest key accepted, in characters (after removing sf-string quoting).
+///
+/// # Examples
+///
+/// ```
+/// use idempotency_actix::{IdempotencyKey, MAX_KEY_LENGTH};
+///
+/// let longest = "k".repeat(MAX_KEY_LENGTH);
+/// assert!(IdempotencyKey::parse(longest.as_bytes()).is_ok());
+/// let quoted = format!("\"{longest}\""); // the quotes do not count
+/// assert!(IdempotencyKey::parse(quoted.as_bytes()).is_ok());
+/// assert!(IdempotencyKey::parse(format!("{longest}k").as_bytes()).is_err());
+/// ```
 pub const MAX_KEY_LENGTH: usize = 255;
 
 /// A validated idempotency key taken from a request header.

@@ -15,6 +15,15 @@ use crate::key::MAX_KEY_LENGTH;
 use crate::protected_route::ProtectedRoute;
 
 /// The name of the RFC 9457 problem schema added to the spec's components.
+///
+/// # Examples
+///
+/// ```
+/// use idempotency_actix::PROBLEM_SCHEMA;
+///
+/// // Problem responses refer to it as `#/components/schemas/IdempotencyProblem`.
+/// assert_eq!(PROBLEM_SCHEMA, "IdempotencyProblem");
+/// ```
 pub const PROBLEM_SCHEMA: &str = "IdempotencyProblem";
 
 /// The syntax of a key, as a regular expression (in the common subset of ECMA-262, which
@@ -23,6 +32,19 @@ pub const PROBLEM_SCHEMA: &str = "IdempotencyProblem";
 /// and `\\` escaped, not spaces alone), which RFC 8941 parameters may follow (`"abc";v=1`,
 /// accepted and ignored; not after a bare key). Every value it matches whose key is 1 to 255
 /// characters long is accepted, and every value it does not match is refused.
+///
+/// # Examples
+///
+/// ```
+/// use idempotency_actix::KEY_PATTERN;
+///
+/// let pattern = regex_lite::Regex::new(KEY_PATTERN)?;
+/// assert!(pattern.is_match("8e03978e-40d5-43e8-bc93-6894a57f9324"));
+/// assert!(pattern.is_match(r#""order 1";v=1"#));
+/// assert!(!pattern.is_match("order;v=1")); // parameters need the quoted form
+/// assert!(!pattern.is_match("k1, k2"));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub const KEY_PATTERN: &str = concat!(
     r#"^(?:[!#-+\x2D-:<-~]+|"(?: *(?:[!#-\[\]-~]|\\["\\]))+ *""#,
     // Parameters (RFC 8941 §3.1.2): `;`, spaces, a lowercase name, and an optional value.

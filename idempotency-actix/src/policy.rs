@@ -4,16 +4,67 @@
 use std::time::Duration;
 
 /// The default time a completed response is replayed for: 24 hours.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+///
+/// use idempotency_actix::{DEFAULT_TTL, Policy};
+///
+/// assert_eq!(Policy::default().ttl, DEFAULT_TTL);
+/// assert_eq!(DEFAULT_TTL, Duration::from_secs(24 * 60 * 60));
+/// ```
 pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
 /// The default lease of an in-flight record: 30 seconds, renewed while the handler runs.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+///
+/// use idempotency_actix::{DEFAULT_LEASE, Policy};
+///
+/// assert_eq!(Policy::default().lease, DEFAULT_LEASE);
+/// assert_eq!(DEFAULT_LEASE, Duration::from_secs(30));
+/// ```
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 /// The default largest request body a keyed request may send: 1 MiB.
+///
+/// # Examples
+///
+/// ```
+/// use idempotency_actix::{DEFAULT_MAX_REQUEST_BODY, Policy};
+///
+/// assert_eq!(Policy::default().max_request_body, DEFAULT_MAX_REQUEST_BODY);
+/// assert_eq!(DEFAULT_MAX_REQUEST_BODY, 1024 * 1024);
+/// ```
 pub const DEFAULT_MAX_REQUEST_BODY: usize = 1024 * 1024;
 /// The default largest response body that is stored: 1 MiB.
+///
+/// # Examples
+///
+/// ```
+/// use idempotency_actix::{DEFAULT_MAX_STORED_BODY, Policy};
+///
+/// assert_eq!(Policy::default().max_stored_body, DEFAULT_MAX_STORED_BODY);
+/// assert_eq!(DEFAULT_MAX_STORED_BODY, 1024 * 1024);
+/// ```
 pub const DEFAULT_MAX_STORED_BODY: usize = 1024 * 1024;
 
 /// The longest ttl, lease or wait a policy accepts: 365 days (as `#[idempotent]` checks at
 /// compile time).
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+///
+/// use idempotency_actix::{IdempotencyPolicy, MAX_DURATION};
+///
+/// assert_eq!(MAX_DURATION, Duration::from_secs(365 * 24 * 60 * 60));
+/// let longest = IdempotencyPolicy::default().ttl(MAX_DURATION); // accepted; a second more panics
+/// ```
 pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 60 * 60);
 
 /// The shortest lease a policy accepts: 500 ms. A lease is renewed every third of it while
@@ -24,6 +75,17 @@ pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 60 * 60);
 /// allows (2 s by default): a renewal waits for the previous one's answer, and each may
 /// take up to the store timeout, so keep a lease above twice the store timeout plus 100 ms
 /// (one at most that is logged as a warning, once).
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+///
+/// use idempotency_actix::{IdempotencyPolicy, MIN_LEASE};
+///
+/// assert_eq!(MIN_LEASE, Duration::from_millis(500));
+/// let shortest = IdempotencyPolicy::default().lease(MIN_LEASE); // accepted; shorter panics
+/// ```
 pub const MIN_LEASE: Duration = Duration::from_millis(500);
 
 /// Checks that `duration` is more than zero and at most [`MAX_DURATION`]: a zero lease would

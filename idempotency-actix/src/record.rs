@@ -19,6 +19,16 @@ use actix_web::http::header::{HeaderName, HeaderValue};
 use actix_web::web::Bytes;
 
 /// The version byte written first in every encoded record.
+///
+/// # Examples
+///
+/// ```
+/// use actix_web::http::StatusCode;
+/// use idempotency_actix::{RECORD_VERSION, StoredResponse};
+///
+/// let record = StoredResponse::new(StatusCode::OK, Vec::new(), None).encode();
+/// assert_eq!(record[0], RECORD_VERSION);
+/// ```
 pub const RECORD_VERSION: u8 = 1;
 
 const FLAG_BODY_STORED: u8 = 1;

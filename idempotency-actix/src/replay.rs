@@ -7,11 +7,29 @@ use actix_web::http::header::{CONNECTION, HeaderMap, HeaderName, HeaderValue};
 use crate::record::StoredResponse;
 
 /// The header every replayed response carries: `Idempotent-Replayed: true`.
+///
+/// # Examples
+///
+/// ```
+/// use actix_web::http::header::HeaderName;
+/// use idempotency_actix::REPLAYED_HEADER;
+///
+/// assert_eq!(HeaderName::from_static(REPLAYED_HEADER), "idempotent-replayed");
+/// ```
 pub const REPLAYED_HEADER: &str = "idempotent-replayed";
 
 /// The header a replay carries when the original body was too large to store:
 /// `Idempotent-Body-Omitted: true` (the status and headers are the original's, the body is
 /// empty).
+///
+/// # Examples
+///
+/// ```
+/// use actix_web::http::header::HeaderName;
+/// use idempotency_actix::BODY_OMITTED_HEADER;
+///
+/// assert_eq!(HeaderName::from_static(BODY_OMITTED_HEADER), "idempotent-body-omitted");
+/// ```
 pub const BODY_OMITTED_HEADER: &str = "idempotent-body-omitted";
 
 /// The two header names above, built at compile time: `HeaderName::from_static` called at

@@ -15,10 +15,27 @@ use crate::work_in_progress::InProgress;
 
 /// The default cap on keyed requests one worker processes at once, per
 /// [`Idempotency`](crate::Idempotency): 1024.
+///
+/// # Examples
+///
+/// ```
+/// use idempotency_actix::DEFAULT_MAX_IN_FLIGHT;
+///
+/// assert_eq!(DEFAULT_MAX_IN_FLIGHT, 1024);
+/// ```
 pub const DEFAULT_MAX_IN_FLIGHT: usize = 1024;
 
 /// The default cap on keyed requests one worker keeps running after their client went away,
 /// per [`Idempotency`](crate::Idempotency): 256.
+///
+/// # Examples
+///
+/// ```
+/// use idempotency_actix::{DEFAULT_MAX_DETACHED, DEFAULT_MAX_IN_FLIGHT};
+///
+/// assert_eq!(DEFAULT_MAX_DETACHED, 256);
+/// assert!(DEFAULT_MAX_DETACHED < DEFAULT_MAX_IN_FLIGHT);
+/// ```
 pub const DEFAULT_MAX_DETACHED: usize = 256;
 
 /// The caps of one worker's keyed work.

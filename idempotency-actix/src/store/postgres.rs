@@ -55,10 +55,26 @@ pub(crate) type PostgresConnection =
     bb8::PooledConnection<'static, PostgresConnectionManager<NoTls>>;
 
 /// The table [`PostgresStore::new`] uses unless [`PostgresStore::table`] names another.
+///
+/// # Examples
+///
+/// ```
+/// use idempotency_actix::DEFAULT_TABLE;
+///
+/// assert_eq!(DEFAULT_TABLE, "idempotency_records");
+/// ```
 pub const DEFAULT_TABLE: &str = "idempotency_records";
 
 /// How many expired rows one statement of [`PostgresStore::delete_expired`] deletes at
 /// most, so the reaper never holds many row locks or writes a long transaction.
+///
+/// # Examples
+///
+/// ```
+/// use idempotency_actix::EXPIRY_BATCH;
+///
+/// assert_eq!(EXPIRY_BATCH, 1_000);
+/// ```
 pub const EXPIRY_BATCH: i64 = 1_000;
 
 /// Records in PostgreSQL: durable across restarts and failovers, in the database the app

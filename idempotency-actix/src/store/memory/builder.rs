@@ -32,13 +32,40 @@ impl MemoryStoreBuilder {
     /// The default byte budget: 64 MiB, room for about 60 000 records of a few hundred
     /// bytes of body and headers each (a record costs about 600 bytes more than its body and
     /// headers), or 60 of the largest stored bodies (1 MiB).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::{MemoryStore, MemoryStoreBuilder};
+    ///
+    /// assert_eq!(MemoryStore::new().max_bytes(), MemoryStoreBuilder::DEFAULT_MAX_BYTES);
+    /// assert_eq!(MemoryStoreBuilder::DEFAULT_MAX_BYTES, 64 * 1024 * 1024);
+    /// ```
     pub const DEFAULT_MAX_BYTES: usize = 64 * 1024 * 1024;
 
     /// The most shards a store is split into by default.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::MemoryStoreBuilder as Builder;
+    ///
+    /// // The default budget is split into the most shards:
+    /// let shards = Builder::DEFAULT_MAX_BYTES / Builder::MIN_SHARD_BYTES;
+    /// assert_eq!(shards, Builder::DEFAULT_MAX_SHARDS);
+    /// ```
     pub const DEFAULT_MAX_SHARDS: usize = 16;
 
     /// The smallest share of the budget a shard gets by default: a shard must hold the
     /// largest stored body (1 MiB by default) with room to spare.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::{DEFAULT_MAX_STORED_BODY, MemoryStoreBuilder};
+    ///
+    /// assert!(MemoryStoreBuilder::MIN_SHARD_BYTES > DEFAULT_MAX_STORED_BODY);
+    /// ```
     pub const MIN_SHARD_BYTES: usize = 4 * 1024 * 1024;
 
     pub(super) const fn new() -> Self {
