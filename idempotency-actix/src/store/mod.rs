@@ -240,6 +240,28 @@ pub trait IdempotencyStore: 'static {
     /// Idempotent for its token: an in-flight record that already holds `token` (a retry
     /// after a lost reply) counts as acquired. The caller generates the token, so it can
     /// release a record that a `begin` it gave up on (a timeout) created after all.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use actix_web::http::{Method, StatusCode};
+    /// # use idempotency_actix::{
+    /// #     BeginOutcome, Deletion, Fingerprint, IdempotencyKey, IdempotencyStore, LeaseToken,
+    /// #     MemoryStore, RecordState, StorageKey, StoredResponse,
+    /// # };
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = MemoryStore::new();
+    /// let key = StorageKey::new("doc:", b"", &IdempotencyKey::parse(b"k")?);
+    /// let print = Fingerprint::compute(&Method::POST, "/", "", b"", []);
+    /// let (token, lease) = (LeaseToken::generate(), Duration::from_secs(30));
+    /// assert_eq!(store.begin(&key, &print, &token, lease).await?, BeginOutcome::Acquired);
+    /// // The same token again (a retry after a lost reply) still holds it:
+    /// assert_eq!(store.begin(&key, &print, &token, lease).await?, BeginOutcome::Acquired);
+    /// # Ok(())
+    /// # }
+    /// ```
     fn begin(
         &self,
         key: &StorageKey,
@@ -254,6 +276,33 @@ pub trait IdempotencyStore: 'static {
     /// The [`ReplayCache`](crate::ReplayCache) keeps a completed record in process no longer
     /// than that, so a store that knows it in the same round trip should override this. The
     /// default calls `begin` and knows no lifetime: nothing from such a store is cached.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use actix_web::http::{Method, StatusCode};
+    /// # use idempotency_actix::{
+    /// #     BeginOutcome, Deletion, Fingerprint, IdempotencyKey, IdempotencyStore, LeaseToken,
+    /// #     MemoryStore, RecordState, StorageKey, StoredResponse,
+    /// # };
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = MemoryStore::new();
+    /// let key = StorageKey::new("doc:", b"", &IdempotencyKey::parse(b"k")?);
+    /// let print = Fingerprint::compute(&Method::POST, "/", "", b"", []);
+    /// let (token, lease) = (LeaseToken::generate(), Duration::from_secs(30));
+    /// let response = StoredResponse::new(StatusCode::CREATED, Vec::new(), None);
+    /// store.begin(&key, &print, &token, lease).await?;
+    /// store.commit(&key, &print, &token, &response, Duration::from_secs(3600)).await?;
+    /// let retry = LeaseToken::generate();
+    /// let (outcome, remaining) =
+    ///     store.begin_with_remaining_ttl(&key, &print, &retry, lease).await?;
+    /// assert_eq!(outcome, BeginOutcome::Completed(response));
+    /// assert_eq!(remaining, None); // the memory store does not say; Redis and PostgreSQL do
+    /// # Ok(())
+    /// # }
+    /// ```
     fn begin_with_remaining_ttl(
         &self,
         key: &StorageKey,
@@ -268,6 +317,28 @@ pub trait IdempotencyStore: 'static {
     }
 
     /// Extends the lease to `lease` from now; `false` if `token` no longer holds it.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use actix_web::http::{Method, StatusCode};
+    /// # use idempotency_actix::{
+    /// #     BeginOutcome, Deletion, Fingerprint, IdempotencyKey, IdempotencyStore, LeaseToken,
+    /// #     MemoryStore, RecordState, StorageKey, StoredResponse,
+    /// # };
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = MemoryStore::new();
+    /// let key = StorageKey::new("doc:", b"", &IdempotencyKey::parse(b"k")?);
+    /// let print = Fingerprint::compute(&Method::POST, "/", "", b"", []);
+    /// let (token, lease) = (LeaseToken::generate(), Duration::from_secs(30));
+    /// store.begin(&key, &print, &token, lease).await?;
+    /// assert!(store.renew(&key, &token, Duration::from_secs(60)).await?);
+    /// assert!(!store.renew(&key, &LeaseToken::generate(), lease).await?); // not the holder
+    /// # Ok(())
+    /// # }
+    /// ```
     fn renew(
         &self,
         key: &StorageKey,
@@ -292,6 +363,32 @@ pub trait IdempotencyStore: 'static {
     /// what they find with the in-flight record that `begin` wrote: given another
     /// fingerprint, they answer `false`), and every store of this crate writes it into a
     /// record written anew where the key is free.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use actix_web::http::{Method, StatusCode};
+    /// # use idempotency_actix::{
+    /// #     BeginOutcome, Deletion, Fingerprint, IdempotencyKey, IdempotencyStore, LeaseToken,
+    /// #     MemoryStore, RecordState, StorageKey, StoredResponse,
+    /// # };
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = MemoryStore::new();
+    /// let key = StorageKey::new("doc:", b"", &IdempotencyKey::parse(b"k")?);
+    /// let print = Fingerprint::compute(&Method::POST, "/", "", b"", []);
+    /// let (token, lease) = (LeaseToken::generate(), Duration::from_secs(30));
+    /// let response = StoredResponse::new(StatusCode::CREATED, Vec::new(), None);
+    /// let ttl = Duration::from_secs(3600);
+    /// store.begin(&key, &print, &token, lease).await?;
+    /// assert!(store.commit(&key, &print, &token, &response, ttl).await?);
+    /// assert!(store.commit(&key, &print, &token, &response, ttl).await?); // again: no change
+    /// let other = LeaseToken::generate();
+    /// assert!(!store.commit(&key, &print, &other, &response, ttl).await?); // the key is taken
+    /// # Ok(())
+    /// # }
+    /// ```
     fn commit(
         &self,
         key: &StorageKey,
@@ -302,6 +399,30 @@ pub trait IdempotencyStore: 'static {
     ) -> impl Future<Output = Result<bool, StoreError>>;
 
     /// Deletes the in-flight record; `false` if `token` no longer holds it.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use actix_web::http::{Method, StatusCode};
+    /// # use idempotency_actix::{
+    /// #     BeginOutcome, Deletion, Fingerprint, IdempotencyKey, IdempotencyStore, LeaseToken,
+    /// #     MemoryStore, RecordState, StorageKey, StoredResponse,
+    /// # };
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = MemoryStore::new();
+    /// let key = StorageKey::new("doc:", b"", &IdempotencyKey::parse(b"k")?);
+    /// let print = Fingerprint::compute(&Method::POST, "/", "", b"", []);
+    /// let (token, lease) = (LeaseToken::generate(), Duration::from_secs(30));
+    /// store.begin(&key, &print, &token, lease).await?;
+    /// assert!(store.release(&key, &token).await?);
+    /// assert!(!store.release(&key, &token).await?); // it holds nothing now
+    /// let retry = LeaseToken::generate();
+    /// assert_eq!(store.begin(&key, &print, &retry, lease).await?, BeginOutcome::Acquired);
+    /// # Ok(())
+    /// # }
+    /// ```
     fn release(
         &self,
         key: &StorageKey,
@@ -322,6 +443,31 @@ pub trait IdempotencyStore: 'static {
     /// landed before it: the middleware then keeps trying for a lease, and a `begin` landing
     /// later than that blocks the key until its lease expires. Every store of this crate
     /// overrides it.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use actix_web::http::{Method, StatusCode};
+    /// # use idempotency_actix::{
+    /// #     BeginOutcome, Deletion, Fingerprint, IdempotencyKey, IdempotencyStore, LeaseToken,
+    /// #     MemoryStore, RecordState, StorageKey, StoredResponse,
+    /// # };
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = MemoryStore::new();
+    /// let key = StorageKey::new("doc:", b"", &IdempotencyKey::parse(b"k")?);
+    /// let print = Fingerprint::compute(&Method::POST, "/", "", b"", []);
+    /// let (token, lease) = (LeaseToken::generate(), Duration::from_secs(30));
+    /// // A `begin` of `token` timed out: give the token up, whether or not it landed.
+    /// assert!(store.abandon(&key, &token, lease).await?);
+    /// // Landing late, that `begin` creates nothing; any other token takes the key.
+    /// assert_eq!(store.begin(&key, &print, &token, lease).await?, BeginOutcome::Abandoned);
+    /// let retry = LeaseToken::generate();
+    /// assert_eq!(store.begin(&key, &print, &retry, lease).await?, BeginOutcome::Acquired);
+    /// # Ok(())
+    /// # }
+    /// ```
     fn abandon(
         &self,
         key: &StorageKey,
@@ -338,6 +484,29 @@ pub trait IdempotencyStore: 'static {
     ///
     /// Not part of the request path. Every store of this crate implements it; the default
     /// answers [`StoreError::Unsupported`].
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use actix_web::http::{Method, StatusCode};
+    /// # use idempotency_actix::{
+    /// #     BeginOutcome, Deletion, Fingerprint, IdempotencyKey, IdempotencyStore, LeaseToken,
+    /// #     MemoryStore, RecordState, StorageKey, StoredResponse,
+    /// # };
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = MemoryStore::new();
+    /// let key = StorageKey::new("doc:", b"", &IdempotencyKey::parse(b"k")?);
+    /// let print = Fingerprint::compute(&Method::POST, "/", "", b"", []);
+    /// let (token, lease) = (LeaseToken::generate(), Duration::from_secs(30));
+    /// assert!(store.inspect(&key, false).await?.is_none());
+    /// store.begin(&key, &print, &token, lease).await?;
+    /// let record = store.inspect(&key, false).await?.ok_or("no record")?;
+    /// assert_eq!(record.state, RecordState::InFlight);
+    /// # Ok(())
+    /// # }
+    /// ```
     fn inspect(
         &self,
         key: &StorageKey,
@@ -353,6 +522,29 @@ pub trait IdempotencyStore: 'static {
     ///
     /// Not part of the request path. Every store of this crate implements it; the default
     /// answers [`StoreError::Unsupported`].
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use actix_web::http::{Method, StatusCode};
+    /// # use idempotency_actix::{
+    /// #     BeginOutcome, Deletion, Fingerprint, IdempotencyKey, IdempotencyStore, LeaseToken,
+    /// #     MemoryStore, RecordState, StorageKey, StoredResponse,
+    /// # };
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = MemoryStore::new();
+    /// let key = StorageKey::new("doc:", b"", &IdempotencyKey::parse(b"k")?);
+    /// let print = Fingerprint::compute(&Method::POST, "/", "", b"", []);
+    /// let (token, lease) = (LeaseToken::generate(), Duration::from_secs(30));
+    /// store.begin(&key, &print, &token, lease).await?;
+    /// assert_eq!(store.delete(&key, false).await?, Deletion::InFlight);
+    /// assert_eq!(store.delete(&key, true).await?, Deletion::Deleted);
+    /// assert_eq!(store.delete(&key, true).await?, Deletion::NotFound);
+    /// # Ok(())
+    /// # }
+    /// ```
     fn delete(
         &self,
         key: &StorageKey,
