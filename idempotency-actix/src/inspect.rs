@@ -31,19 +31,21 @@ use crate::store::{Deletion, IdempotencyStore, RecordSnapshot, StoreError};
 /// ```
 /// use idempotency_actix::{Deletion, Inspector, MemoryStore, RecordState};
 ///
-/// # actix_web::rt::System::new().block_on(async {
+/// # #[actix_web::main]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// let store = MemoryStore::new();
 /// // ... the app ran with `Idempotency::new(store.clone())` ...
 /// let inspector = Inspector::new(store);
-/// match inspector.lookup(b"", "\"order-1\"").await.unwrap() {
+/// match inspector.lookup(b"", "\"order-1\"").await? {
 ///     Some(record) if record.state == RecordState::Completed => {
 ///         println!("replays {:?}, {:?} more", record.status, record.expires_in);
 ///     }
 ///     Some(_) => println!("still running"),
 ///     None => println!("no record: the next request runs the handler"),
 /// }
-/// assert_eq!(inspector.delete(b"", "order-1").await.unwrap(), Deletion::NotFound);
-/// # });
+/// assert_eq!(inspector.delete(b"", "order-1").await?, Deletion::NotFound);
+/// # Ok(())
+/// # }
 /// ```
 #[derive(Debug, Clone)]
 pub struct Inspector<S> {

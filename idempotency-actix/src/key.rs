@@ -42,9 +42,9 @@ pub const MAX_KEY_LENGTH: usize = 255;
 /// ```
 /// use idempotency_actix::{IdempotencyKey, KeyError};
 ///
-/// let bare = IdempotencyKey::parse(b"order-1234").unwrap();
-/// let quoted = IdempotencyKey::parse(br#""order-1234""#).unwrap();
-/// let with_parameter = IdempotencyKey::parse(br#""order-1234";v=1"#).unwrap();
+/// let bare = IdempotencyKey::parse(b"order-1234")?;
+/// let quoted = IdempotencyKey::parse(br#""order-1234""#)?;
+/// let with_parameter = IdempotencyKey::parse(br#""order-1234";v=1"#)?;
 /// assert_eq!(bare, quoted);
 /// assert_eq!(bare, with_parameter);
 /// assert_eq!(bare.as_str(), "order-1234");
@@ -56,6 +56,7 @@ pub const MAX_KEY_LENGTH: usize = 255;
 /// assert!(IdempotencyKey::parse(b"").is_err());
 /// assert!(IdempotencyKey::parse(br#""unbalanced"#).is_err());
 /// assert_eq!(IdempotencyKey::parse(b"k1, k2"), Err(KeyError::List));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct IdempotencyKey(String);
@@ -194,10 +195,11 @@ impl IdempotencyKey {
     /// assert_eq!(IdempotencyKey::from_headers(&headers, &name), Ok(None));
     ///
     /// headers.append(name.clone(), HeaderValue::from_static("a"));
-    /// assert!(IdempotencyKey::from_headers(&headers, &name).unwrap().is_some());
+    /// assert!(IdempotencyKey::from_headers(&headers, &name)?.is_some());
     ///
     /// headers.append(name.clone(), HeaderValue::from_static("b"));
     /// assert_eq!(IdempotencyKey::from_headers(&headers, &name), Err(KeyError::Repeated));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn from_headers(headers: &HeaderMap, name: &HeaderName) -> Result<Option<Self>, KeyError> {
         let mut values = headers.get_all(name);

@@ -48,7 +48,8 @@ const FLAG_BODY_STORED: u8 = 1;
 ///     Some(Bytes::from_static(b"{\"id\":7}")),
 /// );
 /// let bytes = response.encode();
-/// assert_eq!(StoredResponse::decode(&bytes).unwrap(), response);
+/// assert_eq!(StoredResponse::decode(&bytes)?, response);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -217,7 +218,8 @@ impl StoredResponse {
     ///
     /// let response = StoredResponse::new(StatusCode::OK, Vec::new(), Some(Bytes::from(vec![7; 4096])));
     /// let shared = Bytes::from(response.encode());
-    /// assert_eq!(StoredResponse::decode_shared(shared).unwrap(), response);
+    /// assert_eq!(StoredResponse::decode_shared(shared)?, response);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn decode_shared(bytes: Bytes) -> Result<Self, RecordError> {
         let (mut response, body) = Self::decode_head(&bytes)?;

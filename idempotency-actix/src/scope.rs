@@ -58,10 +58,11 @@ use crate::key::IdempotencyKey;
 /// }));
 ///
 /// // By a header the gateway sets after authentication:
-/// let by_header = Idempotency::memory().scope(KeyScope::header("x-tenant-id").unwrap());
+/// let by_header = Idempotency::memory().scope(KeyScope::header("x-tenant-id")?);
 ///
 /// // One key space for all callers, on purpose (no warning):
 /// let shared = Idempotency::memory().scope(KeyScope::global());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Clone, Default)]
 pub struct KeyScope(ScopeSource);
@@ -211,12 +212,13 @@ const HEX_PAIRS: [[u8; 2]; 256] = {
 /// ```
 /// use idempotency_actix::{IdempotencyKey, StorageKey};
 ///
-/// let key = IdempotencyKey::parse(b"order-1").unwrap();
+/// let key = IdempotencyKey::parse(b"order-1")?;
 /// let tenant_a = StorageKey::new("idem:", b"tenant-a", &key);
 /// let tenant_b = StorageKey::new("idem:", b"tenant-b", &key);
 /// assert_ne!(tenant_a, tenant_b);
 /// assert!(tenant_a.as_str().starts_with("idem:"));
 /// assert!(!tenant_a.as_str().contains("order-1"));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct StorageKey(String);

@@ -259,8 +259,9 @@ impl Idempotency {
     /// ```
     /// use idempotency_actix::Idempotency;
     ///
-    /// let idempotency = Idempotency::memory().header("x-request-key").unwrap();
+    /// let idempotency = Idempotency::memory().header("x-request-key")?;
     /// assert!(Idempotency::memory().header("not a header").is_err());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn header<N: TryInto<HeaderName>>(mut self, name: N) -> Result<Self, N::Error> {
         self.settings.header = name.try_into()?;
@@ -320,8 +321,9 @@ impl Idempotency {
     /// use actix_web::{App, HttpResponse, http::Method, test, web};
     /// use idempotency_actix::{Idempotency, KeyScope, MemoryStore};
     ///
-    /// # actix_web::rt::System::new().block_on(async {
-    /// let by_tenant = KeyScope::header("x-tenant-id").unwrap();
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let by_tenant = KeyScope::header("x-tenant-id")?;
     /// let idempotency = Idempotency::new(MemoryStore::new()).scope(by_tenant);
     /// let app = App::new().wrap(idempotency.protect_methods([Method::POST]));
     /// let app = test::init_service(app.route("/", web::post().to(HttpResponse::Ok))).await;
@@ -330,7 +332,8 @@ impl Idempotency {
     /// assert_eq!(test::call_service(&app, scoped.to_request()).await.status(), 200);
     /// // A keyed request whose scope cannot be determined is refused:
     /// assert_eq!(test::call_service(&app, request().to_request()).await.status(), 400);
-    /// # });
+    /// # Ok(())
+    /// # }
     /// ```
     #[must_use]
     pub fn scope(mut self, scope: KeyScope) -> Self {
@@ -347,8 +350,9 @@ impl Idempotency {
     /// use actix_web::{App, HttpResponse, http::Method, test, web};
     /// use idempotency_actix::{FingerprintParts, Idempotency, MemoryStore};
     ///
-    /// # actix_web::rt::System::new().block_on(async {
-    /// let parts = FingerprintParts::default().header("api-version").unwrap();
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let parts = FingerprintParts::default().header("api-version")?;
     /// let idempotency = Idempotency::new(MemoryStore::new()).fingerprint(parts);
     /// let app = App::new().wrap(idempotency.protect_methods([Method::POST]));
     /// let app = test::init_service(app.route("/", web::post().to(HttpResponse::Ok))).await;
@@ -359,7 +363,8 @@ impl Idempotency {
     /// assert_eq!(test::call_service(&app, request("1")).await.status(), 200);
     /// // The same key for another API version is another request: 422.
     /// assert_eq!(test::call_service(&app, request("2")).await.status(), 422);
-    /// # });
+    /// # Ok(())
+    /// # }
     /// ```
     #[must_use]
     pub fn fingerprint(mut self, parts: FingerprintParts) -> Self {
@@ -376,8 +381,9 @@ impl Idempotency {
     /// use actix_web::{App, HttpResponse, http::Method, test, web};
     /// use idempotency_actix::{Idempotency, MemoryStore, ReplayedHeaders};
     ///
-    /// # actix_web::rt::System::new().block_on(async {
-    /// let headers = ReplayedHeaders::only(["location"]).unwrap();
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let headers = ReplayedHeaders::only(["location"])?;
     /// let idempotency = Idempotency::new(MemoryStore::new()).replayed_headers(headers);
     /// let handler = || async {
     ///     HttpResponse::Created()
@@ -393,7 +399,8 @@ impl Idempotency {
     /// let replay = test::call_service(&app, request()).await;
     /// assert_eq!(replay.headers().get("location").unwrap(), "/orders/7");
     /// assert!(replay.headers().get("x-trace").is_none());
-    /// # });
+    /// # Ok(())
+    /// # }
     /// ```
     #[must_use]
     pub fn replayed_headers(mut self, headers: ReplayedHeaders) -> Self {

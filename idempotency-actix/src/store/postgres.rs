@@ -539,11 +539,13 @@ impl PostgresStore {
     /// ```
     /// use idempotency_actix::PostgresStore;
     ///
-    /// # actix_web::rt::System::new().block_on(async {
-    /// let pool = PostgresStore::pool("postgres://postgres@127.0.0.1/app").unwrap();
+    /// # #[actix_web::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let pool = PostgresStore::pool("postgres://postgres@127.0.0.1/app")?;
     /// assert!(PostgresStore::new(pool.clone()).table("billing.idempotency").is_ok());
     /// assert!(PostgresStore::new(pool).table("records; DROP TABLE users").is_err());
-    /// # });
+    /// # Ok(())
+    /// # }
     /// ```
     pub fn table(self, name: &str) -> Result<Self, TableNameError> {
         Ok(Self {
