@@ -158,3 +158,119 @@ async fn a_redis_rs_connection_is_left_once_it_goes_silent() {
     })
     .await;
 }
+
+/// A redis-rs connection whose server was only slow: a release (after an error response)
+/// went unanswered past its deadline while the server was busy, and was answered 0.7 s
+/// later, within the grace; nothing else was sent meanwhile. The connection answers, so the
+/// store keeps it. It was taken for silent (only replies the store still awaited counted),
+/// and the next request, 2.5 s later, replaced it: a reconnect and a warning for a healthy
+/// server, and a 503 for every request while the server took no new connection (here at
+/// its `maxclients`), its working connection left unused (helper review).
+#[actix_web::test]
+async fn a_redis_rs_connection_whose_server_answered_late_is_kept() {
+    use actix_web::{App, HttpResponse, web};
+    use idempotency_actix::IdempotentRoute;
+    use idempotency_actix_tests::RunCounter;
+
+    #[derive(serde::Deserialize)]
+    struct Declined {
+        declined: Option<u8>,
+    }
+
+    /// 201; with `?declined=1`, a 500 once the server is kept busy (`DEBUG SLEEP`) for the
+    /// release that follows.
+    async fn order(
+        runs: web::Data<RunCounter>,
+        admin: web::Data<redis::aio::MultiplexedConnection>,
+        query: web::Query<Declined>,
+    ) -> HttpResponse {
+        runs.record();
+        if query.declined != Some(1) {
+            return HttpResponse::Created().body("created");
+        }
+        let mut admin = admin.get_ref().clone();
+        actix_rt::spawn(async move {
+            // Its reply may come after redis-rs's own timeout: the server sleeps all the same.
+            let _slept: redis::RedisResult<()> = redis::cmd("DEBUG")
+                .arg("SLEEP")
+                .arg("1.2")
+                .query_async(&mut admin)
+                .await;
+        });
+        actix_rt::time::sleep(Duration::from_millis(100)).await;
+        HttpResponse::InternalServerError().body("declined")
+    }
+
+    let redis = PrivateRedis::start().await;
+    let admin = redis.connection().await;
+    let runs = RunCounter::default();
+    let pool = {
+        let manager =
+            bb8_redis::RedisConnectionManager::new(redis.url()).expect("a connection manager");
+        RedisPool::from(bb8::Pool::builder().build_unchecked(manager))
+    };
+    let prefix = unique_prefix("answered-late");
+    let server = {
+        let (runs, admin) = (runs.clone(), admin.clone());
+        actix_test::start(move || {
+            App::new()
+                .app_data(web::Data::new(runs.clone()))
+                .app_data(web::Data::new(admin.clone()))
+                .wrap(
+                    Idempotency::new(RedisStore::new(pool.clone()))
+                        .key_prefix(prefix.clone())
+                        .store_timeout(Duration::from_millis(500)),
+                )
+                .service(
+                    web::resource("/orders")
+                        .wrap(IdempotentRoute::new())
+                        .route(web::post().to(order)),
+                )
+        })
+    };
+    let post = |path: &'static str, key: &'static str| {
+        server
+            .post(path)
+            .insert_header(("idempotency-key", key))
+            .timeout(Duration::from_secs(10))
+            .send()
+    };
+
+    let first = post("/orders", "before").await.expect("an answer");
+    assert_eq!(first.status(), StatusCode::CREATED);
+    // The release after the 500 times out at 500 ms; the server answers it 0.7 s later.
+    let declined = post("/orders?declined=1", "declined")
+        .await
+        .expect("an answer");
+    assert_eq!(declined.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    actix_rt::time::sleep(Duration::from_millis(2500)).await;
+
+    // The server is at its limit of clients: the connection it has must do.
+    let mut admin = admin.clone();
+    let connected: String = redis::cmd("INFO")
+        .arg("clients")
+        .query_async(&mut admin)
+        .await
+        .expect("INFO clients");
+    let connected = connected
+        .lines()
+        .find_map(|line| line.strip_prefix("connected_clients:"))
+        .expect("connected_clients")
+        .trim()
+        .to_owned();
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxclients")
+        .arg(&connected)
+        .query_async(&mut admin)
+        .await
+        .expect("CONFIG SET maxclients");
+
+    let after = post("/orders", "after").await.expect("an answer");
+    assert_eq!(
+        after.status(),
+        StatusCode::CREATED,
+        "the store left a connection that answers"
+    );
+    assert_eq!(runs.get(), 3);
+}

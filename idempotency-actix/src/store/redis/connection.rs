@@ -134,16 +134,20 @@ impl SharedConnection {
             generation = self.replace(generation.number).await?;
         }
         let Generation {
-            mut connection,
+            connection,
             number,
             silence,
         } = generation;
         if let Some(watch) = &silence {
             watch.sent(deadline::current());
         }
-        let sent = request.send(&mut connection).await;
+        let mut watched = Watched {
+            connection,
+            silence,
+        };
+        let sent = request.send(&mut watched.connection).await;
         // A reply, or an error the server sent (it has a code): the server answers.
-        if let Some(watch) = &silence
+        if let Some(watch) = watched.silence.take()
             && sent
                 .as_ref()
                 .map_or_else(|error| error.code().is_some(), |_| true)
@@ -255,6 +259,27 @@ impl Transport for SharedConnection {
             return Box::pin(self.spares.send(exchange, || self.open())).await;
         }
         SharedConnection::send(self, exchange).await
+    }
+}
+
+/// A request on its way over a connection, and the connection's silence watch until the
+/// request has its answer.
+struct Watched {
+    connection: StoreConnection,
+    silence: Option<Arc<SilenceWatch>>,
+}
+
+impl Drop for Watched {
+    /// Given up on before its answer came (its deadline passed): the server may still
+    /// answer it, only slow, and then it is not silent, however long nothing else is sent.
+    /// A `PING` behind it is answered after it (replies come in order), and its reply tells
+    /// the watch (see [`SilenceWatch::probe`]).
+    fn drop(&mut self) {
+        if let (Some(watch), StoreConnection::Multiplexed(connection)) =
+            (self.silence.take(), &self.connection)
+        {
+            watch.probe(connection.clone());
+        }
     }
 }
 

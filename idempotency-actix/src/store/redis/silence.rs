@@ -11,8 +11,11 @@
 //! that is only slow (a long `DEBUG SLEEP`, a busy script) answers something meanwhile, or
 //! within that grace.
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
+
+use redis::aio::MultiplexedConnection;
 
 use super::direct::STALLED_AFTER;
 
@@ -20,6 +23,8 @@ use super::direct::STALLED_AFTER;
 #[derive(Debug, Default)]
 pub(super) struct SilenceWatch {
     unanswered_since: Mutex<Option<Instant>>,
+    /// Whether a [`probe`](Self::probe) is under way.
+    probing: AtomicBool,
 }
 
 impl SilenceWatch {
@@ -41,6 +46,37 @@ impl SilenceWatch {
     pub(super) fn is_silent(&self, now: Instant) -> bool {
         self.lock()
             .is_some_and(|deadline| now >= deadline + STALLED_AFTER)
+    }
+
+    /// A request sent on `connection` was given up on before its reply came: sends a `PING`
+    /// behind it, on a task of its own, and counts its reply as the server's answer. A late
+    /// reply to a request no longer awaited reaches nobody, so without it a server that was
+    /// only slow (busy past a deadline, then answering within the grace) was taken for
+    /// silent by the next request, however much later it came, and its connection replaced:
+    /// a reconnect for nothing, and a 503 for every request while the server took no new
+    /// connection. One probe at a time; one unanswered within the grace gives up.
+    pub(super) fn probe(self: Arc<Self>, mut connection: MultiplexedConnection) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if self.probing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        drop(runtime.spawn(async move {
+            let ping = redis::cmd("PING");
+            let pong = tokio::time::timeout(
+                STALLED_AFTER,
+                ping.query_async::<redis::Value>(&mut connection),
+            )
+            .await;
+            // A reply, or an error the server sent (it has a code): the server answers.
+            if let Ok(pong) = pong
+                && pong.map_or_else(|error| error.code().is_some(), |_| true)
+            {
+                self.answered();
+            }
+            self.probing.store(false, Ordering::Release);
+        }));
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Option<Instant>> {
