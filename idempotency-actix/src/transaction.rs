@@ -17,7 +17,7 @@ use std::panic::AssertUnwindSafe;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use actix_web::body::{BodyStream, BoxBody, MessageBody};
+use actix_web::body::{BodySize, BodyStream, BoxBody, MessageBody, SizedStream};
 use actix_web::dev::{Payload, Service, ServiceRequest, ServiceResponse};
 use actix_web::web::{Bytes, BytesMut};
 use actix_web::{FromRequest, HttpMessage, HttpRequest};
@@ -450,6 +450,13 @@ async fn read_before_commit<B>(body: B, limit: usize, idle: Duration) -> (BoxBod
 where
     B: MessageBody + 'static,
 {
+    // A body of known size that ends before that size is a response cut short: sent with
+    // that size (the client sees the connection close before the end) and stored without
+    // a body, as on other routes, never sent and stored as a complete shorter one.
+    let declared = match body.size() {
+        BodySize::Sized(size) => Some(size),
+        BodySize::None | BodySize::Stream => None,
+    };
     let mut body = Box::pin(body);
     let mut read = BytesMut::new();
     loop {
@@ -466,6 +473,14 @@ where
         match next {
             None => {
                 let bytes = read.freeze();
+                if let Some(size) = declared.filter(|&size| size > bytes.len() as u64) {
+                    tracing::error!(
+                        "idempotency: the response body ended before its declared size; its record completes without a body"
+                    );
+                    // Ended as the handler's body ended: Actix closes the connection then.
+                    let cut = futures_util::stream::iter([Ok::<_, actix_web::Error>(bytes)]);
+                    return (BoxBody::new(SizedStream::new(size, cut)), None);
+                }
                 return (BoxBody::new(bytes.clone()), Some(bytes));
             }
             Some(Ok(chunk)) => {

@@ -111,6 +111,23 @@ async fn stalls(transaction: IdempotentTransaction, runs: web::Data<RunCounter>)
     HttpResponse::Created().streaming(chunks)
 }
 
+/// Inserts one ledger row, then answers 201 with a body that declares 100 bytes and ends
+/// after 10 (a proxied or file body cut short).
+async fn cut_short(
+    transaction: IdempotentTransaction,
+    runs: web::Data<RunCounter>,
+) -> HttpResponse {
+    runs.record();
+    transaction
+        .execute("INSERT INTO ledger (amount) VALUES (1)", &[])
+        .await
+        .expect("the insert");
+    let chunks = futures_util::stream::iter([Ok::<_, actix_web::Error>(web::Bytes::from_static(
+        b"0123456789",
+    ))]);
+    HttpResponse::Created().body(actix_web::body::SizedStream::new(100, chunks))
+}
+
 /// A plain (not transactional) route: counts its run and answers 201.
 async fn plain(runs: web::Data<RunCounter>) -> HttpResponse {
     HttpResponse::Created().json(serde_json::json!({ "seq": runs.record() }))
@@ -289,6 +306,13 @@ fn serve(
                             .lease(Duration::from_secs(1)),
                     ))
                     .route(web::post().to(stalls)),
+            )
+            .service(
+                web::resource("/ledger-cut-short")
+                    .wrap(IdempotentRoute::with_policy(
+                        IdempotencyPolicy::default().transactional(),
+                    ))
+                    .route(web::post().to(cut_short)),
             )
             .service(
                 web::resource("/keepalives")
@@ -676,6 +700,45 @@ async fn a_body_that_stalls_before_the_commit_is_cut_after_a_lease_and_its_write
     assert_eq!(retry.header("idempotent-body-omitted"), Some("true"));
     assert_eq!(h.runs.get(), 1);
     assert_eq!(h.ledger_rows().await, 1, "the handler's write committed");
+}
+
+/// A body that ends before its declared size is a response cut short, as on a plain
+/// route: the client never gets it as a complete response (Actix closes the connection,
+/// after the head with the declared length and the 10 bytes, or before anything when they
+/// are not written yet), and the record completes without a body, so that the retry is told
+/// the body is not stored. The transaction sent the 10 bytes read as a complete response of
+/// 10 bytes, and stored them so: client and retry both took a truncated body for the whole
+/// one (helper review).
+#[actix_web::test]
+async fn a_body_that_ends_before_its_declared_size_is_not_taken_for_the_whole_body() {
+    let h = start(2).await;
+    let mut first = idempotency_actix_tests::RawExchange::post(
+        h.server.addr(),
+        "/ledger-cut-short",
+        &[("Idempotency-Key", "cut")],
+    );
+    let sent = String::from_utf8(first.read_to_end()).expect("an HTTP/1.1 response");
+    if !sent.is_empty() {
+        let (head, body) = sent.split_once("\r\n\r\n").expect("a whole head");
+        assert!(head.starts_with("HTTP/1.1 201"), "{head}");
+        assert!(
+            head.to_ascii_lowercase().contains("content-length: 100"),
+            "sent as complete: {sent:?}"
+        );
+        assert_eq!(body, "0123456789", "{sent:?}");
+    }
+
+    let retry = h.post("/ledger-cut-short", Some("cut")).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(retry.is_replay(), "{retry:?}");
+    assert_eq!(retry.header("idempotent-body-omitted"), Some("true"));
+    assert_eq!(retry.body, "");
+    assert_eq!(h.runs.get(), 1);
+    assert_eq!(
+        h.ledger_rows().await,
+        1,
+        "the handler's write committed once"
+    );
 }
 
 #[actix_web::test]
