@@ -244,6 +244,7 @@ async fn start_without_migrate(connections: u32) -> Harness {
     other.migrate().await.unwrap();
     let store = PostgresStore::new(pool(&database, connections));
     let (runs, gate) = (RunCounter::default(), Gate::default());
+    gate.open();
     let server = serve(store, FailMode::Closed, &runs, &gate);
     Harness {
         server,
@@ -1148,4 +1149,64 @@ async fn a_database_made_serializable_while_the_app_runs_is_served_without_a_res
     // Nothing of a request that failed is left.
     assert_eq!(h.ledger_rows().await, created);
     assert_eq!(h.records().await, created);
+}
+
+/// A worker stopped while its transactional handler held the request's transaction (a
+/// server stopped without waiting, a worker restarted): its connection must not go back to
+/// the pool, which the app's other workers share, inside that transaction. It went back
+/// with the transaction open (its rollback was left to a task of the stopping runtime, which
+/// never ran it): the next requests on that connection ran inside the dead request's
+/// transaction, so a retry of its key got 409 from its uncommitted claim, and the rollback
+/// that followed undid a plain route's committed record too, whose retry then ran its
+/// handler again (helper review).
+#[actix_web::test]
+async fn a_stopped_workers_transaction_does_not_go_back_to_the_pool_open() {
+    let database = TestDatabase::create().await;
+    database
+        .connection()
+        .await
+        .batch_execute(LEDGER)
+        .await
+        .expect("the ledger table");
+    // One connection, made here: on the test's runtime, which outlives the server's
+    // workers, as a connection another worker made does.
+    let pool = pool(&database, 1);
+    drop(pool.get().await.expect("a pooled connection"));
+    let store = PostgresStore::new(pool);
+    store.migrate().await.expect("migrate");
+
+    let (runs, gate) = (RunCounter::default(), Gate::default());
+    let stopped = serve(store.clone(), FailMode::Closed, &runs, &gate);
+    let held = stopped
+        .post("/ledger?hold=1")
+        .insert_header(("idempotency-key", "k"))
+        .send();
+    let held = actix_rt::spawn(held);
+    runs.wait_for(1).await;
+    stopped.stop().await;
+    let _ = held.await;
+
+    let (runs, gate) = (RunCounter::default(), Gate::default());
+    gate.open();
+    let server = serve(store, FailMode::Closed, &runs, &gate);
+    let post = |path: &'static str, key: &'static str| {
+        let request = server
+            .post(path)
+            .insert_header(("idempotency-key", key))
+            .timeout(Duration::from_secs(10));
+        async move {
+            Reply::read(request.send().await.expect("an answer"))
+                .await
+                .expect("a body")
+        }
+    };
+    let plain = post("/plain", "p").await;
+    assert_eq!(plain.status, StatusCode::CREATED, "{plain:?}");
+    let retry = post("/ledger?hold=1", "k").await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert!(!retry.is_replay(), "{retry:?}");
+    let replay = post("/plain", "p").await;
+    assert!(replay.is_replay(), "the plain route ran again: {replay:?}");
+    assert_eq!(replay.body, plain.body);
+    assert_eq!(runs.get(), 2, "p once, and the retry of k");
 }

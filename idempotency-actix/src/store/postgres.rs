@@ -1230,15 +1230,24 @@ impl Drop for OpenTransaction {
         let Some(connection) = self.connection.take() else {
             return;
         };
-        let rollback = async move {
+        let mut rollback = Box::pin(async move {
             if let Err(error) = connection.batch_execute("ROLLBACK").await {
                 tracing::debug!(%error, "idempotency: rollback in the background failed");
             }
-        };
+        });
+        // Polled once here, which queues the `ROLLBACK` on the connection, ahead of anything
+        // its next user sends: however the task below ends, the connection never goes back
+        // to the pool inside this transaction. (Left to the task alone, a runtime that stops
+        // (a worker stopped or restarted, the pool shared with the others) dropped it
+        // unpolled, and the connection went back open: the next requests on it ran inside
+        // this transaction, its key locked, their own writes undone by its next rollback.)
+        let mut queued = std::task::Context::from_waker(std::task::Waker::noop());
+        if rollback.as_mut().poll(&mut queued).is_ready() {
+            return;
+        }
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => drop(runtime.spawn(rollback)),
-            // No runtime left (the process is stopping): the connection cannot go back to a
-            // pool that will serve anyone.
+            // No runtime left (the process is stopping): the `ROLLBACK` is queued all the same.
             Err(_) => tracing::debug!("idempotency: transaction dropped without a runtime"),
         }
     }
