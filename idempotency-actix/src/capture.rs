@@ -47,6 +47,8 @@ pub(crate) struct CapturingBody<B: MessageBody + 'static> {
     client: Option<ClientAttached>,
     /// How long the rest of the body may produce nothing once its client is gone.
     idle: Duration,
+    /// Whether this is the rest of a body whose client went away, read on a task of its own.
+    detached: bool,
 }
 
 struct Recording {
@@ -84,6 +86,7 @@ where
             committing: None,
             client: Some(ClientAttached::new(slot)),
             idle,
+            detached: false,
         }
     }
 
@@ -232,7 +235,11 @@ where
 
 impl<B: MessageBody + 'static> Drop for CapturingBody<B> {
     fn drop(&mut self) {
-        if self.recording.is_none() && self.committing.is_none() {
+        // The rest's task dropped before its end: its runtime is stopping (a server stopped,
+        // or at the end of its shutdown timeout), which drops every task, and one spawned now
+        // at once, so spawning the rest once more dropped it again, and again, until the
+        // stack overflowed and the process aborted. The lease ends by itself.
+        if self.detached || self.recording.is_none() && self.committing.is_none() {
             return;
         }
         // The client went away before the end: read the rest (up to the limit) and commit
@@ -243,6 +250,7 @@ impl<B: MessageBody + 'static> Drop for CapturingBody<B> {
             committing: self.committing.take(),
             client: None,
             idle: self.idle,
+            detached: true,
         };
         let idle = self.idle;
         actix_rt::spawn(async move {

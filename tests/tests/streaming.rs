@@ -428,3 +428,35 @@ async fn a_body_that_runs_past_its_declared_size_is_replayed_as_it_was_sent() {
     assert_eq!(replay.body().await.unwrap(), sent);
     assert_eq!(runs.get(), 1);
 }
+
+/// The server stops (without waiting, or at the end of its shutdown timeout) while a keyed
+/// streamed response is still recorded: its worker's runtime drops the response, and then the
+/// task that reads the rest of the body. The client's response is cut and the process goes
+/// on. Dropped, that task's body spawned its rest once more, which the stopping runtime
+/// dropped at once, and so on until the stack overflowed: the process aborted (helper
+/// review).
+#[actix_rt::test]
+async fn a_server_stopped_mid_stream_leaves_the_process_running() {
+    let (runs, gate) = (RunCounter::default(), Gate::default());
+    let server = start("stream-stopped", &runs, &gate);
+    let client = awc::Client::default();
+    let mut response = client
+        .post(server.url("/progress"))
+        .insert_header(("idempotency-key", "stopped"))
+        .send()
+        .await
+        .expect("a response");
+    assert_eq!(response.status(), 200);
+    assert_eq!(next_chunk(&mut response).await, FIRST);
+    server.stop().await;
+
+    // The process is still here: the client's response ends, cut before `LAST`.
+    let mut rest = Vec::new();
+    while let Ok(Some(Ok(chunk))) =
+        actix_rt::time::timeout(Duration::from_secs(10), response.next()).await
+    {
+        rest.extend_from_slice(&chunk);
+    }
+    assert!(rest.is_empty(), "the stream went on: {rest:?}");
+    assert_eq!(runs.get(), 1);
+}
