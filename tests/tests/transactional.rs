@@ -230,16 +230,22 @@ async fn start_on(connections: u32, fail_mode: FailMode, setting: Option<&str>) 
     }
 }
 
-/// As [`start`], on a store that never ran `migrate()`: the table was made by another
-/// instance's (or by a DBA), and this store finds it when it needs it.
-async fn start_without_migrate(connections: u32) -> Harness {
+/// A database of its own with the handlers' `ledger` table.
+async fn ledger_database() -> TestDatabase {
     let database = TestDatabase::create().await;
     database
         .connection()
         .await
         .batch_execute(LEDGER)
         .await
-        .unwrap();
+        .expect("the ledger table");
+    database
+}
+
+/// As [`start`], on a store that never ran `migrate()`: the table was made by another
+/// instance's (or by a DBA), and this store finds it when it needs it.
+async fn start_without_migrate(connections: u32) -> Harness {
+    let database = ledger_database().await;
     let other = PostgresStore::new(PostgresStore::pool(database.url()).unwrap());
     other.migrate().await.unwrap();
     let store = PostgresStore::new(pool(&database, connections));
@@ -1161,13 +1167,7 @@ async fn a_database_made_serializable_while_the_app_runs_is_served_without_a_res
 /// handler again (helper review).
 #[actix_web::test]
 async fn a_stopped_workers_transaction_does_not_go_back_to_the_pool_open() {
-    let database = TestDatabase::create().await;
-    database
-        .connection()
-        .await
-        .batch_execute(LEDGER)
-        .await
-        .expect("the ledger table");
+    let database = ledger_database().await;
     // One connection, made here: on the test's runtime, which outlives the server's
     // workers, as a connection another worker made does.
     let pool = pool(&database, 1);
