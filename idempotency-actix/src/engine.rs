@@ -1475,16 +1475,16 @@ async fn within<T>(
 }
 
 /// Reads the request body, refusing more than `limit` bytes, and refusing a body that has
-/// no end (see [`asks_for_websocket_upgrade`]).
+/// no end (see [`asks_for_websocket_upgrade`] and [`opens_a_tunnel`]).
 async fn read_body(req: &mut ServiceRequest, limit: usize) -> Result<Bytes, IdempotencyError> {
-    if asks_for_websocket_upgrade(req.headers()) {
-        return Err(IdempotencyError::UpgradeRequested);
-    }
     let declared = req
         .headers()
         .get(header::CONTENT_LENGTH)
         .and_then(|value| value.to_str().ok())
         .and_then(|value| value.parse::<u64>().ok());
+    if asks_for_websocket_upgrade(req.headers()) || opens_a_tunnel(req, declared) {
+        return Err(IdempotencyError::UpgradeRequested);
+    }
     if declared.is_some_and(|length| length > limit as u64) {
         return Err(IdempotencyError::RequestBodyTooLarge { limit });
     }
@@ -1521,6 +1521,21 @@ fn asks_for_websocket_upgrade(headers: &header::HeaderMap) -> bool {
             .to_str()
             .is_ok_and(|value| value.trim().eq_ignore_ascii_case("websocket"))
     })
+}
+
+/// Whether `req` is a `CONNECT` that declares no body (neither chunked nor a `Content-Length`
+/// above 0): Actix's HTTP/1 decoder then makes its body whatever the connection carries
+/// until it ends, as for a WebSocket upgrade.
+fn opens_a_tunnel(req: &ServiceRequest, declared: Option<u64>) -> bool {
+    let chunked = req.version() == actix_web::http::Version::HTTP_11
+        && req
+            .headers()
+            .get(header::TRANSFER_ENCODING)
+            .and_then(|value| value.to_str().ok())
+            .is_some_and(|value| value.trim().eq_ignore_ascii_case("chunked"));
+    req.method() == actix_web::http::Method::CONNECT
+        && !chunked
+        && declared.is_none_or(|length| length == 0)
 }
 
 /// Claims `req` for `engine`, in the handle the layer that took it left (updated in place:

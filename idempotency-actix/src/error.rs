@@ -50,12 +50,13 @@ pub enum IdempotencyError {
     /// the source says what went wrong.
     #[error("the request body could not be read")]
     RequestBodyUnreadable(#[source] PayloadError),
-    /// A keyed request asks to upgrade its connection (`Upgrade: websocket`): Actix reads
-    /// the body of such a request until the connection ends, so it has no end to
-    /// fingerprint, and the client would wait for an answer that never came. 400 at once;
-    /// the handler did not run. Send it without a key.
+    /// A keyed request asks to upgrade its connection (`Upgrade: websocket`) or to open a
+    /// tunnel (a `CONNECT` that declares no body): Actix reads the body of such a request
+    /// until the connection ends, so it has no end to fingerprint, and the client would
+    /// wait for an answer that never came. 400 at once; the handler did not run. Send it
+    /// without a key.
     #[error(
-        "a request that asks to upgrade its connection (Upgrade: websocket) cannot be made idempotent: its body has no end; send it without an idempotency key"
+        "a request that asks to upgrade its connection (Upgrade: websocket) or to open a tunnel (CONNECT) cannot be made idempotent: its body has no end; send it without an idempotency key"
     )]
     UpgradeRequested,
     /// A request with this key is still being processed. 409 with `Retry-After`.

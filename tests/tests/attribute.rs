@@ -105,6 +105,14 @@ async fn document(runs: web::Data<RunCounter>) -> HttpResponse {
     ran(&runs)
 }
 
+// A tunnel: Actix's HTTP/1 decoder reads the body of a `CONNECT` that declares none (no
+// chunked body, no `Content-Length` above 0) until the connection ends.
+#[idempotent]
+#[route("/tunnel", method = "CONNECT")]
+async fn tunnel(runs: web::Data<RunCounter>) -> HttpResponse {
+    ran(&runs)
+}
+
 /// Opened by a test once it has looked at the in-flight record of [`slow`].
 #[derive(Clone, Default)]
 struct Gate(RunCounter);
@@ -805,4 +813,60 @@ async fn optional_and_release_errors_undo_an_app_policy_that_requires_keys_and_s
     assert!(!retry.is_replay(), "{retry:?}");
     assert_ne!(first.body, retry.body);
     assert_eq!(h.runs.get(), 4);
+}
+
+/// Sends `CONNECT /tunnel` (with `key`, if any) declaring no body, keeps its side of the
+/// connection open, and returns what arrived within 5 s.
+fn connect_to_the_tunnel(h: &Harness, key: Option<&str>) -> String {
+    use std::io::{Read, Write};
+    let mut socket = std::net::TcpStream::connect(h.server.addr()).expect("the test server");
+    socket
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("a read timeout");
+    let key = key
+        .map(|key| format!("Idempotency-Key: {key}\r\n"))
+        .unwrap_or_default();
+    write!(
+        socket,
+        "CONNECT /tunnel HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{key}\r\n"
+    )
+    .expect("the request is sent");
+    let mut received = Vec::new();
+    let mut buffer = [0; 4096];
+    // Until the server closes the connection or 5 s pass without a byte.
+    while let Ok(read @ 1..) = socket.read(&mut buffer) {
+        received.extend_from_slice(&buffer[..read]);
+    }
+    String::from_utf8_lossy(&received).into_owned()
+}
+
+/// A `CONNECT` on a tagged route that declares no body: Actix reads its body until the
+/// connection ends, as it does for `Upgrade: websocket`. Without a key the handler answers
+/// at once; with one, the middleware waited for that body to take the fingerprint, so the
+/// client got no answer while it waited (DESIGN §7: bad input gets a clear error). It is
+/// refused at once, as a keyed upgrade is: 400 `upgrade-requested`, handler not run.
+#[actix_web::test]
+async fn a_keyed_connect_without_a_body_is_answered_while_its_client_waits() {
+    let h = Harness::start(
+        "attr_connect",
+        |i| i,
+        |c| {
+            c.service(tunnel);
+        },
+    )
+    .await;
+    let keyless = connect_to_the_tunnel(&h, None);
+    assert!(keyless.starts_with("HTTP/1.1 201 "), "{keyless:?}");
+    let keyed = connect_to_the_tunnel(&h, Some(&key()));
+    assert!(
+        keyed.starts_with("HTTP/1.1 400 "),
+        "no answer within 5 s to a keyed CONNECT the same request without a key gets at \
+         once: {keyed:?}"
+    );
+    assert!(
+        keyed.contains("application/problem+json")
+            && keyed.contains("tag:idempotency-actix,2026:upgrade-requested"),
+        "{keyed:?}"
+    );
+    assert_eq!(h.runs.get(), 1, "only the keyless one ran");
 }
