@@ -8,7 +8,7 @@ use quote::{ToTokens, quote};
 use syn::{Attribute, ItemFn, LitStr, Meta};
 
 use crate::args::Arguments;
-use crate::expand::{METHOD_ATTRIBUTES, SAFE_METHODS, flatten};
+use crate::expand::{METHOD_ATTRIBUTES, SAFE_METHODS, flatten, is_namesake};
 
 /// `impl <handler> { const IDEMPOTENCY: ProtectedRoute = ...; }` for the struct that the
 /// Actix route attribute turns the handler into.
@@ -20,6 +20,7 @@ pub(crate) fn protected_route(arguments: &Arguments, handler: &ItemFn) -> TokenS
     let routes = handler
         .attrs
         .iter()
+        .filter(|attr| !is_namesake(attr, &handler.attrs))
         .flat_map(routes_of)
         .map(|(method, path)| {
             let method = LitStr::new(&method, proc_macro2::Span::call_site());

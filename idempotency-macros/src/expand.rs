@@ -98,12 +98,45 @@ const SAFE_ONLY_ERROR: &str = "#[idempotent] has no effect on GET, HEAD, OPTIONS
      routes: they are idempotent by definition and never protected; put it on a POST, PUT, \
      PATCH or DELETE route";
 
+/// The name of `attr` (the last segment of its path) if it is named like an Actix route
+/// attribute (`route` or a method attribute).
+fn route_like_name(attr: &Attribute) -> Option<String> {
+    let name = attr.path().segments.last()?.ident.to_string();
+    (name == "route" || METHOD_ATTRIBUTES.contains(&name.as_str())).then_some(name)
+}
+
+/// Whether `attr`'s arguments start with a path: a literal, or a `macro_rules!` fragment
+/// in an invisible group (Actix's route attributes all start so).
+fn starts_with_a_path(attr: &Attribute) -> bool {
+    let Meta::List(list) = &attr.meta else {
+        return false;
+    };
+    match list.tokens.clone().into_iter().next() {
+        Some(TokenTree::Literal(_)) => true,
+        Some(TokenTree::Group(group)) => group.delimiter() == proc_macro2::Delimiter::None,
+        _ => false,
+    }
+}
+
+/// Whether `attr`, one of `attrs`, is left alone as another crate's attribute that shares
+/// a route attribute's name (fastrace's `#[trace]`, `#[trace(name = "..")]`): it has no
+/// path, while a route attribute beside it has one. Alone, such an attribute is taken for a
+/// route attribute written without its path, and reported so.
+pub(crate) fn is_namesake(attr: &Attribute, attrs: &[Attribute]) -> bool {
+    route_like_name(attr).is_some()
+        && !starts_with_a_path(attr)
+        && attrs
+            .iter()
+            .any(|other| route_like_name(other).is_some() && starts_with_a_path(other))
+}
+
 /// Adds the route layer to every route attribute in `attrs`.
 fn attach(arguments: &Arguments, attrs: &mut [Attribute]) -> syn::Result<()> {
     let layer = LitStr::new(&route_layer(arguments).to_string(), Span::call_site());
     let mut routed = false;
     let mut protects_an_unsafe_method = false;
-    for attr in attrs.iter_mut() {
+    let namesakes: Vec<bool> = attrs.iter().map(|attr| is_namesake(attr, attrs)).collect();
+    for (attr, namesake) in attrs.iter_mut().zip(namesakes) {
         let Some(name) = attr
             .path()
             .segments
@@ -112,6 +145,9 @@ fn attach(arguments: &Arguments, attrs: &mut [Attribute]) -> syn::Result<()> {
         else {
             continue;
         };
+        if namesake {
+            continue;
+        }
         match name.as_str() {
             // `#[routes]` takes no arguments; the method attributes under it get the layer.
             "routes" => {}
@@ -385,6 +421,35 @@ mod tests {
         let expected =
             "ProtectedRoute :: new (\"hook\" , & [(\"post\" , \"/hooks\")]) . optional () ;";
         assert!(expanded.contains(expected), "{expanded}");
+    }
+
+    /// fastrace's `#[trace]` (and any attribute named like a route attribute without a
+    /// path) beside a route attribute is another crate's: it is left as written.
+    #[test]
+    fn an_attribute_that_only_shares_a_method_name_is_left_alone() {
+        for trace in [
+            quote!(#[trace]),
+            quote!(#[fastrace::trace]),
+            quote!(#[fastrace::trace(name = "create")]),
+        ] {
+            let expanded = expand(
+                quote!(),
+                quote!(
+                    #[post("/orders")]
+                    #trace
+                    async fn create() -> HttpResponse {
+                        HttpResponse::Ok().finish()
+                    }
+                ),
+            );
+            assert!(!expanded.contains("compile_error"), "{trace}: {expanded}");
+            assert!(expanded.contains(&trace.to_string()), "{trace}: {expanded}");
+            assert_eq!(
+                expanded.matches("IdempotentRoute :: new").count(),
+                1,
+                "{trace}: {expanded}"
+            );
+        }
     }
 
     #[test]
