@@ -115,6 +115,8 @@ enum Value {
     None,
     /// `= <expr>`.
     Assigned(Expr),
+    /// `=` and nothing after it.
+    Missing,
     /// `(...)`: never valid, kept to point at it.
     Parenthesized(TokenTree),
 }
@@ -134,7 +136,13 @@ impl Parse for ArgumentList {
             })?;
             let value = if input.peek(Token![=]) {
                 input.parse::<Token![=]>()?;
-                Value::Assigned(input.parse()?)
+                if input.is_empty() || input.peek(Token![,]) {
+                    Value::Missing
+                } else {
+                    Value::Assigned(input.parse().map_err(|error| {
+                        syn::Error::new(error.span(), format!("{error}; {ALLOWED}"))
+                    })?)
+                }
             } else if input.peek(syn::token::Paren) {
                 Value::Parenthesized(input.parse()?)
             } else {
@@ -199,6 +207,16 @@ impl Arguments {
                 return Err(syn::Error::new_spanned(
                     group,
                     format!("write `{}`; {ALLOWED}", key.example()),
+                ));
+            }
+            Value::Missing => {
+                return Err(syn::Error::new_spanned(
+                    path,
+                    format!(
+                        "`{} =` needs a value: write `{}`; {ALLOWED}",
+                        key.name(),
+                        key.example()
+                    ),
                 ));
             }
             Value::None => None,
@@ -501,6 +519,9 @@ mod tests {
             quote::quote!("24h"),
             quote::quote!(ttl = "1h" lease = "1s"),
             quote::quote!(a::b),
+            quote::quote!(ttl =),
+            quote::quote!(ttl = , required),
+            quote::quote!(max_stored_body = struct),
         ] {
             let message = error(tokens.clone());
             assert!(
