@@ -60,7 +60,8 @@ pub const KEY_PATTERN: &str = concat!(
 /// For each [`ProtectedRoute`] (`<handler>::IDEMPOTENCY`, put there by `#[idempotent]`),
 /// the operations whose `operationId` is the handler's name (utoipa's default) at one of
 /// its `(method, path)` pairs (the spec's path may carry a scope's prefix: `/api/orders` for
-/// `/orders`), or else the operation at each of those pairs exactly, gets what follows. An
+/// `/orders`; a segment's regex is left out, as utoipa does: `/orders/{id}` for
+/// `/orders/{id:\d+}`), or else the operation at each of those pairs exactly, gets what follows. An
 /// operation of another handler with the same function name (`comments::create` beside
 /// `orders::create`), or of a method the middleware never protects (`GET`), is left alone.
 /// Each operation documented gets:
@@ -307,7 +308,7 @@ impl IdempotencyOpenApi {
                 let operation = openapi
                     .paths
                     .paths
-                    .get_mut(*path)
+                    .get_mut(&*spec_path(path))
                     .and_then(|item| operation_for(item, method));
                 if let Some(operation) = operation {
                     document_operation(operation, self.header, required);
@@ -560,7 +561,41 @@ fn routed_at(route: &ProtectedRoute, method: &str, path: &str) -> bool {
     route
         .routes()
         .iter()
-        .any(|(routed, at)| *routed == method && path.ends_with(at))
+        .any(|(routed, at)| *routed == method && path.ends_with(&*spec_path(at)))
+}
+
+/// An Actix path as a spec writes it: a segment's regex left out (`/orders/{id:\d+}` is
+/// `/orders/{id}`), as utoipa does.
+fn spec_path(path: &str) -> Cow<'_, str> {
+    if !path.contains(':') {
+        return Cow::Borrowed(path);
+    }
+    let mut written = String::with_capacity(path.len());
+    let mut depth = 0_usize;
+    let mut in_regex = false;
+    for c in path.chars() {
+        match c {
+            '{' => {
+                depth += 1;
+                if !in_regex {
+                    written.push(c);
+                }
+            }
+            '}' => {
+                depth = depth.saturating_sub(1);
+                if depth == 0 {
+                    in_regex = false;
+                    written.push(c);
+                } else if !in_regex {
+                    written.push(c);
+                }
+            }
+            ':' if depth == 1 && !in_regex => in_regex = true,
+            _ if in_regex => {}
+            _ => written.push(c),
+        }
+    }
+    Cow::Owned(written)
 }
 
 /// The operation of `item` for `method` (lower case), if it is one the middleware protects.
@@ -734,6 +769,32 @@ mod tests {
         );
         assert!(!documented(&spec, "/comments", HttpMethod::Post));
         assert!(!documented(&spec, "/orders/export", HttpMethod::Get));
+    }
+
+    /// utoipa writes Actix's `{id:\\d+}` as `{id}` (and so do users, by hand).
+    #[test]
+    fn a_route_whose_path_segment_has_a_regex_is_documented() {
+        const AMEND: ProtectedRoute =
+            ProtectedRoute::new("amend", &[("post", "/orders/{id:\\d+}")]);
+        const REFUND: ProtectedRoute =
+            ProtectedRoute::new("refund", &[("post", "/refunds/{id:[0-9]{3}}/{kind}")]);
+        let mut spec = OpenApiBuilder::new()
+            .paths(
+                PathsBuilder::new()
+                    .path(
+                        "/api/orders/{id}",
+                        PathItem::new(HttpMethod::Post, operation("amend")),
+                    )
+                    // An operationId of the user's own: found by its path alone.
+                    .path(
+                        "/refunds/{id}/{kind}",
+                        PathItem::new(HttpMethod::Post, operation("refund_by_id")),
+                    ),
+            )
+            .build();
+        IdempotencyOpenApi::new(&[AMEND, REFUND]).apply(&mut spec);
+        assert!(documented(&spec, "/api/orders/{id}", HttpMethod::Post));
+        assert!(documented(&spec, "/refunds/{id}/{kind}", HttpMethod::Post));
     }
 
     #[test]
