@@ -452,6 +452,79 @@ async fn expired_rows_are_deleted_in_bounded_batches() {
     assert_eq!(rows(&database, "idempotency_records").await, 10);
 }
 
+/// How many rows sequential scans of `idempotency_records` have read, once `sessions` (each
+/// session that ran statements on it) have flushed their statistics.
+async fn rows_read_by_sequential_scans(
+    database: &TestDatabase,
+    sessions: &[&tokio_postgres::Client],
+) -> i64 {
+    for session in sessions {
+        // Flushed when the session goes idle after this; the next statement waits for that.
+        session
+            .batch_execute("SELECT pg_stat_force_next_flush()")
+            .await
+            .expect("request a statistics flush");
+        session
+            .batch_execute("SELECT 1")
+            .await
+            .expect("a statement after the flush");
+    }
+    database
+        .connection()
+        .await
+        .query_one(
+            "SELECT coalesce(seq_tup_read, 0) FROM pg_stat_user_tables
+             WHERE relid = 'idempotency_records'::regclass",
+            &[],
+        )
+        .await
+        .expect("read the table's statistics")
+        .get(0)
+}
+
+/// A batch of the reaper reads the rows it deletes, not the whole table: its `DELETE …
+/// WHERE key IN (SELECT … LIMIT n)` was planned as a hash join over a sequential scan of
+/// every row, so each batch of 1 000 read the whole table (every batch of a large backlog,
+/// on a table of millions of live records), however few rows had expired.
+#[actix_web::test]
+async fn a_batch_of_the_reaper_reads_no_more_than_its_batch() {
+    let database = TestDatabase::create().await;
+    // One connection, so that the test can flush the statistics of the reaper's session.
+    let manager = bb8_postgres::PostgresConnectionManager::new_from_stringlike(
+        database.url(),
+        tokio_postgres::NoTls,
+    )
+    .expect("a valid URL");
+    let pool = bb8::Pool::builder().max_size(1).build_unchecked(manager);
+    let store = PostgresStore::new(pool.clone());
+    store.migrate().await.expect("migrate");
+    insert_rows(&database, "live", 20_000, "now() + interval '1 hour'").await;
+    insert_rows(&database, "expired", 1_500, "now() - interval '1 minute'").await;
+    let admin = database.connection().await;
+    // As autovacuum does on a table of that size.
+    admin
+        .batch_execute("ANALYZE idempotency_records")
+        .await
+        .expect("analyze");
+    let before = rows_read_by_sequential_scans(&database, &[&admin]).await;
+
+    assert_eq!(
+        store
+            .delete_expired(1_000)
+            .await
+            .expect("a batch of the reaper"),
+        1_000
+    );
+
+    let reaper = pool.get().await.expect("the reaper's connection");
+    let read = rows_read_by_sequential_scans(&database, &[&admin, &reaper]).await - before;
+    assert!(
+        read < 20_000,
+        "one batch of 1 000 read {read} rows of a table of 21 500 by sequential scans"
+    );
+    assert_eq!(rows(&database, "idempotency_records").await, 20_500);
+}
+
 /// Ends every other session on `database`, as a restart or a failover ends a pool's
 /// connections, and waits until the server has let them go.
 async fn end_the_other_sessions(database: &TestDatabase) {

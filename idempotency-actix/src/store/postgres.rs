@@ -472,12 +472,14 @@ impl Statements {
             ),
             // $1 batch size. Rows locked by a running statement or transaction are skipped.
             // `now()` (not the volatile `clock_timestamp()`) so the expiry index is used.
+            // The keys as an array (found once, then through the primary key): as `key IN
+            // (…)` the planner joined them to a sequential scan of the whole table.
             delete_expired: format!(
-                "DELETE FROM {t} WHERE key IN (
+                "DELETE FROM {t} WHERE key = ANY (ARRAY(
                      SELECT key FROM {t} WHERE expires_at < now()
                      ORDER BY expires_at LIMIT $1
                      FOR UPDATE SKIP LOCKED
-                 )"
+                 ))"
             ),
         }
     }
