@@ -525,6 +525,68 @@ async fn a_batch_of_the_reaper_reads_no_more_than_its_batch() {
     assert_eq!(rows(&database, "idempotency_records").await, 20_500);
 }
 
+/// On a database whose sessions run `repeatable read`, a batch of the reaper whose snapshot
+/// predates the takeover of one of its expired rows (a new `begin` of that key) runs again
+/// on a new snapshot and deletes the other expired rows: it failed with "could not
+/// serialize access due to concurrent update", deleting none, and `expire_periodically`
+/// gave up until its next period, each time a key it was about to delete was taken again.
+#[actix_web::test]
+async fn a_batch_of_the_reaper_under_repeatable_read_survives_a_takeover_of_its_rows() {
+    let database = TestDatabase::create().await;
+    database.store().await; // the table
+    let mut config: tokio_postgres::Config = database.url().parse().expect("a valid URL");
+    config.options("-c default_transaction_isolation=repeatable\\ read");
+    let manager = bb8_postgres::PostgresConnectionManager::new(config, tokio_postgres::NoTls);
+    let store = PostgresStore::new(bb8::Pool::builder().build_unchecked(manager));
+    store.migrate().await.expect("migrate");
+    insert_rows(&database, "expired", 10, "now() - interval '1 minute'").await;
+    insert_rows(&database, "taken", 1, "now() - interval '2 minutes'").await;
+    // The table locked, so that the batch takes its snapshot and then waits.
+    let holder = database.connection().await;
+    holder
+        .batch_execute("BEGIN; LOCK TABLE idempotency_records IN ACCESS EXCLUSIVE MODE")
+        .await
+        .expect("lock the table");
+    let reaper = {
+        let store = store.clone();
+        actix_rt::spawn(async move { store.delete_expired(1_000).await })
+    };
+    let admin = database.connection().await;
+    let waiting = "SELECT count(*) FROM pg_stat_activity \
+                   WHERE datname = current_database() AND wait_event_type = 'Lock'";
+    let mut waited = false;
+    for _ in 0..500 {
+        let count: i64 = admin
+            .query_one(waiting, &[])
+            .await
+            .expect("sessions waiting")
+            .get(0);
+        if count == 1 {
+            waited = true;
+            break;
+        }
+        actix_rt::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(waited, "the reaper's batch never waited for the table");
+    // Meanwhile a new request takes the expired key `taken:1` over, as `begin` does.
+    holder
+        .batch_execute(
+            "UPDATE idempotency_records
+             SET token = 'new', state = 'i', expires_at = now() + interval '1 hour'
+             WHERE key = 'taken:1';
+             COMMIT",
+        )
+        .await
+        .expect("take the key over");
+
+    let deleted = reaper
+        .await
+        .expect("the reaper's task")
+        .expect("a batch of the reaper");
+    assert_eq!(deleted, 10);
+    assert_eq!(rows(&database, "idempotency_records").await, 1);
+}
+
 /// Ends every other session on `database`, as a restart or a failover ends a pool's
 /// connections, and waits until the server has let them go.
 async fn end_the_other_sessions(database: &TestDatabase) {

@@ -781,22 +781,29 @@ impl PostgresStore {
     pub async fn delete_expired(&self, batch: i64) -> Result<u64, StoreError> {
         let sql = self.statements().await?;
         let params: [(&(dyn ToSql + Sync), Type); 1] = [(&batch, Type::INT8)];
-        let connection = self.pool.get().await.map_err(unavailable)?;
-        match connection.execute_typed(&sql.delete_expired, &params).await {
-            // As every other step, once more on a live connection: after a restart or a
-            // failover, or where the server ends idle sessions (`idle_session_timeout`), the
-            // reaper of a quiet app is the pool's only user, and it met one closed
-            // connection per period, each a period without deleting anything.
-            Err(error) if lost(&connection, &error) => {
-                tracing::debug!(%error, "idempotency: PostgreSQL connection lost; reconnecting");
-                self.live_connection_after(connection)
-                    .await?
-                    .execute_typed(&sql.delete_expired, &params)
-                    .await
-                    .map_err(unavailable)
-            }
-            other => other.map_err(unavailable),
-        }
+        // Again while it fails to serialize, as every other step: under a stricter default
+        // isolation a batch whose snapshot predates the takeover of one of its expired rows
+        // failed, deleting nothing.
+        again_while_unserializable(|| async {
+            let connection = self.pool.get().await.map_err(unavailable)?;
+            let deleted = match connection.execute_typed(&sql.delete_expired, &params).await {
+                // As every other step, once more on a live connection: after a restart or a
+                // failover, or where the server ends idle sessions (`idle_session_timeout`),
+                // the reaper of a quiet app is the pool's only user, and it met one closed
+                // connection per period, each a period without deleting anything.
+                Err(error) if lost(&connection, &error) => {
+                    tracing::debug!(%error, "idempotency: PostgreSQL connection lost; reconnecting");
+                    self.live_connection_after(connection)
+                        .await?
+                        .execute_typed(&sql.delete_expired, &params)
+                        .await
+                        .map_err(unavailable)
+                }
+                other => other.map_err(unavailable),
+            };
+            self.isolation.noting(deleted)
+        })
+        .await
     }
 
     /// Runs forever: every `period`, deletes expired rows in batches of [`EXPIRY_BATCH`]
