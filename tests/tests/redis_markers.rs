@@ -5,13 +5,17 @@
 
 #![allow(clippy::unwrap_used)]
 
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use actix_web::http::Method;
 use idempotency_actix::{
     BeginOutcome, Fingerprint, IdempotencyKey, IdempotencyStore, LeaseToken, RedisStore, StorageKey,
 };
-use idempotency_actix_tests::{redis_connection, redis_pool, unique_prefix};
+use idempotency_actix_tests::{PrivateRedis, redis_connection, redis_pool, unique_prefix};
 
 const LONG: Duration = Duration::from_secs(60);
 
@@ -44,4 +48,122 @@ async fn a_marker_remembers_the_latest_sixteen_abandoned_tokens_and_no_more() {
         store.begin(&key, &print, &tokens[0], LONG).await.unwrap(),
         BeginOutcome::Acquired
     );
+}
+
+/// A proxy to the Redis server on `port` that, before it passes on each of the first
+/// `markers.len()` claims (`FCALL …_claim`) a store sends through it, writes the next of
+/// `markers` at `key` from a connection of its own: as if yet another token were abandoned
+/// on the key just before each of those claims. Answers the port it listens on.
+fn proxy_abandoning_before_claims(port: u16, key: String, markers: Vec<Vec<u8>>) -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("a free loopback port");
+    let proxy = listener.local_addr().expect("a bound listener").port();
+    let claims = Arc::new(AtomicUsize::new(0));
+    std::thread::spawn(move || {
+        for client in listener.incoming() {
+            let Ok(client) = client else { continue };
+            let Ok(server) = TcpStream::connect(("127.0.0.1", port)) else {
+                continue;
+            };
+            let (mut from_client, mut to_server) = (
+                client.try_clone().expect("a socket handle"),
+                server.try_clone().expect("a socket handle"),
+            );
+            let (key, markers, claims) = (key.clone(), markers.clone(), Arc::clone(&claims));
+            std::thread::spawn(move || {
+                let mut side = redis::Client::open(format!("redis://127.0.0.1:{port}"))
+                    .expect("a valid URL")
+                    .get_connection()
+                    .expect("a side connection");
+                let mut buffer = [0; 64 * 1024];
+                loop {
+                    let read = match from_client.read(&mut buffer) {
+                        Ok(0) | Err(_) => break,
+                        Ok(read) => read,
+                    };
+                    let chunk = &buffer[..read];
+                    let contains = |needle: &[u8]| chunk.windows(needle.len()).any(|w| w == needle);
+                    if contains(b"FCALL") && contains(b"_claim") && !contains(b"#!lua") {
+                        let claim = claims.fetch_add(1, Ordering::SeqCst);
+                        if let Some(marker) = markers.get(claim) {
+                            let () = redis::cmd("SET")
+                                .arg(&key)
+                                .arg(marker.as_slice())
+                                .arg("PX")
+                                .arg(60_000)
+                                .query(&mut side)
+                                .expect("the marker written");
+                        }
+                    }
+                    if to_server.write_all(chunk).is_err() {
+                        break;
+                    }
+                }
+                let _ = to_server.shutdown(Shutdown::Write);
+            });
+            let (mut from_server, mut to_client) = (server, client);
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut from_server, &mut to_client);
+                let _ = to_client.shutdown(Shutdown::Write);
+            });
+        }
+    });
+    proxy
+}
+
+/// A `begin` that finds another token's marker claims the key over it, up to three times
+/// if yet other tokens are abandoned on the key meanwhile. The third claim's reply was
+/// never read: when that claim took the key, `begin` answered in flight anyway, so the
+/// request got 409 with no handler run, and the key stayed locked by a token no one held
+/// (409 for everyone) until its lease ran out.
+#[actix_web::test]
+async fn a_begin_whose_third_claim_takes_the_key_holds_it() {
+    let redis = PrivateRedis::start().await;
+    let direct = RedisStore::new(RedisStore::pool(&redis.url()).expect("a valid URL"));
+    let key = StorageKey::new(
+        "claims",
+        b"",
+        &IdempotencyKey::parse(b"k").expect("a valid key"),
+    );
+    let print = Fingerprint::compute(&Method::POST, "/orders", "", b"{}", []);
+    // The markers of one, two and three abandoned tokens.
+    let mut connection = redis.connection().await;
+    let mut markers = Vec::new();
+    for _ in 0..3 {
+        let abandoned = direct.abandon(&key, &LeaseToken::generate(), LONG).await;
+        assert!(abandoned.expect("abandoned"));
+        let marker: Vec<u8> = redis::cmd("GET")
+            .arg(key.as_str())
+            .query_async(&mut connection)
+            .await
+            .expect("the marker");
+        markers.push(marker);
+    }
+    let () = redis::cmd("SET")
+        .arg(key.as_str())
+        .arg(markers[0].as_slice())
+        .arg("PX")
+        .arg(60_000)
+        .query_async(&mut connection)
+        .await
+        .expect("the first marker back");
+
+    // The first two claims each find a marker with one more token; the third finds the
+    // marker it was sent, and takes the key.
+    let port = proxy_abandoning_before_claims(
+        redis.port(),
+        key.as_str().to_owned(),
+        markers[1..].to_vec(),
+    );
+    let store = RedisStore::new(
+        RedisStore::pool(&format!("redis://127.0.0.1:{port}")).expect("a valid URL"),
+    );
+    let token = LeaseToken::generate();
+    let outcome = store.begin(&key, &print, &token, LONG).await;
+    assert_eq!(
+        outcome.expect("begun"),
+        BeginOutcome::Acquired,
+        "the third claim took the key for this token"
+    );
+    // And the request that holds it can give it back.
+    assert!(store.release(&key, &token).await.expect("released"));
 }

@@ -66,7 +66,9 @@ impl<T: Transport> Steps<'_, T> {
             }
             reply => reply?,
         };
-        for _ in 0..MAX_CLAIMS {
+        // The reply of each claim is read, the last one's too: a claim that took the key
+        // holds it, whatever number it was.
+        for claims in 0..=MAX_CLAIMS {
             // With replicated writes, a record found is kept for a moment: if it is this
             // token's own in-flight record, the request was sent twice (resent after a
             // reconnection), and the lock is the earlier send's write.
@@ -88,7 +90,8 @@ impl<T: Transport> Steps<'_, T> {
                     return Ok((outcome, remaining));
                 }
                 Begun::Decided(outcome, remaining) => return Ok((outcome, remaining)),
-                Begun::OtherMarker(marker) => marker,
+                Begun::OtherMarker(marker) if claims < MAX_CLAIMS => marker,
+                Begun::OtherMarker(_) => break,
             };
             let claim = protocol::claim(key, marker, fingerprint, token, lease);
             reply = self
