@@ -11,9 +11,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use actix_web::http::Method;
+use actix_web::http::{Method, StatusCode};
+use actix_web::web::Bytes;
 use idempotency_actix::{
-    BeginOutcome, Fingerprint, IdempotencyKey, IdempotencyStore, LeaseToken, RedisStore, StorageKey,
+    BeginOutcome, Fingerprint, IdempotencyKey, IdempotencyStore, LeaseToken, RedisStore,
+    StorageKey, StoredResponse,
 };
 use idempotency_actix_tests::{PrivateRedis, redis_connection, redis_pool, unique_prefix};
 
@@ -166,4 +168,70 @@ async fn a_begin_whose_third_claim_takes_the_key_holds_it() {
     );
     // And the request that holds it can give it back.
     assert!(store.release(&key, &token).await.expect("released"));
+}
+
+/// A commit that finds its in-flight record lost (evicted, or expired with a lease that
+/// could not be renewed) writes the completed record anew over whatever marker is there;
+/// when yet another token was abandoned on the key between the read and that write, the
+/// write found the new marker and gave up: the commit answered "lost", the response was
+/// sent but not stored, and a retry ran the handler a second time.
+#[actix_web::test]
+async fn a_commit_written_anew_over_a_marker_that_changed_meanwhile_is_stored() {
+    let redis = PrivateRedis::start().await;
+    let direct = RedisStore::new(RedisStore::pool(&redis.url()).expect("a valid URL"));
+    let key = StorageKey::new(
+        "anew",
+        b"",
+        &IdempotencyKey::parse(b"k").expect("a valid key"),
+    );
+    let print = Fingerprint::compute(&Method::POST, "/orders", "", b"{}", []);
+    // The marker of another abandoned token, made on a key of its own.
+    let scratch = StorageKey::new(
+        "scratch",
+        b"",
+        &IdempotencyKey::parse(b"k").expect("a valid key"),
+    );
+    let abandoned = direct
+        .abandon(&scratch, &LeaseToken::generate(), LONG)
+        .await;
+    assert!(abandoned.expect("abandoned"));
+    let mut connection = redis.connection().await;
+    let marker: Vec<u8> = redis::cmd("GET")
+        .arg(scratch.as_str())
+        .query_async(&mut connection)
+        .await
+        .expect("the marker");
+
+    let port = proxy_abandoning_before_claims(redis.port(), key.as_str().to_owned(), vec![marker]);
+    let store = RedisStore::new(
+        RedisStore::pool(&format!("redis://127.0.0.1:{port}")).expect("a valid URL"),
+    );
+    let token = LeaseToken::generate();
+    let begun = store.begin(&key, &print, &token, LONG).await;
+    assert_eq!(begun.expect("begun"), BeginOutcome::Acquired);
+    // The in-flight record is lost.
+    let () = redis::cmd("DEL")
+        .arg(key.as_str())
+        .query_async(&mut connection)
+        .await
+        .expect("deleted");
+
+    let response = StoredResponse::new(
+        StatusCode::CREATED,
+        Vec::new(),
+        Some(Bytes::from_static(b"paid")),
+    );
+    let committed = store
+        .commit(&key, &print, &token, &response, LONG)
+        .await
+        .expect("committed");
+    assert!(committed, "the completed record was written anew");
+    let replayed = direct
+        .begin(&key, &print, &LeaseToken::generate(), LONG)
+        .await
+        .expect("begun");
+    assert!(
+        matches!(&replayed, BeginOutcome::Completed(stored) if stored.body.as_deref() == Some(&b"paid"[..])),
+        "a retry replays the stored response: {replayed:?}"
+    );
 }

@@ -16,7 +16,8 @@ use crate::scope::StorageKey;
 use crate::store::{BeginOutcome, Deletion, LeaseToken, RecordSnapshot, StoreError};
 
 /// How many times one `begin` claims a key over another token's marker before it answers
-/// in flight: each claim fails only if yet another token was abandoned on that key meanwhile.
+/// in flight (and a commit that writes its record anew, before it answers lost): each claim
+/// fails only if yet another token was abandoned on that key meanwhile.
 const MAX_CLAIMS: usize = 3;
 
 /// How a store gets a request to Redis and its reply back.
@@ -233,22 +234,32 @@ impl<T: Transport> Steps<'_, T> {
         let completed = match protocol::unwritten(reply.value, token)? {
             Unwritten::Taken => return Ok(false),
             Unwritten::CompletedEarlier(completed) => completed,
-            Unwritten::Free(marker) => {
-                let recreate = protocol::recreate(key, marker, fingerprint, token, response, ttl);
-                let reply = self
-                    .transport
-                    .send(&Exchange::new(recreate, self.replication))
-                    .await?;
-                match protocol::recreated(reply.value, token)? {
-                    None => {
-                        lost_record::report_written_anew();
-                        reply.replication.check("commit")?;
-                        return Ok(true);
+            Unwritten::Free(mut marker) => {
+                let mut claims = 1;
+                loop {
+                    let recreate =
+                        protocol::recreate(key, marker, fingerprint, token, response, ttl);
+                    let reply = self
+                        .transport
+                        .send(&Exchange::new(recreate, self.replication))
+                        .await?;
+                    match protocol::recreated(reply.value, token)? {
+                        None => {
+                            lost_record::report_written_anew();
+                            reply.replication.check("commit")?;
+                            return Ok(true);
+                        }
+                        // Sent again after its connection died: the first send wrote it.
+                        Some(Unwritten::CompletedEarlier(completed)) => break completed,
+                        // Yet another token was abandoned on the key meanwhile: the key is
+                        // still free, written over that marker (as `begin` claims a key).
+                        Some(Unwritten::Free(found)) if claims < MAX_CLAIMS => {
+                            marker = found;
+                            claims += 1;
+                        }
+                        // Another request took the key meanwhile.
+                        Some(_) => return Ok(false),
                     }
-                    // Sent again after its connection died: the first send wrote it.
-                    Some(Unwritten::CompletedEarlier(completed)) => completed,
-                    // Another request took the key meanwhile.
-                    Some(_) => return Ok(false),
                 }
             }
         };
