@@ -20,7 +20,7 @@ use std::time::Duration;
 /// | setting | a primary crash loses… |
 /// |---|---|
 /// | none (the default) | any write of the last moments: a retry may run the handler again |
-/// | `ReplicatedWrites::new(n, t)` (strict) | nothing that `n` replicas acknowledged, as long as a primary that crashed comes back with its data or not at all (a primary restarted empty before a replica took over, with persistence off and a supervisor restarting it, makes its replicas drop everything as they resync: turn on persistence, or let failovers happen); the handler runs only once its lock is on `n` replicas, and a client gets its response only once the commit is |
+/// | `ReplicatedWrites::new(n, t)` (strict) | nothing that `n` replicas acknowledged, as long as a primary that crashed comes back with its data or not at all (a primary restarted empty before a replica took over, with persistence off and a supervisor restarting it, makes its replicas drop everything as they resync: turn on persistence, or let failovers happen); the handler runs only once its lock is on `n` replicas, and a client's response waits for its commit's `WAIT` (where the replicas fall short, it is sent all the same and the commit retried: see below) |
 /// | `ReplicatedWrites::new(n, t).or_warn()` | like strict when replicas keep up; when they do not, a warning and the write goes on unprotected |
 ///
 /// When fewer replicas acknowledge within the timeout (a replica down or lagging):
@@ -34,8 +34,9 @@ use std::time::Duration;
 ///   response is still sent (the handler ran; its response is never lost) and the commit
 ///   is retried in the background, each time with `WAIT`, until the replicas acknowledge it
 ///   or the record's ttl has passed (a retry that finds the record completed writes it over
-///   itself first, so that its `WAIT` counts the record, whatever connection it is on). Retries of the request meanwhile find the record completed on the
-///   primary and get the replay. Only a failover inside that window can lose the record.
+///   itself first, so that its `WAIT` counts the record, whatever connection it is on).
+///   Retries of the request meanwhile find the record completed on the primary and get the
+///   replay. Only a failover inside that window can lose the record.
 /// * [`or_warn`](Self::or_warn): a warning is logged and the step goes on as if replicated.
 ///
 /// Cost: each new key waits for the replicas twice (the lock, the commit); a replay waits
