@@ -445,7 +445,9 @@ impl Engine {
 /// sent before the rest and the record completes without a body, as on other routes. A body
 /// that fails midway is sent up to its failure and stored without a body; so is one that
 /// produces nothing for `idle` (the lease): it would hold the transaction, its advisory lock
-/// and its pooled connection for as long as it stalls, also once its client has left.
+/// and its pooled connection for as long as it stalls, also once its client has left. A body
+/// of known size is whole once that size is read: what it sends past it is neither sent nor
+/// stored, as on other routes.
 async fn read_before_commit<B>(body: B, limit: usize, idle: Duration) -> (BoxBody, Option<Bytes>)
 where
     B: MessageBody + 'static,
@@ -485,6 +487,17 @@ where
             }
             Some(Ok(chunk)) => {
                 read.extend_from_slice(&chunk);
+                // Of a body of known size the client gets no more than that size (Actix
+                // writes no more), as on other routes: once that much is read, it is the
+                // whole body, sent and stored as such.
+                if let Some(size) = declared
+                    .and_then(|size| usize::try_from(size).ok())
+                    .filter(|&size| read.len() >= size)
+                {
+                    read.truncate(size);
+                    let bytes = read.freeze();
+                    return (BoxBody::new(bytes.clone()), Some(bytes));
+                }
                 if read.len() > limit {
                     let rest = futures_util::stream::poll_fn(move |cx| body.as_mut().poll_next(cx));
                     let all = futures_util::stream::once(ready(Ok(read.freeze()))).chain(rest);

@@ -128,6 +128,23 @@ async fn cut_short(
     HttpResponse::Created().body(actix_web::body::SizedStream::new(100, chunks))
 }
 
+/// Inserts one ledger row, then answers 201 with a body that declares 4 bytes and sends 10
+/// (a wrong length given to `SizedStream`).
+async fn runs_past(
+    transaction: IdempotentTransaction,
+    runs: web::Data<RunCounter>,
+) -> HttpResponse {
+    runs.record();
+    transaction
+        .execute("INSERT INTO ledger (amount) VALUES (1)", &[])
+        .await
+        .expect("the insert");
+    let chunks = futures_util::stream::iter([Ok::<_, actix_web::Error>(web::Bytes::from_static(
+        b"0123456789",
+    ))]);
+    HttpResponse::Created().body(actix_web::body::SizedStream::new(4, chunks))
+}
+
 /// A plain (not transactional) route: counts its run and answers 201.
 async fn plain(runs: web::Data<RunCounter>) -> HttpResponse {
     HttpResponse::Created().json(serde_json::json!({ "seq": runs.record() }))
@@ -320,6 +337,13 @@ fn serve(
                         IdempotencyPolicy::default().transactional(),
                     ))
                     .route(web::post().to(cut_short)),
+            )
+            .service(
+                web::resource("/ledger-runs-past")
+                    .wrap(IdempotentRoute::with_policy(
+                        IdempotencyPolicy::default().transactional(),
+                    ))
+                    .route(web::post().to(runs_past)),
             )
             .service(
                 web::resource("/keepalives")
@@ -740,6 +764,30 @@ async fn a_body_that_ends_before_its_declared_size_is_not_taken_for_the_whole_bo
     assert!(retry.is_replay(), "{retry:?}");
     assert_eq!(retry.header("idempotent-body-omitted"), Some("true"));
     assert_eq!(retry.body, "");
+    assert_eq!(h.runs.get(), 1);
+    assert_eq!(
+        h.ledger_rows().await,
+        1,
+        "the handler's write committed once"
+    );
+}
+
+/// A body that runs past its declared size is sent and stored as that size, as on a plain
+/// route (Actix writes no more than the size declared): the client gets the 4 bytes
+/// declared, and the retry the same 4. The transaction sent all 10 bytes read, with a
+/// `Content-Length` of 10 the handler never declared, and stored them so (helper review).
+#[actix_web::test]
+async fn a_body_that_runs_past_its_declared_size_is_sent_and_stored_as_that_size() {
+    let h = start(2).await;
+    let first = h.post("/ledger-runs-past", Some("past")).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert_eq!(first.header("content-length"), Some("4"), "{first:?}");
+    assert_eq!(first.body, "0123", "{first:?}");
+
+    let retry = h.post("/ledger-runs-past", Some("past")).await;
+    assert!(retry.is_replay(), "{retry:?}");
+    assert_eq!(retry.header("content-length"), Some("4"), "{retry:?}");
+    assert_eq!(retry.body, first.body);
     assert_eq!(h.runs.get(), 1);
     assert_eq!(
         h.ledger_rows().await,
