@@ -267,7 +267,6 @@ async fn start_without_migrate(connections: u32) -> Harness {
     other.migrate().await.unwrap();
     let store = PostgresStore::new(pool(&database, connections));
     let (runs, gate) = (RunCounter::default(), Gate::default());
-    gate.open();
     let server = serve(store, FailMode::Closed, &runs, &gate);
     Harness {
         server,
