@@ -290,3 +290,89 @@ fn a_database_that_cannot_be_used_stops_the_start_and_says_why() {
     assert!(stderr.contains("does not exist"), "{stderr}");
     assert!(output.stdout.is_empty());
 }
+
+/// Instances started at once on a fresh database each create table `ledger` where it is
+/// missing: the one that lost the race to create it stopped at start ("duplicate key value
+/// violates unique constraint"), as it would for any two instances of a deploy.
+#[actix_web::test]
+async fn instances_started_at_once_on_a_fresh_database_all_start() {
+    let database = TestDatabase::create().await;
+    // A session that creates the table without committing: both instances find it missing
+    // and wait behind this transaction, so they create it at the same moment once it rolls
+    // back.
+    let holder = database.connection().await;
+    holder
+        .batch_execute(
+            "BEGIN; CREATE TABLE ledger (
+                 entry_id   bigserial   PRIMARY KEY,
+                 amount     bigint      NOT NULL,
+                 created_at timestamptz NOT NULL DEFAULT now()
+             )",
+        )
+        .await
+        .expect("create the table without committing");
+    let mut children: Vec<std::process::Child> = (0..2)
+        .map(|_| {
+            ReferenceServer::command()
+                .env("DATABASE_URL", database.url())
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("start a reference server")
+        })
+        .collect();
+    // Both wait for the holder's transaction (at most 10 s, so nothing hangs).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting: i64 = holder
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                &[],
+            )
+            .await
+            .expect("count the waiting sessions")
+            .get(0);
+        if waiting >= 2 || Instant::now() > deadline {
+            break;
+        }
+        actix_rt::time::sleep(Duration::from_millis(20)).await;
+    }
+    holder.batch_execute("ROLLBACK").await.expect("roll back");
+    // Each one's first line on stdout, or what it wrote on stderr (at most 30 s each).
+    let started: Vec<Result<String, String>> = children
+        .iter_mut()
+        .map(|child| {
+            let stdout = child.stdout.take().expect("stdout is piped");
+            let (line_tx, line_rx) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                let mut line = String::new();
+                let _ =
+                    std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line);
+                let _ = line_tx.send(line);
+            });
+            let line = line_rx
+                .recv_timeout(Duration::from_secs(30))
+                .unwrap_or_default();
+            if line.starts_with("listening on http://") {
+                return Ok(line);
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+            let mut stderr = String::new();
+            let _ = std::io::Read::read_to_string(
+                &mut child.stderr.take().expect("stderr is piped"),
+                &mut stderr,
+            );
+            Err(stderr)
+        })
+        .collect();
+    for child in &mut children {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    for outcome in started {
+        assert!(outcome.is_ok(), "an instance did not start: {outcome:?}");
+    }
+}

@@ -74,8 +74,14 @@ fn crash_point(headers: &HeaderMap) -> Option<CrashPoint> {
     }
 }
 
+/// Serializes [`create_ledger`] across instances: `CREATE TABLE IF NOT EXISTS` run by two
+/// at once can still collide (one fails on the catalog's unique index).
+const LEDGER_LOCK: i64 = 7_291_604_383_712_561_408;
+
 /// Creates the `ledger` table if it is missing, on a connection of its own: a pool that
-/// cannot connect says only that it timed out, where a connection says why.
+/// cannot connect says only that it timed out, where a connection says why. Safe to run
+/// from several instances at once (under an advisory lock, READ COMMITTED so that the check
+/// after the lock sees what the instance before did).
 ///
 /// # Errors
 ///
@@ -89,7 +95,10 @@ pub(super) async fn create_ledger(pool: &PostgresPool) -> Result<(), String> {
     .map_err(|_| "no connection within 2 s".to_owned())?
     .map_err(|error| with_causes(&error))?;
     connection
-        .batch_execute(LEDGER_SCHEMA)
+        .batch_execute(&format!(
+            "BEGIN ISOLATION LEVEL READ COMMITTED; SELECT pg_advisory_xact_lock({LEDGER_LOCK}); \
+             {LEDGER_SCHEMA}; COMMIT"
+        ))
         .await
         .map_err(|error| with_causes(&error))
 }
