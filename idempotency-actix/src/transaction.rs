@@ -56,8 +56,10 @@ use crate::store::{BeginOutcome, LeaseToken, StoreError};
 ///
 /// The claim lasts as long as the database session. It turns off the server's
 /// `idle_in_transaction_session_timeout` and `transaction_timeout` for its transaction, so
-/// the handler may be away from the database for as long as it runs; anything else that ends
-/// the session while the handler runs (a restart, a failover, `pg_terminate_backend`) rolls
+/// the handler may be away from the database for as long as it runs (but not with a reply
+/// half read: a large streamed result, `query_raw`, left unread for about 5/6 of the lease
+/// ends the session as a client cut off would); anything else that ends the session while
+/// the handler runs (a restart, a failover, `pg_terminate_backend`) rolls
 /// back the claim together with the handler's writes: the request fails, and a retry runs
 /// the handler again. What the handler did outside the transaction (a call to a payment
 /// provider, an email) is not rolled back: such side effects belong on plain routes, whose

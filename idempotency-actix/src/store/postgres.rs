@@ -1151,7 +1151,13 @@ const MAX_KEEPALIVE_SECONDS: u64 = 32_767;
 /// as a plain route's lease would expire, instead of the two hours and more of the
 /// operating system's default. A live client's kernel answers the probes however long its
 /// handler takes. (Without effect on a Unix-socket connection, which needs none.) Both
-/// times are at most [`MAX_KEEPALIVE_SECONDS`], as Linux takes no more.
+/// times are at most [`MAX_KEEPALIVE_SECONDS`], as Linux takes no more. Keepalives are not
+/// sent while data the server sent is unacknowledged (a statement's reply on its way when
+/// the host died or was cut off), when retransmissions keep the session for about 15
+/// minutes: `tcp_user_timeout` (PostgreSQL 12 and later; left alone where the server has no
+/// such setting) ends it after as long, `idle` plus 3 `interval`s. (So does a client that
+/// leaves a streamed reply unread for as long: Linux counts a receive window kept shut as
+/// unacknowledged data.)
 ///
 /// The server's own limits on the transaction are turned off for it, also `SET LOCAL`:
 /// `idle_in_transaction_session_timeout` (common on managed PostgreSQL) would end the
@@ -1167,9 +1173,12 @@ const MAX_KEEPALIVE_SECONDS: u64 = 32_767;
 fn begin_watching_the_client(lease: Duration) -> String {
     let idle = (lease.as_secs() / 3).clamp(1, MAX_KEEPALIVE_SECONDS);
     let interval = (lease.as_secs() / 6).clamp(1, MAX_KEEPALIVE_SECONDS);
+    let unacknowledged_ms = (idle + 3 * interval) * 1000;
     format!(
         "BEGIN; SET LOCAL tcp_keepalives_idle = {idle}; \
          SET LOCAL tcp_keepalives_interval = {interval}; SET LOCAL tcp_keepalives_count = 3; \
+         SELECT set_config('tcp_user_timeout', '{unacknowledged_ms}', true) \
+         WHERE current_setting('tcp_user_timeout', true) IS NOT NULL; \
          SET LOCAL idle_in_transaction_session_timeout = 0; \
          SELECT set_config('transaction_timeout', '0', true) \
          WHERE current_setting('transaction_timeout', true) IS NOT NULL"
@@ -1698,6 +1707,8 @@ mod tests {
         let year = keepalives(365 * 24 * 3600);
         assert!(year.contains("idle = 32767;"), "{year}");
         assert!(year.contains("interval = 32767;"), "{year}");
+        assert!(keepalives(60).contains("'tcp_user_timeout', '50000'"));
+        assert!(year.contains("'tcp_user_timeout', '131068000'"), "{year}");
         // The server's limits on the transaction are off for it. (`transaction_timeout` is
         // PostgreSQL 17's, where CI's PostgreSQL has none: its name is checked here.)
         assert!(year.contains("SET LOCAL idle_in_transaction_session_timeout = 0;"));
