@@ -496,6 +496,21 @@ impl IdempotencyPolicy {
         }
     }
 
+    /// These overrides on top of `outer`'s: an option this one leaves unset takes `outer`'s
+    /// (a route layer inside another one, on a scope, under the App's claim).
+    pub(crate) fn over(&self, outer: &Self) -> Self {
+        Self {
+            ttl: self.ttl.or(outer.ttl),
+            lease: self.lease.or(outer.lease),
+            required: self.required.or(outer.required),
+            max_request_body: self.max_request_body.or(outer.max_request_body),
+            max_stored_body: self.max_stored_body.or(outer.max_stored_body),
+            store_errors: self.store_errors.or(outer.store_errors),
+            wait_for_completion: self.wait_for_completion.or(outer.wait_for_completion),
+            transactional: self.transactional.or(outer.transactional),
+        }
+    }
+
     /// Whether this route refuses requests without a key, whatever the app says.
     pub(crate) fn requires_key(&self) -> bool {
         self.required == Some(true)

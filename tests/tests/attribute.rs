@@ -12,7 +12,7 @@ use actix_web::http::{Method, StatusCode};
 use actix_web::middleware::Next;
 use actix_web::web::{self, Bytes};
 use actix_web::{App, HttpResponse, delete, get, patch, post, route, routes};
-use idempotency_actix::{Idempotency, IdempotencyPolicy, RedisPool, idempotent};
+use idempotency_actix::{Idempotency, IdempotencyPolicy, IdempotentRoute, RedisPool, idempotent};
 use idempotency_actix_tests::{
     Reply, RunCounter, keys_under, redis_connection, redis_pool, unique_prefix,
 };
@@ -717,6 +717,44 @@ async fn the_route_policy_overrides_an_app_that_protects_the_method_too() {
     let refused = h.post("/payments", None).await;
     assert_eq!(refused.status, StatusCode::BAD_REQUEST);
     assert_eq!(h.runs.get(), 1);
+}
+
+/// A scope whose routes share a policy (`web::scope(..).wrap(IdempotentRoute::with_policy(..))`)
+/// and a bare `#[idempotent]` route in it: the route keeps the scope's ttl, whether or not the
+/// App also protects the method. With `protect_methods`, the route's empty policy replaced the
+/// scope's in the App's lock, so the record was kept for the App's 24 h instead of a week: a
+/// retry on the second day ran the handler again.
+#[actix_web::test]
+async fn a_bare_tagged_route_keeps_its_scope_s_ttl_when_the_app_protects_the_method_too() {
+    fn weekly(config: &mut web::ServiceConfig) {
+        let week = Duration::from_secs(7 * 24 * 60 * 60);
+        config.service(
+            web::scope("/weekly")
+                .wrap(IdempotentRoute::with_policy(
+                    IdempotencyPolicy::default().ttl(week),
+                ))
+                .service(bare),
+        );
+    }
+    for (test, configure) in [
+        (
+            "attr_scope_policy",
+            (|i| i) as fn(Idempotency) -> Idempotency,
+        ),
+        ("attr_scope_policy_app", |i| {
+            i.protect_methods([Method::POST])
+        }),
+    ] {
+        let mut h = Harness::start(test, configure, weekly).await;
+        let key = key();
+        let first = h.post("/weekly/orders", Some(&key)).await;
+        let retry = h.post("/weekly/orders", Some(&key)).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{test}");
+        assert_replay_of(&first, &retry);
+        assert_eq!(h.runs.get(), 1, "{test}");
+        let pttl = h.new_key_pttl(&[]).await;
+        assert_pttl_within(pttl, Duration::from_secs(7 * 24 * 60 * 60));
+    }
 }
 
 #[actix_web::test]

@@ -211,14 +211,20 @@ where
             Some(Claimed {
                 lock: Some(lock), ..
             }) => {
-                let policy = self.policy.apply_to(&engine.settings.defaults);
+                // A route layer further out under the same claim (one on a scope) left its
+                // overrides in the lock: ours go on top of them, as they would have had that
+                // layer claimed the request itself.
+                let overrides = match lock.route_policy.borrow().as_ref() {
+                    Some(outer) => self.policy.over(outer),
+                    None => IdempotencyPolicy::clone(&self.policy),
+                };
+                let policy = overrides.apply_to(&engine.settings.defaults);
                 if lock.body_len > policy.max_request_body {
                     let limit = policy.max_request_body;
                     let error = IdempotencyError::RequestBodyTooLarge { limit };
                     return answer::<S, B>(refuse(req.into_parts().0, &error));
                 }
-                lock.route_policy
-                    .replace(Some(IdempotencyPolicy::clone(&self.policy)));
+                lock.route_policy.replace(Some(overrides));
                 crate::engine::warn_if_renewals_can_outlast(
                     policy.lease,
                     engine.settings.store_timeout,
