@@ -511,6 +511,16 @@ impl IdempotencyPolicy {
         }
     }
 
+    /// The lease this route sets, if it sets one.
+    pub(crate) fn lease_override(&self) -> Option<Duration> {
+        self.lease
+    }
+
+    /// The request-body limit this route sets, if it sets one.
+    pub(crate) fn max_request_body_override(&self) -> Option<usize> {
+        self.max_request_body
+    }
+
     /// Whether this route refuses requests without a key, whatever the app says.
     pub(crate) fn requires_key(&self) -> bool {
         self.required == Some(true)

@@ -131,6 +131,21 @@ async fn slow(runs: web::Data<RunCounter>, gate: web::Data<Gate>) -> HttpRespons
     response
 }
 
+/// [`slow`] without a policy of its own.
+#[idempotent]
+#[post("/gated")]
+async fn gated(runs: web::Data<RunCounter>, gate: web::Data<Gate>) -> HttpResponse {
+    let response = ran(&runs);
+    // Bounded, so a failing test cannot hang here.
+    for _ in 0..1000 {
+        if gate.0.get() > 0 {
+            break;
+        }
+        actix_rt::time::sleep(Duration::from_millis(10)).await;
+    }
+    response
+}
+
 #[idempotent(store_errors)]
 #[post("/stored-errors")]
 async fn stored_error(runs: web::Data<RunCounter>) -> HttpResponse {
@@ -755,6 +770,77 @@ async fn a_bare_tagged_route_keeps_its_scope_s_ttl_when_the_app_protects_the_met
         let pttl = h.new_key_pttl(&[]).await;
         assert_pttl_within(pttl, Duration::from_secs(7 * 24 * 60 * 60));
     }
+}
+
+/// The same scope policy with a larger request-body limit than the App's: a bare tagged route
+/// in it keeps the scope's limit. The route layer applied the App's limit to the lock the
+/// scope's layer took, and refused a body the scope allowed with 413.
+#[actix_web::test]
+async fn a_bare_tagged_route_keeps_its_scope_s_request_body_limit() {
+    fn uploads(config: &mut web::ServiceConfig) {
+        config.service(
+            web::scope("/uploads")
+                .wrap(IdempotentRoute::with_policy(
+                    IdempotencyPolicy::default().max_request_body(64),
+                ))
+                .service(bare),
+        );
+    }
+    let h = Harness::start(
+        "attr_scope_body_limit",
+        |i| i.policy(IdempotencyPolicy::default().max_request_body(16)),
+        uploads,
+    )
+    .await;
+    let body = "a body of 32 bytes, 16 too many.";
+    let key = key();
+    let first = h
+        .send(Method::POST, "/uploads/orders", Some(&key), body)
+        .await;
+    let retry = h
+        .send(Method::POST, "/uploads/orders", Some(&key), body)
+        .await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert_replay_of(&first, &retry);
+    assert_eq!(h.runs.get(), 1);
+}
+
+/// And a scope policy with a longer lease than the App's (a slow payment provider): the
+/// in-flight record of a bare tagged route in it is held for the scope's lease, not cut to the
+/// App's 30 s by the route layer.
+#[actix_web::test]
+async fn a_bare_tagged_route_keeps_its_scope_s_lease() {
+    fn slow_provider(config: &mut web::ServiceConfig) {
+        config.service(
+            web::scope("/provider")
+                .wrap(IdempotentRoute::with_policy(
+                    IdempotencyPolicy::default().lease(Duration::from_secs(120)),
+                ))
+                .service(gated),
+        );
+    }
+    let mut h = Harness::start("attr_scope_lease", |i| i, slow_provider).await;
+    let key = key();
+    let running = h.post("/provider/gated", Some(&key));
+    let probe = async {
+        h.runs.wait_for(1).await;
+        let mut redis = redis_connection().await;
+        let keys = keys_under(&mut redis, &h.prefix).await;
+        let pttl: i64 = redis::cmd("PTTL")
+            .arg(keys.first().expect("the in-flight record"))
+            .query_async(&mut redis)
+            .await
+            .expect("its PTTL");
+        h.gate.0.record();
+        pttl
+    };
+    let (reply, pttl) = futures_util::future::join(running, probe).await;
+    assert_eq!(reply.status, StatusCode::CREATED);
+    assert!(
+        pttl > 30_000 && pttl <= 120_000,
+        "in-flight PTTL {pttl} ms, the scope's lease is 120 s"
+    );
+    assert_eq!(h.keys().await.len(), 1);
 }
 
 #[actix_web::test]

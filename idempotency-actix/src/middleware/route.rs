@@ -218,18 +218,22 @@ where
                     Some(outer) => self.policy.over(outer),
                     None => IdempotencyPolicy::clone(&self.policy),
                 };
-                let policy = overrides.apply_to(&engine.settings.defaults);
-                if lock.body_len > policy.max_request_body {
-                    let limit = policy.max_request_body;
+                // Only what the route layers set: an option they leave unset is the claiming
+                // layer's, which applied it already (the App's default, or the policy of a
+                // route layer on a scope that took the request itself).
+                if let Some(limit) = overrides
+                    .max_request_body_override()
+                    .filter(|limit| lock.body_len > *limit)
+                {
                     let error = IdempotencyError::RequestBodyTooLarge { limit };
                     return answer::<S, B>(refuse(req.into_parts().0, &error));
                 }
+                let lease = overrides
+                    .lease_override()
+                    .unwrap_or_else(|| lock.lease.get());
                 lock.route_policy.replace(Some(overrides));
-                crate::engine::warn_if_renewals_can_outlast(
-                    policy.lease,
-                    engine.settings.store_timeout,
-                );
-                if lock.lease.replace(policy.lease) == policy.lease {
+                crate::engine::warn_if_renewals_can_outlast(lease, engine.settings.store_timeout);
+                if lock.lease.replace(lease) == lease {
                     return pass_through(&*self.service, req);
                 }
                 let service = Rc::clone(&self.service);
