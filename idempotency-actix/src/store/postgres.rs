@@ -102,10 +102,12 @@ pub const EXPIRY_BATCH: i64 = 1_000;
 /// where it did not take the key, and a transactional route's completion updates its row by
 /// `ctid`, so that transactions of different keys do not fail to serialize over the index
 /// pages they share; under READ COMMITTED they keep the faster forms. The store reads the
-/// isolation with its table, and follows a change it meets. Each statement first tries a
-/// transaction-scoped advisory lock on the key without waiting: a transactional route holds
-/// it for the whole of its transaction, so a duplicate never waits on that transaction's
-/// uncommitted row but reads the committed state and answers at once (409 while in flight).
+/// isolation with its table, and follows a change it meets. `begin`, `abandon` and a
+/// commit's rewrite of a lost record first try a transaction-scoped advisory lock on the key
+/// without waiting: a transactional route holds it for the whole of its transaction, so a
+/// duplicate never waits on that transaction's uncommitted row but reads the committed state
+/// and answers at once (409 while in flight). The other statements change only a live row of
+/// their own token, which a claim never holds, so they never wait on one either.
 ///
 /// Lease renewals take no pooled connection: each thread that renews (each Actix worker)
 /// opens one connection of the store's own for them with the pool's connection manager, on
@@ -529,7 +531,9 @@ impl PostgresStore {
         }
     }
 
-    /// The same store in the table `name` (`table` or `schema.table`).
+    /// The same store in the table `name` (`table` or `schema.table`). The name is quoted in
+    /// SQL, so it is taken as written: `Records` is a table other than `records`, as in SQL
+    /// that quotes it (`"Records"`), where unquoted SQL folds it to `records`.
     ///
     /// # Errors
     ///
