@@ -191,9 +191,10 @@ where
         if claimed.is_some() && self.policy.is_transactional() {
             tracing::error!(
                 path = req.path(),
-                "a transactional route is also covered by Idempotency::protect_methods on the \
-                 App, which claims the request before routing, outside any transaction: leave \
-                 this method out of protect_methods"
+                "a transactional route is also covered by a layer further out that claimed the \
+                 request outside any transaction (Idempotency::protect_methods, before routing, \
+                 or an IdempotentRoute on an enclosing scope): leave this method out of \
+                 protect_methods, or take that layer off the scope"
             );
             return answer::<S, B>(refuse(req.into_parts().0, &IdempotencyError::NotConfigured));
         }
