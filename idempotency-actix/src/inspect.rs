@@ -326,12 +326,26 @@ impl<S: IdempotencyStore> Inspector<S> {
         Ok(self.within(self.store.delete(&key, force)).await?)
     }
 
+    /// Runs `operation` for at most the timeout, polled under that deadline
+    /// (`store::deadline`), as the middleware polls its store operations: the Redis stores'
+    /// connections then know it, answer by it, and leave a connection that went silent past
+    /// it, as for the middleware's own requests.
     async fn within<T>(
         &self,
         operation: impl std::future::Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
-        actix_rt::time::timeout(self.timeout, operation)
-            .await
-            .unwrap_or(Err(StoreError::Timeout(self.timeout)))
+        let deadline = std::time::Instant::now() + self.timeout;
+        let mut operation = std::pin::pin!(operation);
+        let polled = std::future::poll_fn(|cx| {
+            crate::store::deadline::polling(deadline, || operation.as_mut().poll(cx)).0
+        });
+        match actix_rt::time::timeout(self.timeout, polled).await {
+            // A connection that kept the deadline answers with an error of its own.
+            Ok(Err(_)) if std::time::Instant::now() >= deadline => {
+                Err(StoreError::Timeout(self.timeout))
+            }
+            Ok(result) => result,
+            Err(_) => Err(StoreError::Timeout(self.timeout)),
+        }
     }
 }

@@ -336,3 +336,46 @@ async fn a_store_that_does_not_answer_fails_at_the_timeout() {
         "{deleted:?}"
     );
 }
+
+/// A connection that goes silent (a firewall or NAT that drops the flow: nothing closes the
+/// socket) is left for a new one, as the middleware's requests leave it, so that lookups
+/// work again once the store is reachable. The inspector's own store (a clone has its own
+/// connection) sent its commands with no deadline the connection knew of, so it never took
+/// the connection for silent: every lookup failed at the timeout until the kernel gave the
+/// socket up, about 15 minutes, or for good where the flow still took the bytes.
+#[actix_web::test]
+async fn an_inspector_leaves_a_connection_that_went_silent() {
+    use idempotency_actix::{RedisStore, StoreError};
+    use idempotency_actix_tests::{MovableAddress, PrivateRedis, unique_prefix};
+
+    let server = PrivateRedis::start().await;
+    let address = MovableAddress::to(server.port());
+    let url = format!("redis://127.0.0.1:{}", address.port());
+    let store = RedisStore::new(RedisStore::pool(&url).expect("a pool"));
+    let inspector = Inspector::new(store)
+        .key_prefix(unique_prefix("inspect-silent"))
+        .timeout(Duration::from_millis(300));
+    // Opens the store's connection.
+    let looked = inspector.lookup(b"", "k").await.expect("a lookup");
+    assert!(looked.is_none(), "{looked:?}");
+
+    address.silence_open_connections();
+    // Each attempt takes the timeout at most: 40 of them, 12 s, where the connection is
+    // left about 2.3 s in.
+    let mut failed = 0;
+    loop {
+        match inspector.lookup(b"", "k").await {
+            Ok(looked) => {
+                assert!(looked.is_none(), "{looked:?}");
+                break;
+            }
+            Err(InspectionError::Store(StoreError::Timeout(_))) => failed += 1,
+            Err(error) => panic!("a lookup failed otherwise: {error:?}"),
+        }
+        assert!(
+            failed < 40,
+            "the inspector kept its silent connection for 12 s"
+        );
+    }
+    assert!(failed > 0, "the connection never went silent");
+}
