@@ -653,8 +653,8 @@ impl Engine {
                 .store
                 .commit(key, &lock.fingerprint, &token, &stored, ttl);
             match engine.bounded(StoreOperation::Commit, commit).await {
+                // At INFO, so without the storage key (named at DEBUG only).
                 Ok(true) => tracing::info!(
-                    key = key.as_str(),
                     "idempotency: the response of a fail-open run is stored; retries replay it"
                 ),
                 answer => {

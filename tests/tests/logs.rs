@@ -12,7 +12,8 @@ use actix_web::dev::{HttpServiceFactory, Service};
 use actix_web::http::StatusCode;
 use actix_web::{App, HttpResponse, web};
 use idempotency_actix::{
-    FailMode, Idempotency, IdempotentRoute, KeyScope, MemoryStore, RedisStore,
+    FailMode, Idempotency, IdempotentRoute, Inspector, KeyScope, MemoryStore, RecordState,
+    RedisStore,
 };
 
 /// Everything every test in this binary logged, at every level.
@@ -140,6 +141,64 @@ async fn fail_open_runs_the_handler_and_warns() {
             .lines()
             .any(|line| line.contains("WARN") && line.contains("unprotected (fail-open)")),
         "no fail-open warning in: {logged}"
+    );
+}
+
+/// A fail-open run after a `begin` that landed but did not answer has its response committed
+/// in the background, which is logged at INFO. The README says events name the storage key at
+/// DEBUG level only: that event named it, so a log at INFO carried one per such run.
+#[actix_web::test]
+async fn the_commit_of_a_fail_open_run_is_logged_without_the_storage_key() {
+    log();
+    let store = idempotency_actix_tests::FaultyStore::default();
+    store
+        .landed_failed_begins
+        .store(1, std::sync::atomic::Ordering::SeqCst);
+    let server = actix_test::start({
+        let store = store.clone();
+        move || {
+            App::new()
+                .wrap(
+                    Idempotency::new(store.clone())
+                        .on_store_error(FailMode::Open)
+                        .scope(KeyScope::global()),
+                )
+                .service(
+                    web::resource("/landed")
+                        .wrap(IdempotentRoute::new())
+                        .route(web::post().to(create)),
+                )
+        }
+    });
+    let key = "fail-open-landed-h88";
+    assert_eq!(post(&server, "/landed", key).await, StatusCode::CREATED);
+    let inspector = Inspector::new(store.inner.clone());
+    let storage_key = inspector.storage_key(b"", key).expect("a valid key");
+    let marker = "the response of a fail-open run is stored";
+    let mut committed = None;
+    for _ in 0..500 {
+        let record = inspector
+            .lookup(b"", key)
+            .await
+            .expect("the memory store answers");
+        if record.is_some_and(|record| record.state == RecordState::Completed)
+            && logged().contains(marker)
+        {
+            committed = Some(());
+            break;
+        }
+        actix_rt::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    committed.expect("the fail-open run's response was not committed and logged in 5 s");
+    let logged = logged();
+    let leaked: Vec<&str> = logged
+        .lines()
+        .filter(|line| line.contains(storage_key.as_str()))
+        .filter(|line| !line.contains("DEBUG") && !line.contains("TRACE"))
+        .collect();
+    assert!(
+        leaked.is_empty(),
+        "the storage key was logged above DEBUG: {leaked:?}"
     );
 }
 
