@@ -382,7 +382,8 @@ fn is_bind_address(value: &str) -> bool {
         .chars()
         .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.')
         && host.chars().any(|c| c.is_ascii_alphabetic());
-    is_name && port.parse::<u16>().is_ok()
+    // The port in digits alone, as after an IP address (`u16`'s parser also takes a `+`).
+    is_name && parse_count::<u16>(port).is_some()
 }
 
 #[cfg(test)]
@@ -579,6 +580,10 @@ mod tests {
             "127.0.0.1",
             ":8080",
             "localhost:http",
+            // A sign before the port, refused after an IP address, is refused after a host
+            // name too (it was taken there, as `u16`'s parser takes it).
+            "localhost:+8080",
+            "127.0.0.1:+8080",
             "::1:8080",
             "999.0.0.1:80",
         ] {
