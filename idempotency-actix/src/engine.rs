@@ -1256,7 +1256,12 @@ async fn while_renewing_lease<T>(work: impl Future<Output = T>, lock: &Rc<HeldLo
 /// handler returned, the commit is next) still reaches the store: cancelled before it was
 /// written (while its connection reconnects, say), it would leave the lease to run out from
 /// the renewal before it while the commit is on its way.
+///
+/// A failed renewal is retried at the next tick. Only the first failure of a run of them is
+/// logged as a warning (the others at debug level), and the renewal that ends the run at
+/// info level: a store that stays down would otherwise log a warning per request every tick.
 async fn keep_renewing(lock: &Rc<HeldLock>) {
+    let mut failures: u64 = 0;
     loop {
         let lease = lock.lease.get();
         actix_rt::time::sleep((lease / 3).min(RENEWAL_TICK)).await;
@@ -1271,7 +1276,12 @@ async fn keep_renewing(lock: &Rc<HeldLock>) {
             continue;
         };
         match renewed {
-            Ok(true) => {}
+            Ok(true) => {
+                if failures > 0 {
+                    tracing::info!(failures, "idempotency: lease renewed after failed renewals");
+                    failures = 0;
+                }
+            }
             Ok(false) => {
                 if !lock.committing.get() {
                     lock.report_lost(NoticedBy::Renewal);
@@ -1279,7 +1289,15 @@ async fn keep_renewing(lock: &Rc<HeldLock>) {
                 return;
             }
             Err(error) => {
-                tracing::warn!(%error, "idempotency: lease renewal failed; will retry");
+                failures += 1;
+                if failures == 1 {
+                    tracing::warn!(
+                        %error,
+                        "idempotency: lease renewal failed; will retry (further failures of this lease at debug level)"
+                    );
+                } else {
+                    tracing::debug!(%error, failures, "idempotency: lease renewal failed again");
+                }
             }
         }
     }

@@ -419,6 +419,70 @@ async fn a_lease_a_renewal_may_outlast_is_a_warning() {
     assert!(line.contains("store_timeout_ms=2000"), "{line}");
 }
 
+/// A store that fails renewals for a while (down, or slower than the store timeout): each
+/// failed renewal is retried at the next tick, and every one was a warning, about ten a
+/// second per running request, for as long as the store stayed down. The first failure of
+/// a run is the warning; the others are at debug level, and the renewal that ends the run
+/// says how many failed.
+#[actix_web::test]
+async fn a_run_of_failed_renewals_is_one_warning() {
+    log();
+    let store = idempotency_actix_tests::FaultyStore {
+        failed_renewals: Arc::new(std::sync::atomic::AtomicU32::new(5)),
+        ..Default::default()
+    };
+    let server = idempotency_actix_tests::FloodServer::start(
+        move || {
+            Idempotency::new(store.clone())
+                .scope(KeyScope::global())
+                .policy(
+                    idempotency_actix::IdempotencyPolicy::default()
+                        .lease(std::time::Duration::from_secs(6)),
+                )
+        },
+        64,
+    );
+    let first = server
+        .start_slow("renewals-failing")
+        .await
+        .expect("the slow handler runs");
+    let mut renewed = None;
+    for _ in 0..500 {
+        renewed = logged()
+            .lines()
+            .find(|line| line.contains("lease renewed after failed renewals"))
+            .map(str::to_owned);
+        if renewed.is_some() {
+            break;
+        }
+        actix_rt::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let renewed = renewed.expect("a renewal succeeded after the failed ones within 10 s");
+    server.gate.open();
+    assert_eq!(
+        first.await.expect("the slow request").status,
+        StatusCode::CREATED
+    );
+    assert!(renewed.contains("INFO"), "{renewed}");
+    assert!(renewed.contains("failures=5"), "{renewed}");
+    let logged = logged();
+    let warnings: Vec<_> = logged
+        .lines()
+        .filter(|line| line.contains("lease renewal failed; will retry"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "one warning for the run: {warnings:#?}");
+    assert!(warnings[0].contains("WARN"), "{}", warnings[0]);
+    let again = logged
+        .lines()
+        .filter(|line| line.contains("lease renewal failed again"))
+        .collect::<Vec<_>>();
+    assert_eq!(again.len(), 4, "the other four at debug level: {again:#?}");
+    assert!(
+        again.iter().all(|line| line.contains("DEBUG")),
+        "{again:#?}"
+    );
+}
+
 #[actix_web::test]
 async fn a_lost_in_flight_record_is_an_error_without_the_key() {
     log();
