@@ -41,8 +41,8 @@ pub(crate) fn report(storage_key: &StorageKey, noticed_by: NoticedBy) {
     tracing::error!(
         noticed_by = noticed_by.as_str(),
         "idempotency: in-flight record lost while its handler ran (evicted or deleted); \
-         a retry may run the handler again. Run Redis with `maxmemory-policy noeviction` \
-         and memory headroom (see the README)"
+         a retry may run the handler again. On Redis: run it with `maxmemory-policy \
+         noeviction` and memory headroom (see the README)"
     );
 }
 
