@@ -82,6 +82,12 @@ pub enum Outcome {
     /// 503: a new key while the process drained its keyed work before it stopped
     /// ([`Idempotency::drain`](crate::Idempotency::drain)); the handler did not run.
     ShuttingDown,
+    /// The client left before anything was decided for its request: while its body was
+    /// still arriving, while its `begin` was on its way to the store (its token is then
+    /// abandoned in the background), or while it waited for another request with its key
+    /// ([`wait_for_completion`](crate::IdempotencyPolicy::wait_for_completion)). The handler
+    /// did not run for it.
+    ClientGone,
 }
 
 impl Outcome {
@@ -96,7 +102,7 @@ impl Outcome {
     /// let labels: Vec<&str> = Outcome::ALL.iter().map(|outcome| outcome.as_str()).collect();
     /// assert!(labels.contains(&"fail_open"));
     /// ```
-    pub const ALL: [Self; 14] = [
+    pub const ALL: [Self; 15] = [
         Self::Executed,
         Self::Replayed,
         Self::Conflict,
@@ -111,11 +117,12 @@ impl Outcome {
         Self::FailOpen,
         Self::Overloaded,
         Self::ShuttingDown,
+        Self::ClientGone,
     ];
 
     /// The label value: `executed`, `replayed`, `conflict`, `mismatch`, `invalid_key`,
     /// `missing_key`, `no_key`, `missing_scope`, `body_unreadable`, `too_large`,
-    /// `store_error`, `fail_open`, `overloaded` or `shutting_down`.
+    /// `store_error`, `fail_open`, `overloaded`, `shutting_down` or `client_gone`.
     ///
     /// # Examples
     ///
@@ -141,6 +148,7 @@ impl Outcome {
             Self::FailOpen => "fail_open",
             Self::Overloaded => "overloaded",
             Self::ShuttingDown => "shutting_down",
+            Self::ClientGone => "client_gone",
         }
     }
 
@@ -381,14 +389,14 @@ impl RequestRecord {
             self.span
                 .record("http.response.status_code", status.as_u16());
         }
-        self.record_outcome();
+        self.record_outcome(None);
         self.finished = true;
     }
 
-    /// Records the outcome decided so far, if one was.
-    fn record_outcome(&self) {
+    /// Records the outcome decided so far, else `undecided`, if either is an outcome.
+    fn record_outcome(&self, undecided: Option<Outcome>) {
         let traced = !self.span.is_disabled();
-        let Some(outcome) = self.state.outcome.get() else {
+        let Some(outcome) = self.state.outcome.get().or(undecided) else {
             return;
         };
         if traced {
@@ -405,11 +413,11 @@ impl RequestRecord {
 }
 
 /// A request whose future was dropped before it finished (its client left) is recorded with
-/// the outcome decided so far and no status.
+/// the outcome decided so far, or as [`Outcome::ClientGone`] where none was, and no status.
 impl Drop for RequestRecord {
     fn drop(&mut self) {
         if !self.finished {
-            self.record_outcome();
+            self.record_outcome(Some(Outcome::ClientGone));
         }
     }
 }

@@ -548,6 +548,48 @@ async fn a_run_whose_client_left_is_counted_and_holds_the_in_flight_gauge() {
     assert_eq!(runs.get(), 1);
 }
 
+/// A client that leaves while its request's `begin` is on its way to the store: nothing was
+/// decided for the request, and it went uncounted (every protected request is counted once);
+/// it is counted as `client_gone`, and its handler never runs.
+#[actix_web::test]
+async fn a_request_whose_client_leaves_before_its_begin_answers_is_counted_as_gone() {
+    let _turn = one_at_a_time();
+    snapshotter();
+    let route = "/m/gone-early";
+    let (server, runs, _gate) = start_gated(route, || {
+        Idempotency::new(idempotency_actix_tests::FaultyStore {
+            delay: Duration::from_millis(800),
+            ..Default::default()
+        })
+    });
+    let mut socket = std::net::TcpStream::connect(server.addr()).unwrap();
+    std::io::Write::write_all(
+        &mut socket,
+        b"POST /m/gone-early HTTP/1.1\r\nHost: test\r\nIdempotency-Key: early\r\n\
+          Content-Length: 2\r\n\r\n{}",
+    )
+    .unwrap();
+    // Its `begin` waits 800 ms before it reaches the store; the client resets before.
+    actix_rt::time::sleep(Duration::from_millis(200)).await;
+    reset(socket);
+    let mut gone = 0;
+    for _ in 0..500 {
+        gone = requests(route, Outcome::ClientGone);
+        if gone == 1 {
+            break;
+        }
+        actix_rt::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(gone, 1, "counted once, as gone: {:?}", outcomes_of(route));
+    actix_rt::time::sleep(Duration::from_millis(1_000)).await;
+    assert_eq!(
+        outcomes_of(route),
+        vec![("client_gone".to_owned(), 1)],
+        "and nothing else"
+    );
+    assert_eq!(runs.get(), 0, "its handler never ran");
+}
+
 /// A retry that waits for its key's run (`wait_for_completion`) and whose client leaves
 /// between two `begin`s has nothing to abandon: both answered, neither created anything. It
 /// used to start the background abandon of its token, which retried until the key was free
