@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use actix_web::http::StatusCode;
 use idempotency_actix::{
-    Idempotency, IdempotencyPolicy, Inspector, MemoryStore, RedisClusterStore,
+    Idempotency, IdempotencyPolicy, Inspector, MemoryStore, RedisClusterStore, ReplicatedWrites,
 };
 use idempotency_actix_tests::cluster::RedisCluster;
 use idempotency_actix_tests::keyed_app::{KeyedApp, RunsByKey};
@@ -210,4 +210,68 @@ async fn a_primary_added_without_the_functions_serves_the_slots_it_receives() {
         !libraries(added).is_empty(),
         "the library is loaded there now"
     );
+}
+
+/// With replicated writes, an app whose only seed node dies (a cluster of this test's
+/// own): once a replica took over its slots, keys of the other primaries are served again,
+/// as they are without replicated writes (the cluster connection learnt the other nodes).
+/// The connections of their own that replicated writes use (a failed one is replaced by a
+/// new one, made from the seeds) must not leave the store unable to make any.
+#[actix_web::test]
+async fn replicated_writes_go_on_once_the_only_seed_node_is_gone() {
+    let cluster = RedisCluster::start();
+    let prefix = unique_prefix("seed_gone");
+    let seed = cluster.primaries()[0].port;
+    let client =
+        RedisClusterStore::client([format!("redis://127.0.0.1:{seed}")]).expect("a valid seed URL");
+    let runs = RunsByKey::default();
+    let app = {
+        let prefix = prefix.clone();
+        KeyedApp::start(
+            move || {
+                let store = RedisClusterStore::new(client.clone())
+                    .replicated_writes(ReplicatedWrites::new(1, Duration::from_millis(500)));
+                Idempotency::new(store).key_prefix(prefix.clone())
+            },
+            runs.clone(),
+        )
+    };
+    let inspector = Inspector::new(MemoryStore::new()).key_prefix(prefix.clone());
+    let primary_of = |key: &str| {
+        cluster.primary_of(
+            inspector
+                .storage_key(b"", key)
+                .expect("a valid key")
+                .as_str(),
+        )
+    };
+    let on_seed = (0..1_000)
+        .map(|n| format!("on-seed-{n}"))
+        .find(|key| primary_of(key) == seed)
+        .expect("a key on the seed's primary");
+    let before = app.post("before").await.expect("an answer");
+    assert_eq!(before.status, StatusCode::CREATED, "{before:?}");
+
+    cluster.kill(seed);
+    // A request on the dead primary's slots meanwhile fails (503) after its retries.
+    let during = app.post(&on_seed).await.expect("an answer");
+    assert_eq!(during.status, StatusCode::SERVICE_UNAVAILABLE, "{during:?}");
+    // A replica takes over (the app runs on a thread of its own meanwhile).
+    cluster.wait_until_settled();
+    // Keys of the two primaries that still have a replica (the promoted one has none: its
+    // new keys are refused, as documented).
+    let promoted = primary_of(&on_seed);
+    let keys: Vec<String> = (0..1_000)
+        .map(|n| format!("after-{n}"))
+        .filter(|key| primary_of(key) != promoted)
+        .take(4)
+        .collect();
+    for key in &keys {
+        let created = app.create(key, 20).await;
+        assert!(
+            created.is_some(),
+            "{key} was refused 20 times after the cluster settled"
+        );
+    }
+    assert_eq!(runs.total(), 1 + keys.len());
 }

@@ -80,6 +80,8 @@ const FIRST_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 ///
 /// With [`replicated_writes`](Self::replicated_writes), `WAIT` is pipelined behind each
 /// write on the connection of the key's primary, so it counts that primary's replicas.
+/// Such a write goes on a cluster connection of its own, made from the seed nodes; where
+/// none can be made (the seeds all gone since), on the shared one, which follows the nodes.
 ///
 /// # Examples
 ///
@@ -275,7 +277,14 @@ impl RedisClusterStore {
 impl Transport for RedisClusterStore {
     async fn send(&self, exchange: &Exchange) -> Result<Reply, StoreError> {
         if exchange.blocks() {
-            return self.spares.send(exchange, || self.open()).await;
+            // The shared connection is made first: it follows the cluster's nodes from then
+            // on, so the exchange can go on it where no connection of its own can be made
+            // (the seed nodes gone since; see `Spares::send`).
+            let shared = self.connection().await?;
+            return self
+                .spares
+                .send(exchange, || self.open(), Some(shared))
+                .await;
         }
         // The connection reconnects and retries by itself (within its overall timeout).
         let mut connection = self.connection().await?;

@@ -256,7 +256,7 @@ impl SharedConnection {
 impl Transport for SharedConnection {
     async fn send(&self, exchange: &Exchange) -> Result<Reply, StoreError> {
         if exchange.blocks() {
-            return Box::pin(self.spares.send(exchange, || self.open())).await;
+            return Box::pin(self.spares.send(exchange, || self.open(), None)).await;
         }
         SharedConnection::send(self, exchange).await
     }

@@ -42,6 +42,12 @@ impl LibraryMissing {
     }
 }
 
+/// Whether `error` is the refusal of a connection that found the functions missing (see
+/// [`MissingLibrary::open`]).
+pub(crate) fn is_missing(error: &StoreError) -> bool {
+    matches!(error, StoreError::Unavailable(source) if source.is::<LibraryMissing>())
+}
+
 impl std::fmt::Display for LibraryMissing {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.0)

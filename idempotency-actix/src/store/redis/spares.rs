@@ -13,7 +13,7 @@ use std::sync::Mutex;
 
 use super::exchange::{Exchange, Reply};
 use super::packed::Carrier;
-use super::protocol;
+use super::{missing_library, protocol};
 use crate::store::StoreError;
 
 /// How many idle connections are kept for the next exchanges; more are closed after use.
@@ -38,10 +38,16 @@ impl<C: Carrier> Spares<C> {
     /// [`protocol::connection_is_dead`]) is dropped, and the exchange sent once more on a
     /// new one (every exchange of the protocol is safe to send twice). The connection is
     /// kept for later exchanges unless it failed or enough are kept.
+    ///
+    /// Where `open` fails and a `fallback` is given (the store's shared connection), the
+    /// exchange is sent on that instead, which is not kept: a cluster connection follows the
+    /// cluster's nodes once made, while `open` can only ask the seed nodes, which may all be
+    /// gone since.
     pub(crate) async fn send<Open, Opened>(
         &self,
         exchange: &Exchange,
         open: Open,
+        fallback: Option<C>,
     ) -> Result<Reply, StoreError>
     where
         Open: Fn() -> Opened,
@@ -50,11 +56,17 @@ impl<C: Carrier> Spares<C> {
         let idle = self.lock().pop();
         let (mut connection, reused) = match idle {
             Some(connection) => (connection, true),
-            None => (open().await?, false),
+            None => match open().await {
+                Ok(connection) => (connection, false),
+                Err(error) => return Self::send_on_fallback(exchange, fallback, error).await,
+            },
         };
         let mut reply = exchange.send(&mut connection).await;
         if reused && reply.as_ref().is_err_and(protocol::connection_is_dead) {
-            connection = open().await?;
+            connection = match open().await {
+                Ok(connection) => connection,
+                Err(error) => return Self::send_on_fallback(exchange, fallback, error).await,
+            };
             reply = exchange.send(&mut connection).await;
         }
         // One that timed out is not kept either: it may still be blocked in a `WAIT`.
@@ -68,6 +80,23 @@ impl<C: Carrier> Spares<C> {
             }
         }
         reply.map_err(protocol::store_error)
+    }
+
+    /// Sends `exchange` on `fallback` where no connection could be opened (`error`), unless
+    /// the server lacks the store's functions: that refusal stands, however the request
+    /// would go (see [`MissingLibrary`](super::missing_library::MissingLibrary)).
+    async fn send_on_fallback(
+        exchange: &Exchange,
+        fallback: Option<C>,
+        error: StoreError,
+    ) -> Result<Reply, StoreError> {
+        let Some(mut connection) = fallback.filter(|_| !missing_library::is_missing(&error)) else {
+            return Err(error);
+        };
+        exchange
+            .send(&mut connection)
+            .await
+            .map_err(protocol::store_error)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<C>> {
