@@ -269,7 +269,8 @@ impl Idempotency {
     }
 
     /// The prefix of every storage key (default `idempotency:`): separates apps, or tests,
-    /// that share one Redis.
+    /// that share one Redis. On Redis Cluster it should hold no hash tag (`{…}`): the
+    /// records would all hash to that tag's one slot, on one primary.
     ///
     /// # Panics
     ///
