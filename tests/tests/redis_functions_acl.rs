@@ -109,6 +109,116 @@ async fn a_cluster_user_who_cannot_load_the_functions_is_refused_until_they_are_
     served_once_loaded(&app, &loader).await;
 }
 
+/// The functions deleted from the server under a connection the store already uses
+/// (`FUNCTION FLUSH`, `FUNCTION DELETE`), for a user who may not load them again: the step
+/// that finds them missing cannot fence its commit, so its key stays locked for a lease and
+/// a retry then runs the handler again. The requests after it are refused with 503 before
+/// any handler runs, as where the functions were missing when the connection opened, rather
+/// than each running its handler and leaving its key to run again.
+#[actix_web::test]
+async fn functions_deleted_under_an_open_connection_refuse_the_requests_after_the_first() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let redis = PrivateRedis::start().await;
+    let mut admin = redis.connection().await;
+    let _: () = redis::cmd("ACL")
+        .arg(&NO_FUNCTION_LOAD[..])
+        .query_async(&mut admin)
+        .await
+        .expect("ACL SETUSER");
+    let admin_pool = RedisStore::pool(&redis.url()).expect("a pool for the default user");
+    let loader = FloodServer::start(move || Idempotency::redis(admin_pool.clone()), 64);
+    assert_eq!(
+        loader.post("/orders", "load").await.status,
+        StatusCode::CREATED
+    );
+
+    let pool = RedisStore::pool(&url_of(&redis, "app")).expect("a pool for the app user");
+    let app = FloodServer::start(move || Idempotency::redis(pool.clone()), 64);
+    let served = app.post("/orders", "served").await;
+    assert_eq!(served.status, StatusCode::CREATED, "{served:?}");
+    assert!(app.post("/orders", "served").await.is_replay());
+
+    let _: () = redis::cmd("FUNCTION")
+        .arg("FLUSH")
+        .query_async(&mut admin)
+        .await
+        .expect("FUNCTION FLUSH");
+    // Its commit finds the functions missing (the response goes out all the same).
+    let found = app.post("/orders", "found-missing").await;
+    assert_eq!(found.status, StatusCode::CREATED, "{found:?}");
+    assert_eq!(app.runs.get(), 2);
+    for i in 0..5 {
+        let key = format!("after-{i}");
+        let refused = app.post("/orders", &key).await;
+        assert_eq!(
+            refused.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{key}: {refused:?}"
+        );
+    }
+    assert_eq!(
+        app.runs.get(),
+        2,
+        "handlers ran whose commits nothing could fence"
+    );
+}
+
+/// The same on a Redis Cluster of its own, the functions deleted from every primary (and
+/// so from their replicas) under the store's cluster connection.
+#[actix_web::test]
+async fn functions_deleted_under_an_open_cluster_connection_refuse_the_requests_after_the_first() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let cluster = RedisCluster::start();
+    for port in cluster.ports() {
+        let _: () = redis::cmd("ACL")
+            .arg(&NO_FUNCTION_LOAD[..])
+            .query(&mut cluster.connection(port))
+            .expect("ACL SETUSER");
+    }
+    let admin_client = cluster.client();
+    let loader = FloodServer::start(move || Idempotency::redis_cluster(admin_client.clone()), 64);
+    assert_eq!(
+        loader.post("/orders", "load").await.status,
+        StatusCode::CREATED
+    );
+
+    let app_urls: Vec<String> = cluster
+        .ports()
+        .iter()
+        .map(|port| format!("redis://app:any@127.0.0.1:{port}"))
+        .collect();
+    let client = RedisClusterStore::client(app_urls).expect("a client for the app user");
+    let app = FloodServer::start(move || Idempotency::redis_cluster(client.clone()), 64);
+    let served = app.post("/orders", "served").await;
+    assert_eq!(served.status, StatusCode::CREATED, "{served:?}");
+    assert!(app.post("/orders", "served").await.is_replay());
+
+    for primary in cluster.primaries() {
+        let _: () = redis::cmd("FUNCTION")
+            .arg("FLUSH")
+            .query(&mut cluster.connection(primary.port))
+            .expect("FUNCTION FLUSH");
+    }
+    // Its commit finds the functions missing (the response goes out all the same).
+    let found = app.post("/orders", "found-missing").await;
+    assert_eq!(found.status, StatusCode::CREATED, "{found:?}");
+    assert_eq!(app.runs.get(), 2);
+    for i in 0..5 {
+        let key = format!("after-{i}");
+        let refused = app.post("/orders", &key).await;
+        assert_eq!(
+            refused.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{key}: {refused:?}"
+        );
+    }
+    assert_eq!(
+        app.runs.get(),
+        2,
+        "handlers ran whose commits nothing could fence"
+    );
+}
+
 /// What the store logs when a connection finds the functions missing and cannot load them.
 const MISSING_FUNCTIONS_LOGGED: &str = "lacks this crate's functions";
 

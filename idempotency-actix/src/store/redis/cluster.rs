@@ -288,10 +288,22 @@ impl Transport for RedisClusterStore {
         }
         // The connection reconnects and retries by itself (within its overall timeout).
         let mut connection = self.connection().await?;
-        exchange
-            .send(&mut connection)
-            .await
-            .map_err(protocol::store_error)
+        match exchange.send(&mut connection).await {
+            Ok(reply) => Ok(reply),
+            Err(error) => {
+                if exchange.calls_function()
+                    && self.library.missing_after(&mut connection, &error).await
+                {
+                    // Dropped: the next request makes a connection anew, which loads the
+                    // functions on every primary or finds them missing.
+                    *self
+                        .connection
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+                }
+                Err(protocol::store_error(error))
+            }
+        }
     }
 }
 

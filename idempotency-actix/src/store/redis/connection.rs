@@ -165,7 +165,28 @@ impl SharedConnection {
                     .await
                     .map_err(protocol::store_error)
             }
-            Err(error) => Err(protocol::store_error(error)),
+            Err(error) => {
+                if request.calls_function()
+                    && self
+                        .library
+                        .missing_after(&mut watched.connection, &error)
+                        .await
+                {
+                    // Dropped: the next request opens a connection anew, which looks for
+                    // the functions again.
+                    let mut current = self
+                        .current
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    if current
+                        .as_ref()
+                        .is_some_and(|current| current.number == number)
+                    {
+                        *current = None;
+                    }
+                }
+                Err(protocol::store_error(error))
+            }
         }
     }
 

@@ -39,6 +39,11 @@ impl Exchange {
         Self::new(request, None)
     }
 
+    /// Whether it calls a function of the store's library.
+    pub(crate) fn calls_function(&self) -> bool {
+        matches!(self.request, Request::Function(_))
+    }
+
     /// Whether it waits for replicas, blocking its connection meanwhile (see `spares`).
     pub(crate) fn blocks(&self) -> bool {
         self.wait.is_some()

@@ -89,6 +89,39 @@ impl MissingLibrary {
         }
     }
 
+    /// After a function step failed with `error` on a connection already in use: whether
+    /// the server lacks the functions (deleted under the connection, by `FUNCTION FLUSH`
+    /// say, for a user who may not load them again). If so, that is logged and remembered
+    /// as when a connection finds them missing as it opens, and the caller drops the
+    /// connection: keyed requests are refused before any handler runs, rather than each
+    /// running its handler with nothing to fence its commit, renew its lease or give its
+    /// key back. A refusal for memory (`OOM`) is not looked into.
+    pub(crate) async fn missing_after(
+        &self,
+        connection: &mut impl ConnectionLike,
+        error: &redis::RedisError,
+    ) -> bool {
+        if error.code().is_none_or(|code| code == "OOM")
+            || !protocol::library_is_missing(connection).await
+        {
+            return false;
+        }
+        tracing::error!(
+            %error,
+            "idempotency: the Redis server lacks this crate's functions and this connection may \
+             not load them (FUNCTION LOAD): keyed requests are refused until they are loaded \
+             (the store looks again once a second); grant the user FUNCTION LOAD, or connect \
+             once as a user who has it"
+        );
+        *self.lock() = Some((
+            Instant::now(),
+            LibraryMissing::new(format!(
+                "the Redis server lacks the store's functions and FUNCTION LOAD failed: {error}"
+            )),
+        ));
+        true
+    }
+
     /// The error of a connection that found the functions missing less than
     /// [`RETRY_INTERVAL`] before `now`.
     fn recent(&self, now: Instant) -> Option<LibraryMissing> {

@@ -266,7 +266,7 @@ pub(crate) async fn load_library_ahead(
 /// key, which runs nothing either way (a function that writes, called read-only, is refused
 /// after it is found). Any other answer, a refusal of `FCALL_RO` itself included, counts as
 /// not missing: the steps then find out for themselves, as before.
-async fn library_is_missing(connection: &mut impl redis::aio::ConnectionLike) -> bool {
+pub(crate) async fn library_is_missing(connection: &mut impl redis::aio::ConnectionLike) -> bool {
     let probe: redis::RedisResult<Value> = redis::cmd("FCALL_RO")
         .arg("idempotency_actix_2_r6_commit")
         .arg(0)
