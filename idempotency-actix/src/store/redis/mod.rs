@@ -50,7 +50,7 @@ use self::steps::Steps;
 /// (Valkey ≥ 8.1, Redis ≥ 8.4; a server without it refuses the first commit as a syntax
 /// error, writing nothing, and the store commits by function from then on). `renew`,
 /// `release`, and `commit` elsewhere, are each one `FCALL` of a short Lua function fenced by
-/// the lease token (the library `idempotency_actix_2_r6`, which the store loads with
+/// the lease token (the library `idempotency_actix_2_r7`, which the store loads with
 /// `FUNCTION LOAD` when it opens a connection, and again if a server lacks it later). A
 /// Redis user that may not load it needs someone who may to load it first: until then a
 /// connection that finds it missing is not used, and keyed requests get 503 before any

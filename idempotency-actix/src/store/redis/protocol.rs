@@ -81,10 +81,13 @@ impl Request {
 /// renew and release flagged `allow-oom`; `r3`: `abandon` and `claim`, and `commit` only
 /// completes an in-flight record; `r4`: every function reads the record with `GET`; `r5`:
 /// `commit` is sent the whole completed record and compares the whole in-flight one; `r6`:
-/// `commit` answers 2 for a record its token completed earlier, and `rewrite`), so
+/// `commit` answers 2 for a record its token completed earlier, and `rewrite`; `r7`: r6 as
+/// it ended, with `rewrite` flagged `allow-oom`, a flag some builds of r6 lacked), so
 /// versions of this crate with another format or revision load their own library next to
 /// this one. Revisions of one format read and write the same records, so instances of
-/// two revisions share keys safely.
+/// two revisions share keys safely. A library already loaded under its name is never
+/// replaced (`FUNCTION LOAD` without `REPLACE`: an older instance may be calling it), so
+/// its code must never change under one name: a test pins the code's digest to the name.
 ///
 /// `abandon` replaces the token's in-flight record or nothing by the token's marker (state
 /// `a`, 97), adds the token to a marker that is there (keeping the earlier tokens, bounded
@@ -124,13 +127,13 @@ impl Request {
 /// record: the function form of [`rewrite`]'s `SET … IFEQ … KEEPTTL`. The same bytes take no
 /// more memory, so it is flagged `allow-oom`: a `begin` resent to a full server that finds
 /// its own lock can still have it counted by `WAIT`.
-pub(crate) const LIBRARY: &str = r"#!lua name=idempotency_actix_2_r6
+pub(crate) const LIBRARY: &str = r"#!lua name=idempotency_actix_2_r7
 
 local function holds(found, token_field)
   return found and string.sub(found, 35, 34 + #token_field) == token_field
 end
 
-redis.register_function('idempotency_actix_2_r6_commit', function(keys, args)
+redis.register_function('idempotency_actix_2_r7_commit', function(keys, args)
   local found = redis.call('GET', keys[1])
   if found == args[1] then
     redis.call('SET', keys[1], args[2], 'PX', args[3])
@@ -141,7 +144,7 @@ redis.register_function('idempotency_actix_2_r6_commit', function(keys, args)
 end)
 
 redis.register_function{
-  function_name = 'idempotency_actix_2_r6_rewrite',
+  function_name = 'idempotency_actix_2_r7_rewrite',
   flags = {'allow-oom'},
   callback = function(keys, args)
     if redis.call('GET', keys[1]) ~= args[1] then return 0 end
@@ -151,7 +154,7 @@ redis.register_function{
 }
 
 redis.register_function{
-  function_name = 'idempotency_actix_2_r6_renew',
+  function_name = 'idempotency_actix_2_r7_renew',
   flags = {'allow-oom'},
   callback = function(keys, args)
     local found = redis.call('GET', keys[1])
@@ -162,7 +165,7 @@ redis.register_function{
 }
 
 redis.register_function{
-  function_name = 'idempotency_actix_2_r6_release',
+  function_name = 'idempotency_actix_2_r7_release',
   flags = {'allow-oom'},
   callback = function(keys, args)
     local found = redis.call('GET', keys[1])
@@ -173,7 +176,7 @@ redis.register_function{
 }
 
 redis.register_function{
-  function_name = 'idempotency_actix_2_r6_abandon',
+  function_name = 'idempotency_actix_2_r7_abandon',
   flags = {'allow-oom'},
   callback = function(keys, args)
     local found = redis.call('GET', keys[1])
@@ -190,7 +193,7 @@ redis.register_function{
   end,
 }
 
-redis.register_function('idempotency_actix_2_r6_claim', function(keys, args)
+redis.register_function('idempotency_actix_2_r7_claim', function(keys, args)
   local found = redis.call('GET', keys[1])
   if found and found ~= args[1] then return found end
   redis.call('SET', keys[1], args[2], 'PX', args[3])
@@ -268,7 +271,7 @@ pub(crate) async fn load_library_ahead(
 /// not missing: the steps then find out for themselves, as before.
 pub(crate) async fn library_is_missing(connection: &mut impl redis::aio::ConnectionLike) -> bool {
     let probe: redis::RedisResult<Value> = redis::cmd("FCALL_RO")
-        .arg("idempotency_actix_2_r6_commit")
+        .arg("idempotency_actix_2_r7_commit")
         .arg(0)
         .query_async(connection)
         .await;
@@ -393,7 +396,7 @@ pub(crate) fn claim(
 /// whole) or nothing is; otherwise returns the record that is there.
 fn claim_over(key: &StorageKey, marker: Vec<u8>, record: Vec<u8>, expiry: Duration) -> Request {
     let bytes = marker.len() + record.len();
-    let call = function("idempotency_actix_2_r6_claim", key, 3, bytes)
+    let call = function("idempotency_actix_2_r7_claim", key, 3, bytes)
         .arg(marker)
         .arg(record)
         .number(record::millis(expiry))
@@ -447,7 +450,7 @@ pub(crate) fn commit(
         }
         CommitBy::Function => {
             let bytes = in_flight.len() + completed.len();
-            let call = function("idempotency_actix_2_r6_commit", key, 3, bytes)
+            let call = function("idempotency_actix_2_r7_commit", key, 3, bytes)
                 .arg(in_flight)
                 .arg(completed)
                 .number(record::millis(ttl))
@@ -550,7 +553,7 @@ pub(crate) fn rewrite(by: CommitBy, key: &StorageKey, record: &[u8]) -> Request 
             Request::Command(command)
         }
         CommitBy::Function => {
-            let call = function("idempotency_actix_2_r6_rewrite", key, 1, record.len())
+            let call = function("idempotency_actix_2_r7_rewrite", key, 1, record.len())
                 .arg(record)
                 .done();
             Request::Function(call)
@@ -609,7 +612,7 @@ pub(crate) fn is_syntax_error(error: &StoreError) -> bool {
 /// `renew`: extend the lease held by `token` to `lease` from now.
 pub(crate) fn renew(key: &StorageKey, token: &LeaseToken, lease: Duration) -> Request {
     let token = record::token_field(token);
-    let call = function("idempotency_actix_2_r6_renew", key, 2, token.len())
+    let call = function("idempotency_actix_2_r7_renew", key, 2, token.len())
         .arg(token)
         .number(record::millis(lease))
         .done();
@@ -619,7 +622,7 @@ pub(crate) fn renew(key: &StorageKey, token: &LeaseToken, lease: Duration) -> Re
 /// `release`: delete the in-flight record held by `token`.
 pub(crate) fn release(key: &StorageKey, token: &LeaseToken) -> Request {
     let token = record::token_field(token);
-    let call = function("idempotency_actix_2_r6_release", key, 1, token.len())
+    let call = function("idempotency_actix_2_r7_release", key, 1, token.len())
         .arg(token)
         .done();
     Request::Function(call)
@@ -630,7 +633,7 @@ pub(crate) fn release(key: &StorageKey, token: &LeaseToken) -> Request {
 pub(crate) fn abandon(key: &StorageKey, token: &LeaseToken, remember_for: Duration) -> Request {
     let (field, marker) = (record::token_field(token), record::abandoned(token));
     let bytes = field.len() + marker.len();
-    let call = function("idempotency_actix_2_r6_abandon", key, 4, bytes)
+    let call = function("idempotency_actix_2_r7_abandon", key, 4, bytes)
         .arg(field)
         .arg(marker)
         .number(record::millis(remember_for))
@@ -689,6 +692,22 @@ mod tests {
             Begun::Decided(outcome, _) => outcome,
             Begun::OtherMarker(marker) => panic!("another token's marker: {marker:?}"),
         }
+    }
+
+    /// A library already loaded under its name is kept (`FUNCTION LOAD` without `REPLACE`),
+    /// so code changed under one name would leave servers running whichever code they loaded
+    /// first: r6 was changed so once (`rewrite` flagged `allow-oom` after some builds had
+    /// loaded it without). Changing the library means a new revision in its name, and this
+    /// digest with it.
+    #[test]
+    fn the_library_s_code_is_pinned_to_its_name() {
+        assert!(LIBRARY.starts_with("#!lua name=idempotency_actix_2_r7\n"));
+        assert_eq!(
+            blake3::hash(LIBRARY.as_bytes()).to_hex().as_str(),
+            "0a51d881fa693de18fb7f3f5b20ff6cf0b26e0088facfabbb6895e7752bb1b41",
+            "the function library changed: give it a new revision (`_rN`) in its name and \
+             its functions' names, then update this digest"
+        );
     }
 
     #[test]
