@@ -252,7 +252,10 @@ async fn replicated_writes_go_on_once_the_only_seed_node_is_gone() {
     // The app's first replicated write opens its connections (the shared one, then one of
     // its own) within the store timeout: on a busy machine it may take a retry or two.
     let before = app.create("before", 20).await;
-    assert!(before.is_some(), "a first key is served before the seed dies");
+    assert!(
+        before.is_some(),
+        "a first key is served before the seed dies"
+    );
 
     cluster.kill(seed);
     // A request on the dead primary's slots meanwhile fails (503) after its retries.
