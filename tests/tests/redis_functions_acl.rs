@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use actix_web::http::StatusCode;
 use futures_util::future::join_all;
-use idempotency_actix::{Idempotency, RedisClusterStore, RedisStore};
+use idempotency_actix::{Idempotency, RedisClusterStore, RedisStore, ReplicatedWrites};
 use idempotency_actix_tests::cluster::RedisCluster;
 use idempotency_actix_tests::{FloodServer, PrivateRedis};
 
@@ -134,6 +134,65 @@ async fn functions_deleted_under_an_open_connection_refuse_the_requests_after_th
 
     let pool = RedisStore::pool(&url_of(&redis, "app")).expect("a pool for the app user");
     let app = FloodServer::start(move || Idempotency::redis(pool.clone()), 64);
+    let served = app.post("/orders", "served").await;
+    assert_eq!(served.status, StatusCode::CREATED, "{served:?}");
+    assert!(app.post("/orders", "served").await.is_replay());
+
+    let _: () = redis::cmd("FUNCTION")
+        .arg("FLUSH")
+        .query_async(&mut admin)
+        .await
+        .expect("FUNCTION FLUSH");
+    // Its commit finds the functions missing (the response goes out all the same).
+    let found = app.post("/orders", "found-missing").await;
+    assert_eq!(found.status, StatusCode::CREATED, "{found:?}");
+    assert_eq!(app.runs.get(), 2);
+    for i in 0..5 {
+        let key = format!("after-{i}");
+        let refused = app.post("/orders", &key).await;
+        assert_eq!(
+            refused.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{key}: {refused:?}"
+        );
+    }
+    assert_eq!(
+        app.runs.get(),
+        2,
+        "handlers ran whose commits nothing could fence"
+    );
+}
+
+/// The same with replicated writes, where `begin` and `commit` wait for the replica on
+/// connections of their own (spares): those kept from earlier requests must not let
+/// handlers run once the functions are found missing.
+#[actix_web::test]
+async fn functions_deleted_under_open_replicated_connections_refuse_the_requests_after_the_first() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let redis = PrivateRedis::start().await;
+    let _replica = PrivateRedis::start_replica_of(&redis).await;
+    let mut admin = redis.connection().await;
+    let _: () = redis::cmd("ACL")
+        .arg(&NO_FUNCTION_LOAD[..])
+        .query_async(&mut admin)
+        .await
+        .expect("ACL SETUSER");
+    let writes = ReplicatedWrites::new(1, Duration::from_secs(1));
+    let admin_pool = RedisStore::pool(&redis.url()).expect("a pool for the default user");
+    let loader = FloodServer::start(
+        move || Idempotency::new(RedisStore::new(admin_pool.clone()).replicated_writes(writes)),
+        64,
+    );
+    assert_eq!(
+        loader.post("/orders", "load").await.status,
+        StatusCode::CREATED
+    );
+
+    let pool = RedisStore::pool(&url_of(&redis, "app")).expect("a pool for the app user");
+    let app = FloodServer::start(
+        move || Idempotency::new(RedisStore::new(pool.clone()).replicated_writes(writes)),
+        64,
+    );
     let served = app.post("/orders", "served").await;
     assert_eq!(served.status, StatusCode::CREATED, "{served:?}");
     assert!(app.post("/orders", "served").await.is_replay());

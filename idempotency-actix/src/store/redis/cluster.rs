@@ -283,7 +283,7 @@ impl Transport for RedisClusterStore {
             let shared = self.connection().await?;
             return self
                 .spares
-                .send(exchange, || self.open(), Some(shared))
+                .send(exchange, || self.open(), Some(shared), &self.library)
                 .await;
         }
         // The connection reconnects and retries by itself (within its overall timeout).
@@ -294,8 +294,9 @@ impl Transport for RedisClusterStore {
                 if exchange.calls_function()
                     && self.library.missing_after(&mut connection, &error).await
                 {
-                    // Dropped: the next request makes a connection anew, which loads the
-                    // functions on every primary or finds them missing.
+                    // Dropped, with the idle spares: the next request makes a connection
+                    // anew, which loads the functions on every primary or finds them missing.
+                    self.spares.clear();
                     *self
                         .connection
                         .lock()

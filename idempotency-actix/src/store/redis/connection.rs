@@ -172,8 +172,9 @@ impl SharedConnection {
                         .missing_after(&mut watched.connection, &error)
                         .await
                 {
-                    // Dropped: the next request opens a connection anew, which looks for
-                    // the functions again.
+                    // Dropped, with the idle spares: the next request opens a connection
+                    // anew, which looks for the functions again.
+                    self.spares.clear();
                     let mut current = self
                         .current
                         .lock()
@@ -277,7 +278,11 @@ impl SharedConnection {
 impl Transport for SharedConnection {
     async fn send(&self, exchange: &Exchange) -> Result<Reply, StoreError> {
         if exchange.blocks() {
-            return Box::pin(self.spares.send(exchange, || self.open(), None)).await;
+            return Box::pin(
+                self.spares
+                    .send(exchange, || self.open(), None, &self.library),
+            )
+            .await;
         }
         SharedConnection::send(self, exchange).await
     }

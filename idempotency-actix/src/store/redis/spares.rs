@@ -12,6 +12,7 @@ use std::future::Future;
 use std::sync::Mutex;
 
 use super::exchange::{Exchange, Reply};
+use super::missing_library::MissingLibrary;
 use super::packed::Carrier;
 use super::{missing_library, protocol};
 use crate::store::StoreError;
@@ -43,11 +44,16 @@ impl<C: Carrier> Spares<C> {
     /// exchange is sent on that instead, which is not kept: a cluster connection follows the
     /// cluster's nodes once made, while `open` can only ask the seed nodes, which may all be
     /// gone since.
+    ///
+    /// A function step that finds the store's functions missing (see
+    /// [`MissingLibrary::missing_after`]) drops every idle connection: the next exchanges
+    /// open theirs anew, which refuses them while the functions are missing.
     pub(crate) async fn send<Open, Opened>(
         &self,
         exchange: &Exchange,
         open: Open,
         fallback: Option<C>,
+        library: &MissingLibrary,
     ) -> Result<Reply, StoreError>
     where
         Open: Fn() -> Opened,
@@ -73,6 +79,14 @@ impl<C: Carrier> Spares<C> {
         let broken = reply
             .as_ref()
             .is_err_and(|error| error.is_timeout() || protocol::connection_is_dead(error));
+        if let Err(error) = &reply
+            && !broken
+            && exchange.calls_function()
+            && library.missing_after(&mut connection, error).await
+        {
+            self.clear();
+            return reply.map_err(protocol::store_error);
+        }
         if !broken {
             let mut idle = self.lock();
             if idle.len() < MAX_IDLE {
@@ -97,6 +111,11 @@ impl<C: Carrier> Spares<C> {
             .send(&mut connection)
             .await
             .map_err(protocol::store_error)
+    }
+
+    /// Drops every idle connection.
+    pub(crate) fn clear(&self) {
+        self.lock().clear();
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<C>> {
