@@ -86,7 +86,8 @@ pub enum Outcome {
     /// still arriving, while its `begin` was on its way to the store (its token is then
     /// abandoned in the background), or while it waited for another request with its key
     /// ([`wait_for_completion`](crate::IdempotencyPolicy::wait_for_completion)). The handler
-    /// did not run for it.
+    /// did not run for it. A request the server drops as it stops (at the end of its
+    /// shutdown timeout) at such a point counts here too.
     ClientGone,
 }
 
