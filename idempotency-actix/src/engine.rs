@@ -335,15 +335,27 @@ impl Engine {
         let draining = work_in_progress::draining();
         let runs_under_token =
             self.settings.fail_mode == FailMode::Open && !policy.transactional && !draining;
-        if begun
-            .as_ref()
-            .is_err_and(|error| !matches!(error, StoreError::Refused(_)))
-            && !runs_under_token
-        {
+        match &begun {
             // A `begin` that timed out may have landed or may still land: abandon the token,
             // so that whatever the order the key is not blocked with no handler running. One
             // the store refused wrote nothing: a marker would only take room in a full store.
-            self.abandon_in_background(&pending);
+            Err(StoreError::Timeout(_)) if !runs_under_token => {
+                self.abandon_in_background(&pending)
+            }
+            Ok(_) | Err(StoreError::Refused(_)) => {}
+            // One the store answered with an error may have written its lock (strict
+            // replicated writes whose replicas fell short leave it on the primary): abandoned
+            // before the refusal goes out, so that a retry sent at once is not answered 409
+            // by a lock no handler runs under (in the background if that does not land).
+            // (Armed meanwhile: should the client leave, the guard abandons it then.)
+            Err(_) if !runs_under_token => {
+                let (lease, remember_for) = (pending.lease, pending.remember_for);
+                pending.armed.set(true);
+                self.abandon_token(storage_key, *token, lease, remember_for)
+                    .await;
+                pending.armed.set(false);
+            }
+            Err(_) => {}
         }
         match begun {
             // Draining before the process stops (`Idempotency::drain`): a request that would

@@ -105,6 +105,52 @@ async fn strict_refuses_new_keys_while_the_replica_is_down_and_replays_go_on() {
     assert_eq!(runs.of("new"), 1);
 }
 
+/// A `begin` refused because no replica acknowledged its lock leaves no lock behind once its
+/// 503 has arrived: a retry sent at once is refused again (503, the replica still missing),
+/// not answered 409 "in progress" for a request that runs nothing; and another request's
+/// `begin` (on a store without replicated writes, so that only the key's state decides)
+/// takes the key. The lock was left on the primary until the engine's abandon, 50 ms later
+/// in the background (or for a whole lease, where the process stopped first).
+#[actix_web::test]
+async fn a_begin_its_replicas_refused_leaves_no_lock_behind() {
+    let primary = PrivateRedis::start().await;
+    let runs = RunsByKey::default();
+    let (app, prefix) = app(&primary, ReplicatedWrites::new(1, WAIT), &runs);
+
+    let refused = app.post("k").await.expect("an answer");
+    assert_eq!(
+        refused.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{refused:?}"
+    );
+    let retry = app.post("k").await.expect("an answer");
+    assert_eq!(retry.status, StatusCode::SERVICE_UNAVAILABLE, "{retry:?}");
+    assert_eq!(runs.of("k"), 0, "the handler did not run");
+
+    let plain = RedisStore::new(RedisStore::pool(&primary.url()).expect("a valid Redis URL"));
+    let key = StorageKey::new(
+        &prefix,
+        b"",
+        &IdempotencyKey::parse(b"k").expect("a valid key"),
+    );
+    // The fingerprint of the app's requests for `k`.
+    let print = Fingerprint::compute(&Method::POST, "/orders", "", br#"{"key":"k"}"#, []);
+    let next = plain
+        .begin(
+            &key,
+            &print,
+            &LeaseToken::generate(),
+            Duration::from_secs(30),
+        )
+        .await
+        .expect("the store answers");
+    assert_eq!(
+        next,
+        BeginOutcome::Acquired,
+        "the refused lock was given back"
+    );
+}
+
 #[actix_web::test]
 async fn or_warn_goes_on_while_the_replica_is_down() {
     let primary = PrivateRedis::start().await;
