@@ -33,8 +33,22 @@ pub(crate) const RETRY_INTERVAL: Duration = Duration::from_secs(1);
 pub(crate) struct LibraryMissing(Arc<str>);
 
 impl LibraryMissing {
-    pub(crate) fn new(why: String) -> Self {
-        Self(why.into())
+    /// The server lacks the functions and `error` was this connection's `FUNCTION LOAD` (or
+    /// the step that needed them): logged once here, for whoever must load them.
+    pub(crate) fn found(error: &redis::RedisError) -> Self {
+        tracing::error!(
+            %error,
+            "idempotency: the Redis server lacks this crate's functions and this connection may \
+             not load them (FUNCTION LOAD): keyed requests are refused until they are loaded \
+             (the store looks again once a second); grant the user FUNCTION LOAD, or connect \
+             once as a user who has it"
+        );
+        Self(
+            format!(
+                "the Redis server lacks the store's functions and FUNCTION LOAD failed: {error}"
+            )
+            .into(),
+        )
     }
 
     fn store_error(&self) -> StoreError {
@@ -106,19 +120,7 @@ impl MissingLibrary {
         {
             return false;
         }
-        tracing::error!(
-            %error,
-            "idempotency: the Redis server lacks this crate's functions and this connection may \
-             not load them (FUNCTION LOAD): keyed requests are refused until they are loaded \
-             (the store looks again once a second); grant the user FUNCTION LOAD, or connect \
-             once as a user who has it"
-        );
-        *self.lock() = Some((
-            Instant::now(),
-            LibraryMissing::new(format!(
-                "the Redis server lacks the store's functions and FUNCTION LOAD failed: {error}"
-            )),
-        ));
+        *self.lock() = Some((Instant::now(), LibraryMissing::found(error)));
         true
     }
 
@@ -149,7 +151,7 @@ mod tests {
         let memory = MissingLibrary::default();
         let found = Instant::now();
         assert!(memory.recent(found).is_none(), "nothing found yet");
-        *memory.lock() = Some((found, LibraryMissing::new("missing".to_owned())));
+        *memory.lock() = Some((found, LibraryMissing("missing".into())));
         let recent = memory
             .recent(found + RETRY_INTERVAL / 2)
             .expect("remembered");

@@ -253,16 +253,7 @@ pub(crate) async fn load_library_ahead(
         tracing::debug!(%error, "idempotency: functions not loaded yet; they are loaded on first use");
         return Ok(());
     }
-    tracing::error!(
-        %error,
-        "idempotency: the Redis server lacks this crate's functions and this connection may \
-         not load them (FUNCTION LOAD): keyed requests are refused until they are loaded \
-         (the store looks again once a second); grant the user FUNCTION LOAD, or connect \
-         once as a user who has it"
-    );
-    Err(LibraryMissing::new(format!(
-        "the Redis server lacks the store's functions and FUNCTION LOAD failed: {error}"
-    )))
+    Err(LibraryMissing::found(&error))
 }
 
 /// Whether the server says it has no function of [`LIBRARY`]: an `FCALL_RO` of one with no
