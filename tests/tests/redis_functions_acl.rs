@@ -10,12 +10,15 @@
 //! flood of connections, `FUNCTION LOAD`s and errors in the log against the server.
 
 use std::io::Write;
+use std::rc::Rc;
 use std::sync::{Arc, LazyLock, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use actix_web::http::StatusCode;
 use futures_util::future::join_all;
-use idempotency_actix::{Idempotency, RedisClusterStore, RedisStore, ReplicatedWrites};
+use idempotency_actix::{
+    Idempotency, IdempotencyPolicy, RedisClusterStore, RedisStore, ReplicatedWrites,
+};
 use idempotency_actix_tests::cluster::RedisCluster;
 use idempotency_actix_tests::{FloodServer, PrivateRedis};
 
@@ -422,4 +425,63 @@ impl Write for LogWriter {
     fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
     }
+}
+
+/// The same where the functions are found missing first by a step on the shared connection
+/// (a renewal, opening it: with replicated writes `begin` and `commit` go on spare
+/// connections only): the spare kept from before must not let the handlers after it run.
+#[actix_web::test]
+async fn functions_found_missing_by_a_renewal_refuse_the_begins_on_kept_spare_connections() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let redis = PrivateRedis::start().await;
+    let _replica = PrivateRedis::start_replica_of(&redis).await;
+    let mut admin = redis.connection().await;
+    let _: () = redis::cmd("ACL")
+        .arg(&NO_FUNCTION_LOAD[..])
+        .query_async(&mut admin)
+        .await
+        .expect("ACL SETUSER");
+    let writes = ReplicatedWrites::new(1, Duration::from_secs(1));
+    let admin_pool = RedisStore::pool(&redis.url()).expect("a pool for the default user");
+    let loader = FloodServer::start(
+        move || Idempotency::new(RedisStore::new(admin_pool.clone()).replicated_writes(writes)),
+        64,
+    );
+    assert_eq!(
+        loader.post("/orders", "load").await.status,
+        StatusCode::CREATED
+    );
+
+    let pool = RedisStore::pool(&url_of(&redis, "app")).expect("a pool for the app user");
+    // A short lease: the slow run renews it every 300 ms.
+    let policy = IdempotencyPolicy::default().lease(Duration::from_millis(900));
+    let app = Rc::new(FloodServer::start(
+        move || {
+            Idempotency::new(RedisStore::new(pool.clone()).replicated_writes(writes))
+                .policy(policy.clone())
+        },
+        64,
+    ));
+    let slow = actix_rt::spawn({
+        let app = Rc::clone(&app);
+        async move { app.post("/slow", "slow").await }
+    });
+    app.slow_runs.wait_for(1).await;
+    let _: () = redis::cmd("FUNCTION")
+        .arg("FLUSH")
+        .query_async(&mut admin)
+        .await
+        .expect("FUNCTION FLUSH");
+    // Its renewals find the functions missing.
+    actix_rt::time::sleep(Duration::from_secs(1)).await;
+    let after = app.post("/orders", "after").await;
+    app.gate.open();
+    let slow = slow.await.expect("the slow request");
+    assert_eq!(slow.status, StatusCode::CREATED, "{slow:?}");
+    assert_eq!(after.status, StatusCode::SERVICE_UNAVAILABLE, "{after:?}");
+    assert_eq!(
+        app.runs.get(),
+        0,
+        "a handler ran whose commit nothing could fence"
+    );
 }

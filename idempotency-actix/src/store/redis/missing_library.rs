@@ -13,6 +13,7 @@
 //! loading the functions.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -74,6 +75,9 @@ impl std::error::Error for LibraryMissing {}
 #[derive(Default)]
 pub(crate) struct MissingLibrary {
     found: Mutex<Option<(Instant, LibraryMissing)>>,
+    /// How many times a connection found the functions missing: connections kept from
+    /// before (spares) are not used after.
+    times_found: AtomicU64,
 }
 
 impl MissingLibrary {
@@ -98,6 +102,7 @@ impl MissingLibrary {
             Err(missing) => {
                 let error = missing.store_error();
                 *self.lock() = Some((Instant::now(), missing));
+                self.times_found.fetch_add(1, Ordering::Relaxed);
                 Err(error)
             }
         }
@@ -121,7 +126,13 @@ impl MissingLibrary {
             return false;
         }
         *self.lock() = Some((Instant::now(), LibraryMissing::found(error)));
+        self.times_found.fetch_add(1, Ordering::Relaxed);
         true
+    }
+
+    /// How many times a connection found the functions missing so far.
+    pub(crate) fn times_found(&self) -> u64 {
+        self.times_found.load(Ordering::Relaxed)
     }
 
     /// The error of a connection that found the functions missing less than

@@ -10,6 +10,7 @@
 
 use std::future::Future;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::exchange::{Exchange, Reply};
 use super::missing_library::MissingLibrary;
@@ -25,12 +26,17 @@ const MAX_IDLE: usize = 64;
 /// Idle connections, each lent to one exchange at a time.
 pub(crate) struct Spares<C> {
     idle: Mutex<Vec<C>>,
+    /// [`MissingLibrary::times_found`] when the idle connections were last looked at: a
+    /// connection kept or lent before the functions were found missing (by any connection
+    /// of the store) is not used or kept after.
+    times_found: AtomicU64,
 }
 
 impl<C: Carrier> Spares<C> {
     pub(crate) fn new() -> Self {
         Self {
             idle: Mutex::new(Vec::new()),
+            times_found: AtomicU64::new(0),
         }
     }
 
@@ -47,7 +53,9 @@ impl<C: Carrier> Spares<C> {
     ///
     /// A function step that finds the store's functions missing (see
     /// [`MissingLibrary::missing_after`]) drops every idle connection: the next exchanges
-    /// open theirs anew, which refuses them while the functions are missing.
+    /// open theirs anew, which refuses them while the functions are missing; so do those
+    /// after any other connection of the store found them missing, and a connection lent
+    /// meanwhile is not kept.
     pub(crate) async fn send<Open, Opened>(
         &self,
         exchange: &Exchange,
@@ -59,7 +67,14 @@ impl<C: Carrier> Spares<C> {
         Open: Fn() -> Opened,
         Opened: Future<Output = Result<C, StoreError>>,
     {
-        let idle = self.lock().pop();
+        let (idle, times_found) = {
+            let mut idle = self.lock();
+            let times_found = library.times_found();
+            if self.times_found.swap(times_found, Ordering::Relaxed) != times_found {
+                idle.clear();
+            }
+            (idle.pop(), times_found)
+        };
         let (mut connection, reused) = match idle {
             Some(connection) => (connection, true),
             None => match open().await {
@@ -89,7 +104,7 @@ impl<C: Carrier> Spares<C> {
         }
         if !broken {
             let mut idle = self.lock();
-            if idle.len() < MAX_IDLE {
+            if idle.len() < MAX_IDLE && library.times_found() == times_found {
                 idle.push(connection);
             }
         }
