@@ -294,9 +294,9 @@ impl Transport for RedisClusterStore {
                 if exchange.calls_function()
                     && self.library.missing_after(&mut connection, &error).await
                 {
-                    // Dropped, with the idle spares: the next request makes a connection
-                    // anew, which loads the functions on every primary or finds them missing.
-                    self.spares.clear();
+                    // Dropped (and the idle spares with it, as `MissingLibrary` counts what
+                    // it found): the next request makes a connection anew, which loads the
+                    // functions on every primary or finds them missing.
                     *self
                         .connection
                         .lock()

@@ -172,9 +172,9 @@ impl SharedConnection {
                         .missing_after(&mut watched.connection, &error)
                         .await
                 {
-                    // Dropped, with the idle spares: the next request opens a connection
-                    // anew, which looks for the functions again.
-                    self.spares.clear();
+                    // Dropped (and the idle spares with it, as `MissingLibrary` counts what
+                    // it found): the next request opens a connection anew, which looks for
+                    // the functions again.
                     let mut current = self
                         .current
                         .lock()

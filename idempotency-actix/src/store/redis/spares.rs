@@ -94,13 +94,13 @@ impl<C: Carrier> Spares<C> {
         let broken = reply
             .as_ref()
             .is_err_and(|error| error.is_timeout() || protocol::connection_is_dead(error));
+        // Functions found missing here are counted by `library`: this connection is then
+        // not kept, and the idle ones are dropped by the next exchange.
         if let Err(error) = &reply
             && !broken
             && exchange.calls_function()
-            && library.missing_after(&mut connection, error).await
         {
-            self.clear();
-            return reply.map_err(protocol::store_error);
+            library.missing_after(&mut connection, error).await;
         }
         if !broken {
             let mut idle = self.lock();
@@ -126,11 +126,6 @@ impl<C: Carrier> Spares<C> {
             .send(&mut connection)
             .await
             .map_err(protocol::store_error)
-    }
-
-    /// Drops every idle connection.
-    pub(crate) fn clear(&self) {
-        self.lock().clear();
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<C>> {
