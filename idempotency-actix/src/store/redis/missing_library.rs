@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use redis::aio::ConnectionLike;
 
-use super::protocol;
+use super::protocol::{self, Library};
 use crate::store::StoreError;
 
 /// How long a store refuses keyed requests without opening a connection after one found
@@ -29,7 +29,8 @@ use crate::store::StoreError;
 pub(crate) const RETRY_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Why a connection was not used: the server lacks the store's functions and the
-/// connection may not load them. The error of every request refused for it.
+/// connection may not load them, or its user may not call them at all. The error of every
+/// request refused for it.
 #[derive(Clone, Debug)]
 pub(crate) struct LibraryMissing(Arc<str>);
 
@@ -50,6 +51,18 @@ impl LibraryMissing {
             )
             .into(),
         )
+    }
+
+    /// The connection's user may not call functions (`FCALL`, refused with `error`), so no
+    /// step could be fenced whether the server has them or not: logged once here.
+    pub(crate) fn forbidden(error: &redis::RedisError) -> Self {
+        tracing::error!(
+            %error,
+            "idempotency: this connection's Redis user may not call this crate's functions \
+             (FCALL): no commit, lease renewal or release could be fenced, so keyed requests \
+             are refused (the store looks again once a second); grant the user FCALL"
+        );
+        Self(format!("the Redis user may not call the store's functions: {error}").into())
     }
 
     fn store_error(&self) -> StoreError {
@@ -110,22 +123,26 @@ impl MissingLibrary {
 
     /// After a function step failed with `error` on a connection already in use: whether
     /// the server lacks the functions (deleted under the connection, by `FUNCTION FLUSH`
-    /// say, for a user who may not load them again). If so, that is logged and remembered
-    /// as when a connection finds them missing as it opens, and the caller drops the
-    /// connection: keyed requests are refused before any handler runs, rather than each
-    /// running its handler with nothing to fence its commit, renew its lease or give its
-    /// key back. A refusal for memory (`OOM`) is not looked into.
+    /// say, for a user who may not load them again), or its user may no longer call them
+    /// (its ACL changed). If so, that is logged and remembered as when a connection finds
+    /// them missing as it opens, and the caller drops the connection: keyed requests are
+    /// refused before any handler runs, rather than each running its handler with nothing
+    /// to fence its commit, renew its lease or give its key back. A refusal for memory
+    /// (`OOM`) is not looked into.
     pub(crate) async fn missing_after(
         &self,
         connection: &mut impl ConnectionLike,
         error: &redis::RedisError,
     ) -> bool {
-        if error.code().is_none_or(|code| code == "OOM")
-            || !protocol::library_is_missing(connection).await
-        {
+        if error.code().is_none_or(|code| code == "OOM") {
             return false;
         }
-        *self.lock() = Some((Instant::now(), LibraryMissing::found(error)));
+        let missing = match protocol::probe_library(connection).await {
+            Library::Missing => LibraryMissing::found(error),
+            Library::Forbidden(refusal) => LibraryMissing::forbidden(&refusal),
+            Library::Callable => return false,
+        };
+        *self.lock() = Some((Instant::now(), missing));
         self.times_found.fetch_add(1, Ordering::Relaxed);
         true
     }

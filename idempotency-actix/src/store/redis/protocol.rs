@@ -227,9 +227,10 @@ pub(crate) async fn load_library(
 /// first use.
 ///
 /// Any other refusal (a user without `FUNCTION LOAD`, a command renamed away) is an error
-/// where the server lacks the library (see [`library_is_missing`]): no step could then fence
-/// a commit, renew a lease or give a key back, so a handler run under the connection's
-/// `begin` would leave its key locked for a lease and then run again for a retry. The
+/// where the server lacks the library, or where the user may not call functions at all
+/// (see [`probe_library`]): no step could then fence a commit, renew a lease or give a key
+/// back, so a handler run under the connection's `begin` would leave its key locked for a
+/// lease and then run again for a retry (or, its lease not renewed, run twice). The
 /// connection is not used: keyed requests are refused (503 when failing closed) before
 /// any handler runs, and a request opens a connection anew once the store's
 /// [`RETRY_INTERVAL`](super::missing_library::RETRY_INTERVAL) has passed (see
@@ -249,24 +250,63 @@ pub(crate) async fn load_library_ahead(
     let Err(error) = load_library(connection).await else {
         return Ok(());
     };
-    if error.code() == Some("OOM") || !library_is_missing(connection).await {
-        tracing::debug!(%error, "idempotency: functions not loaded yet; they are loaded on first use");
-        return Ok(());
+    if error.code() != Some("OOM") {
+        match probe_library(connection).await {
+            Library::Missing => return Err(LibraryMissing::found(&error)),
+            Library::Forbidden(refusal) => return Err(LibraryMissing::forbidden(&refusal)),
+            Library::Callable => {}
+        }
     }
-    Err(LibraryMissing::found(&error))
+    tracing::debug!(%error, "idempotency: functions not loaded yet; they are loaded on first use");
+    Ok(())
 }
 
-/// Whether the server says it has no function of [`LIBRARY`]: an `FCALL_RO` of one with no
-/// key, which runs nothing either way (a function that writes, called read-only, is refused
-/// after it is found). Any other answer, a refusal of `FCALL_RO` itself included, counts as
-/// not missing: the steps then find out for themselves, as before.
-pub(crate) async fn library_is_missing(connection: &mut impl redis::aio::ConnectionLike) -> bool {
-    let probe: redis::RedisResult<Value> = redis::cmd("FCALL_RO")
-        .arg("idempotency_actix_2_r7_commit")
-        .arg(0)
+/// What [`probe_library`] finds of [`LIBRARY`] for a connection.
+#[derive(Debug)]
+pub(crate) enum Library {
+    /// The server has it and the connection's user may call it; or the probe could not
+    /// tell, and the steps find out for themselves.
+    Callable,
+    /// The server has no function of it.
+    Missing,
+    /// The connection's user may not call functions (`FCALL` refused by its ACL, with this
+    /// error), so no step could be fenced, whether the server has them or not.
+    Forbidden(redis::RedisError),
+}
+
+/// Whether the server has the functions of [`LIBRARY`] and the connection's user may call
+/// them, asked without writing anything.
+///
+/// First an `FCALL_RO` of one with no key, which runs nothing either way (a function that
+/// writes, called read-only, is refused after it is found): "not found" means missing. Where
+/// it is found, or `FCALL_RO` itself is refused, an `FCALL` of `renew` with no key follows,
+/// which the ACL refuses for a user who may not call functions (`-@scripting`, `-fcall`;
+/// and where only `FCALL_RO` was refused, `-@scripting +fcall`, it tells whether the
+/// functions are there), and which otherwise fails inside the function at its first line,
+/// with no key to read, writing nothing. A user who may not call them gets nothing from
+/// them: on a server with `SET … IFEQ` its `begin` and commit work, so keyed requests would
+/// run their handlers with no lease renewed, nor any key given back. Any other answer
+/// counts as callable: the steps then find out for themselves.
+pub(crate) async fn probe_library(connection: &mut impl redis::aio::ConnectionLike) -> Library {
+    let probe = |command: &str, function: &str| {
+        let mut probe = redis::cmd(command);
+        probe.arg(function).arg(0);
+        probe
+    };
+    let read_only: redis::RedisResult<Value> = probe("FCALL_RO", "idempotency_actix_2_r7_commit")
         .query_async(connection)
         .await;
-    matches!(probe, Err(error) if is_function_not_found(&error))
+    if matches!(&read_only, Err(error) if is_function_not_found(error)) {
+        return Library::Missing;
+    }
+    let call: redis::RedisResult<Value> = probe("FCALL", "idempotency_actix_2_r7_renew")
+        .query_async(connection)
+        .await;
+    match call {
+        Err(error) if is_function_not_found(&error) => Library::Missing,
+        Err(error) if error.code() == Some("NOPERM") => Library::Forbidden(error),
+        _ => Library::Callable,
+    }
 }
 
 /// An `FCALL` of `function` on `key`, with room for `args` more arguments of `bytes` bytes.

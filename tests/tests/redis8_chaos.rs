@@ -1,0 +1,236 @@
+//! The store on a current Redis (8.6, which has `SET … IFEQ`: `begin` and the commit are
+//! plain commands there, and only renew, release and abandon call the store's functions),
+//! under what a payments app must survive, on servers of the test's own.
+//!
+//! A Redis user that may not call functions (`-@scripting`), or that may call them
+//! (`+fcall`) while no one has loaded them, has its keyed requests refused with 503 before
+//! any handler runs, on Redis 8.6 as on Redis 7 and Valkey. Where the commit is `SET … IFEQ`
+//! its `begin`, commits and replays would work, but no lease could be renewed (a duplicate
+//! runs the handler again once a slow request outlives its lease) and no key given back.
+//! Once the user is granted `FCALL` (or someone loads the functions), the same app is
+//! served.
+//!
+//! The Redis 8.6 server is `REDIS8_SERVER`, else `/opt/redis-8.6/bin/redis-server`.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use actix_web::http::StatusCode;
+use idempotency_actix::{Idempotency, RedisStore};
+use idempotency_actix_tests::{FloodServer, PrivateRedis};
+
+/// A Redis ≥ 8.4 server of the test's own, without persistence; killed when dropped.
+struct Redis8 {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl Redis8 {
+    /// Starts one and waits until it answers, and checks that it takes `SET … IFEQ`.
+    ///
+    /// # Panics
+    ///
+    /// When the server is missing, does not answer within 10 s, or has no `SET … IFEQ`.
+    async fn start() -> Self {
+        let server = std::env::var_os("REDIS8_SERVER")
+            .filter(|path| !path.is_empty())
+            .map_or_else(
+                || PathBuf::from("/opt/redis-8.6/bin/redis-server"),
+                PathBuf::from,
+            );
+        for _ in 0..5 {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|listener| listener.local_addr())
+                .expect("a free loopback port")
+                .port();
+            let child = std::process::Command::new(&server)
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                .args(["--save", "", "--appendonly", "no", "--dir"])
+                .arg(std::env::temp_dir())
+                .stdout(std::process::Stdio::null())
+                .spawn()
+                .unwrap_or_else(|error| {
+                    panic!(
+                        "cannot run {} ({error}): these tests need Redis ≥ 8.4; set \
+                         REDIS8_SERVER to its redis-server",
+                        server.display()
+                    )
+                });
+            let mut started = Self { child, port };
+            if started.answers().await {
+                let mut connection = started.connection().await;
+                let taken: redis::RedisResult<()> = redis::cmd("SET")
+                    .arg("ifeq-probe")
+                    .arg("v")
+                    .arg("IFEQ")
+                    .arg("v")
+                    .query_async(&mut connection)
+                    .await;
+                assert!(
+                    taken.is_ok(),
+                    "{} has no SET … IFEQ ({taken:?}): set REDIS8_SERVER to a Redis ≥ 8.4",
+                    server.display()
+                );
+                return started;
+            }
+        }
+        panic!("{} did not start on a free port", server.display());
+    }
+
+    /// Whether its own process answers (false: it exited, its port taken meanwhile).
+    async fn answers(&mut self) -> bool {
+        for _ in 0..100 {
+            if matches!(self.child.try_wait(), Ok(Some(_))) {
+                return false;
+            }
+            let client = redis::Client::open(self.url()).expect("valid URL");
+            if let Ok(mut connection) = client.get_multiplexed_async_connection().await
+                && redis::cmd("PING")
+                    .query_async::<String>(&mut connection)
+                    .await
+                    .is_ok()
+            {
+                return true;
+            }
+            actix_rt::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!(
+            "redis-server on port {} did not answer within 10 s",
+            self.port
+        );
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    async fn connection(&self) -> redis::aio::MultiplexedConnection {
+        redis::Client::open(self.url())
+            .expect("valid URL")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("the private Redis 8 answers")
+    }
+}
+
+impl Drop for Redis8 {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// How long a store refusing a user may take to serve it once it may: its retry interval
+/// (1 s), with room.
+const SERVED_WITHIN: Duration = Duration::from_secs(5);
+
+/// Sets the ACL of user `app` (no password) on the server of `connection`.
+async fn set_app_user(connection: &mut redis::aio::MultiplexedConnection, rules: &[&str]) {
+    let _: () = redis::cmd("ACL")
+        .arg(&["SETUSER", "app", "on", "nopass", "~*", "+@all"][..])
+        .arg(rules)
+        .query_async(connection)
+        .await
+        .expect("ACL SETUSER");
+}
+
+/// An app on the server on `port`, connecting as user `app`.
+fn app_of(port: u16) -> FloodServer {
+    let pool =
+        RedisStore::pool(&format!("redis://app:any@127.0.0.1:{port}")).expect("a pool for app");
+    FloodServer::start(move || Idempotency::redis(pool.clone()), 64)
+}
+
+/// An app on `url` as the default user serves a key: the functions are loaded.
+async fn load_the_functions(url: String) {
+    let pool = RedisStore::pool(&url).expect("a pool for the default user");
+    let loader = FloodServer::start(move || Idempotency::redis(pool.clone()), 64);
+    let loaded = loader.post("/orders", "load").await;
+    assert_eq!(loaded.status, StatusCode::CREATED, "{loaded:?}");
+}
+
+/// Keyed requests to `app` get 503 and no handler runs.
+async fn refused_with_no_run(app: &FloodServer) {
+    let mut statuses = Vec::new();
+    for key in ["refused-1", "refused-2", "refused-3"] {
+        statuses.push(app.post("/orders", key).await.status);
+    }
+    assert_eq!(statuses, [StatusCode::SERVICE_UNAVAILABLE; 3]);
+    assert_eq!(
+        app.runs.get(),
+        0,
+        "handlers ran with no renewal or release possible"
+    );
+}
+
+/// `app` runs a new key once (within its retry interval; until then it is refused, with no
+/// run) and replays it.
+async fn served(app: &FloodServer) {
+    let since = Instant::now();
+    let first = loop {
+        let reply = app.post("/orders", "charge-1").await;
+        if reply.status != StatusCode::SERVICE_UNAVAILABLE || since.elapsed() > SERVED_WITHIN {
+            break reply;
+        }
+        assert_eq!(app.runs.get(), 0, "a refused request ran");
+        actix_rt::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let replay = app.post("/orders", "charge-1").await;
+    assert!(replay.is_replay(), "{replay:?}");
+    assert_eq!(replay.body, first.body);
+    assert_eq!(app.runs.get(), 1);
+}
+
+/// A user without `@scripting` on a server that has the functions: refused (its `SET`s
+/// alone would serve, replays included, with no lease renewed), then served once granted
+/// `FCALL` (though still not `FCALL_RO` nor `FUNCTION`).
+#[actix_web::test]
+async fn a_user_who_may_not_call_functions_is_refused_until_granted_fcall() {
+    let redis = Redis8::start().await;
+    refused_until_granted_fcall(redis.url(), redis.port, redis.connection().await).await;
+}
+
+/// The same on Redis 7, where the commit is a function call too.
+#[actix_web::test]
+async fn a_redis_7_user_who_may_not_call_functions_is_refused_until_granted_fcall() {
+    let redis = PrivateRedis::start().await;
+    refused_until_granted_fcall(redis.url(), redis.port(), redis.connection().await).await;
+}
+
+/// The same on Valkey (≥ 8.1, which has `SET … IFEQ` too).
+#[actix_web::test]
+async fn a_valkey_user_who_may_not_call_functions_is_refused_until_granted_fcall() {
+    let redis = PrivateRedis::start_valkey(&[]).await;
+    refused_until_granted_fcall(redis.url(), redis.port(), redis.connection().await).await;
+}
+
+/// The functions loaded on the server at `url` (port `port`), then an app connecting as a
+/// user without `@scripting` refused with no run, and served once the user may `FCALL`.
+async fn refused_until_granted_fcall(
+    url: String,
+    port: u16,
+    mut admin: redis::aio::MultiplexedConnection,
+) {
+    load_the_functions(url).await;
+    set_app_user(&mut admin, &["-@scripting"]).await;
+    let app = app_of(port);
+    refused_with_no_run(&app).await;
+    set_app_user(&mut admin, &["-@scripting", "+fcall"]).await;
+    served(&app).await;
+}
+
+/// A user who may call the functions but neither load them nor ask for them read-only
+/// (`-@scripting +fcall`), while no one has loaded them: refused, then served once someone
+/// who may loads them.
+#[actix_web::test]
+async fn a_user_who_may_only_fcall_is_refused_until_the_functions_are_loaded() {
+    let redis = Redis8::start().await;
+    let mut admin = redis.connection().await;
+    set_app_user(&mut admin, &["-@scripting", "+fcall"]).await;
+
+    let app = app_of(redis.port);
+    refused_with_no_run(&app).await;
+    load_the_functions(redis.url()).await;
+    served(&app).await;
+}
