@@ -339,10 +339,13 @@ impl Engine {
             // A `begin` that timed out may have landed or may still land: abandon the token,
             // so that whatever the order the key is not blocked with no handler running. One
             // the store refused wrote nothing: a marker would only take room in a full store.
+            // Nor did one that found a record this version cannot read (its key was taken):
+            // an `abandon` there could take those bytes for a marker (Redis's reads only the
+            // state byte) and write one over them, which frees the key for the next retry.
             Err(StoreError::Timeout(_)) if !runs_under_token => {
                 self.abandon_in_background(&pending)
             }
-            Ok(_) | Err(StoreError::Refused(_)) => {}
+            Ok(_) | Err(StoreError::Refused(_) | StoreError::Corrupt(_)) => {}
             // One the store answered with an error may have written its lock (strict
             // replicated writes whose replicas fell short leave it on the primary): abandoned
             // before the refusal goes out, so that a retry sent at once is not answered 409

@@ -10,6 +10,9 @@
 //! Once the user is granted `FCALL` (or someone loads the functions), the same app is
 //! served.
 //!
+//! A record overwritten by hand with bytes this version cannot read is refused for good
+//! (503), never freed for a retry to run the handler again.
+//!
 //! The Redis 8.6 server is `REDIS8_SERVER`, else `/opt/redis-8.6/bin/redis-server`.
 
 use std::path::PathBuf;
@@ -17,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use actix_web::http::StatusCode;
 use idempotency_actix::{Idempotency, RedisStore};
-use idempotency_actix_tests::{FloodServer, PrivateRedis};
+use idempotency_actix_tests::{FloodServer, PrivateRedis, keys_under};
 
 /// A Redis ≥ 8.4 server of the test's own, without persistence; killed when dropped.
 struct Redis8 {
@@ -233,4 +236,34 @@ async fn a_user_who_may_only_fcall_is_refused_until_the_functions_are_loaded() {
     refused_with_no_run(&app).await;
     load_the_functions(redis.url()).await;
     served(&app).await;
+}
+
+/// A completed record overwritten by hand (`SET key garbage`) with bytes this version cannot
+/// read whose second byte happens to be `a`, the state byte of the store's markers of
+/// abandoned tokens: every retry is refused (503), as for any unreadable record, and the
+/// handler never runs again (an unreadable record is never a free key).
+#[actix_web::test]
+async fn a_record_overwritten_with_unreadable_bytes_is_never_a_free_key() {
+    let redis = Redis8::start().await;
+    let pool = RedisStore::pool(&redis.url()).expect("a pool");
+    let app = FloodServer::start(move || Idempotency::redis(pool.clone()), 64);
+    let first = app.post("/orders", "charge-1").await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+
+    let mut admin = redis.connection().await;
+    let keys = keys_under(&mut admin, "idempotency:").await;
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    let _: () = redis::cmd("SET")
+        .arg(&keys[0])
+        .arg("garbage")
+        .query_async(&mut admin)
+        .await
+        .expect("SET");
+
+    let mut statuses = Vec::new();
+    for _ in 0..3 {
+        statuses.push(app.post("/orders", "charge-1").await.status);
+    }
+    assert_eq!(statuses, [StatusCode::SERVICE_UNAVAILABLE; 3]);
+    assert_eq!(app.runs.get(), 1, "the handler ran again for the key");
 }
