@@ -11,7 +11,8 @@
 //! served.
 //!
 //! A record overwritten by hand with bytes this version cannot read is refused for good
-//! (503), never freed for a retry to run the handler again.
+//! (503), never freed for a retry to run the handler again; an in-flight record replaced by
+//! a key of another type is reported lost once, not retried for a day.
 //!
 //! The Redis 8.6 server is `REDIS8_SERVER`, else `/opt/redis-8.6/bin/redis-server`.
 
@@ -266,4 +267,72 @@ async fn a_record_overwritten_with_unreadable_bytes_is_never_a_free_key() {
     }
     assert_eq!(statuses, [StatusCode::SERVICE_UNAVAILABLE; 3]);
     assert_eq!(app.runs.get(), 1, "the handler ran again for the key");
+}
+
+/// An in-flight record replaced by hand with a key of another type (`DEL`, then `HSET`)
+/// while its handler runs: the client gets its response, the commit answers that the record
+/// is lost (counted), and the store then leaves the key alone; it does not renew and retry
+/// the commit for the record's whole ttl. Retries are refused (503), with no second run.
+#[actix_web::test]
+async fn an_in_flight_record_replaced_by_another_type_is_lost_not_retried_for_a_day() {
+    let redis = Redis8::start().await;
+    let pool = RedisStore::pool(&redis.url()).expect("a pool");
+    let app = FloodServer::start(move || Idempotency::redis(pool.clone()), 64);
+    let Ok(running) = app.start_slow("charge-1").await else {
+        panic!("the slow request was refused");
+    };
+    let mut admin = redis.connection().await;
+    let keys = keys_under(&mut admin, "idempotency:").await;
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    let _: () = redis::pipe()
+        .cmd("DEL")
+        .arg(&keys[0])
+        .cmd("HSET")
+        .arg(&keys[0])
+        .arg("field")
+        .arg("value")
+        .query_async(&mut admin)
+        .await
+        .expect("DEL, HSET");
+
+    let lost_before = Idempotency::lost_records();
+    app.gate.open();
+    let first = running.await.expect("the slow request's reply");
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let since = Instant::now();
+    while Idempotency::lost_records() == lost_before {
+        assert!(
+            since.elapsed() < SERVED_WITHIN,
+            "the commit never answered that the record is lost: the store retries it"
+        );
+        actix_rt::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Nothing more is sent for the key: no renewal, no commit retried.
+    let before = commands_sent(&mut admin).await;
+    actix_rt::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(commands_sent(&mut admin).await, before);
+
+    let retry = app.post("/slow", "charge-1").await;
+    assert_eq!(retry.status, StatusCode::SERVICE_UNAVAILABLE, "{retry:?}");
+    assert_eq!(app.slow_runs.get(), 1);
+}
+
+/// How many commands the server ran, `INFO` and `CONFIG` (the test's own) left out.
+async fn commands_sent(admin: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(admin)
+        .await
+        .expect("INFO commandstats");
+    info.lines()
+        .filter(|line| !line.starts_with("cmdstat_info:") && !line.starts_with("cmdstat_config"))
+        .filter_map(|line| {
+            line.split_once("calls=")?
+                .1
+                .split(',')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum()
 }

@@ -128,13 +128,16 @@ impl MissingLibrary {
     /// them missing as it opens, and the caller drops the connection: keyed requests are
     /// refused before any handler runs, rather than each running its handler with nothing
     /// to fence its commit, renew its lease or give its key back. A refusal for memory
-    /// (`OOM`) is not looked into.
+    /// (`OOM`) or for a key of another type (`WRONGTYPE`) is not looked into.
     pub(crate) async fn missing_after(
         &self,
         connection: &mut impl ConnectionLike,
         error: &redis::RedisError,
     ) -> bool {
-        if error.code().is_none_or(|code| code == "OOM") {
+        if error
+            .code()
+            .is_none_or(|code| code == "OOM" || code == "WRONGTYPE")
+        {
             return false;
         }
         let missing = match protocol::probe_library(connection).await {

@@ -701,11 +701,20 @@ pub(crate) fn connection_is_dead(error: &redis::RedisError) -> bool {
 /// this version cannot read, never a free key.
 pub(crate) fn store_error(error: redis::RedisError) -> StoreError {
     if error.code() == Some("WRONGTYPE") {
-        return StoreError::Protocol(format!(
-            "the key holds a value that is not a record of this version ({error})"
-        ));
+        return StoreError::Protocol(format!("{NOT_A_RECORD} ({error})"));
     }
     StoreError::Unavailable(Box::new(error))
+}
+
+/// How [`store_error`] begins its error for a key of another type.
+const NOT_A_RECORD: &str = "the key holds a value that is not a record of this version";
+
+/// Whether `error` is [`store_error`]'s for a key of another type: for a step fenced by a
+/// token (commit, renew, release, abandon), the token's record is not there, as when
+/// another record holds the key. Not a failure to retry: the key keeps that type until
+/// someone deletes it.
+pub(crate) fn is_not_a_record(error: &StoreError) -> bool {
+    matches!(error, StoreError::Protocol(message) if message.starts_with(NOT_A_RECORD))
 }
 
 fn unexpected(value: &Value) -> StoreError {

@@ -176,13 +176,15 @@ impl<T: Transport> Steps<'_, T> {
         token: &LeaseToken,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        let reply = self
+        let renewed = self
             .transport
             .send(&Exchange::plain(protocol::renew(key, token, lease)))
-            .await?;
-        protocol::held(reply.value)
+            .await;
+        held_unless_not_a_record(renewed)
     }
 
+    /// Commits `response`; `false` where the token's record is not there, a key of another
+    /// type included (see [`protocol::is_not_a_record`]).
     pub(crate) async fn commit(
         &self,
         key: &StorageKey,
@@ -191,21 +193,28 @@ impl<T: Transport> Steps<'_, T> {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        let (by, reply) = self
-            .send_conditional(|by| protocol::commit(by, key, fingerprint, token, response, ttl))
-            .await?;
-        match protocol::committed(by, reply.value)? {
-            Committed::Written => {
-                reply.replication.check("commit")?;
-                Ok(true)
+        let committed = async {
+            let (by, reply) = self
+                .send_conditional(|by| protocol::commit(by, key, fingerprint, token, response, ttl))
+                .await?;
+            match protocol::committed(by, reply.value)? {
+                Committed::Written => {
+                    reply.replication.check("commit")?;
+                    Ok(true)
+                }
+                // Sent again (its reply was lost, or its replicas fell short): nothing to
+                // wait for unless writes are replicated, where the record is read and
+                // rewritten.
+                Committed::CompletedEarlier if self.replication.is_none() => Ok(true),
+                Committed::CompletedEarlier | Committed::Unwritten => {
+                    self.after_unwritten_commit(key, fingerprint, token, response, ttl)
+                        .await
+                }
             }
-            // Sent again (its reply was lost, or its replicas fell short): nothing to wait
-            // for unless writes are replicated, where the record is read and rewritten.
-            Committed::CompletedEarlier if self.replication.is_none() => Ok(true),
-            Committed::CompletedEarlier | Committed::Unwritten => {
-                self.after_unwritten_commit(key, fingerprint, token, response, ttl)
-                    .await
-            }
+        };
+        match committed.await {
+            Err(error) if protocol::is_not_a_record(&error) => Ok(false),
+            committed => committed,
         }
     }
 
@@ -274,11 +283,11 @@ impl<T: Transport> Steps<'_, T> {
         key: &StorageKey,
         token: &LeaseToken,
     ) -> Result<bool, StoreError> {
-        let reply = self
+        let released = self
             .transport
             .send(&Exchange::plain(protocol::release(key, token)))
-            .await?;
-        protocol::held(reply.value)
+            .await;
+        held_unless_not_a_record(released)
     }
 
     pub(crate) async fn abandon(
@@ -287,15 +296,15 @@ impl<T: Transport> Steps<'_, T> {
         token: &LeaseToken,
         remember_for: Duration,
     ) -> Result<bool, StoreError> {
-        let reply = self
+        let abandoned = self
             .transport
             .send(&Exchange::plain(protocol::abandon(
                 key,
                 token,
                 remember_for,
             )))
-            .await?;
-        protocol::held(reply.value)
+            .await;
+        held_unless_not_a_record(abandoned)
     }
 
     pub(crate) async fn inspect(
@@ -320,6 +329,16 @@ impl<T: Transport> Steps<'_, T> {
             .send(&Exchange::plain(inspection::delete(key, force)))
             .await?;
         inspection::deletion(reply.value)
+    }
+}
+
+/// Decodes the reply to `renew`, `release` or `abandon`: a key of another type is one the
+/// token does not hold (see [`protocol::is_not_a_record`]), not an error to retry.
+fn held_unless_not_a_record(sent: Result<Reply, StoreError>) -> Result<bool, StoreError> {
+    match sent {
+        Ok(reply) => protocol::held(reply.value),
+        Err(error) if protocol::is_not_a_record(&error) => Ok(false),
+        Err(error) => Err(error),
     }
 }
 
