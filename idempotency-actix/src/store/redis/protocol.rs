@@ -125,8 +125,10 @@ impl Request {
 ///
 /// `rewrite` writes a record over itself, its expiry kept, if the key holds exactly that
 /// record: the function form of [`rewrite`]'s `SET … IFEQ … KEEPTTL`. The same bytes take no
-/// more memory, so it is flagged `allow-oom`: a `begin` resent to a full server that finds
-/// its own lock can still have it counted by `WAIT`.
+/// more memory, so it is flagged `allow-oom`: a `begin` resent to a full server without
+/// `SET … IFEQ` that finds its own lock can still have it counted by `WAIT`. A full server
+/// with `SET … IFEQ` refuses that `SET` (`OOM`, whatever its size), so there such a `begin`
+/// is refused (503, no handler run).
 pub(crate) const LIBRARY: &str = r"#!lua name=idempotency_actix_2_r7
 
 local function holds(found, token_field)
@@ -568,8 +570,9 @@ pub(crate) fn recreated(reply: Value, token: &LeaseToken) -> Result<Option<Unwri
 /// nothing (see `Steps::rewritten_for_replicas`). Since Redis 7.2 (and on Valkey) `WAIT`
 /// counts only what its own connection's writes were replicated to: after a command that
 /// wrote nothing it answers at once. Nothing is written if the record is no longer exactly
-/// `record`. `SET … IFEQ … KEEPTTL` where the server has it (Valkey ≥ 8.1, Redis ≥ 8.4),
-/// the library's `rewrite` elsewhere; its reply decodes with [`rewritten`].
+/// `record`. `SET … IFEQ … KEEPTTL` where the server has it (Valkey ≥ 8.1, Redis ≥ 8.4;
+/// refused by a full server, as every `SET` is), the library's `rewrite` elsewhere; its
+/// reply decodes with [`rewritten`].
 pub(crate) fn rewrite(by: CommitBy, key: &StorageKey, record: &[u8]) -> Request {
     match by {
         CommitBy::ConditionalSet => {
