@@ -17,13 +17,44 @@ use std::time::{Duration, Instant};
 use actix_web::http::StatusCode;
 use futures_util::future::join_all;
 use idempotency_actix::{
-    Idempotency, IdempotencyPolicy, RedisClusterStore, RedisStore, ReplicatedWrites,
+    Idempotency, IdempotencyPolicy, RedisClusterClient, RedisClusterStore, RedisStore,
+    ReplicatedWrites,
 };
 use idempotency_actix_tests::cluster::RedisCluster;
 use idempotency_actix_tests::{FloodServer, PrivateRedis};
+use redis::aio::MultiplexedConnection;
 
 /// The ACL of a user that may do everything but `FUNCTION` (so it may `FCALL`).
 const NO_FUNCTION_LOAD: [&str; 7] = ["SETUSER", "app", "on", "nopass", "~*", "+@all", "-function"];
+
+/// Adds the user `app` of [`NO_FUNCTION_LOAD`] to `redis`, on a connection as the default
+/// user, which it gives.
+async fn add_the_user_who_cannot_load(redis: &PrivateRedis) -> MultiplexedConnection {
+    let mut admin = redis.connection().await;
+    let _: () = redis::cmd("ACL")
+        .arg(&NO_FUNCTION_LOAD[..])
+        .query_async(&mut admin)
+        .await
+        .expect("ACL SETUSER");
+    admin
+}
+
+/// Adds the user `app` of [`NO_FUNCTION_LOAD`] to every node of `cluster`, and gives a
+/// client of the cluster as that user.
+fn add_the_user_who_cannot_load_to_the_cluster(cluster: &RedisCluster) -> RedisClusterClient {
+    for port in cluster.ports() {
+        let _: () = redis::cmd("ACL")
+            .arg(&NO_FUNCTION_LOAD[..])
+            .query(&mut cluster.connection(port))
+            .expect("ACL SETUSER");
+    }
+    let app_urls: Vec<String> = cluster
+        .ports()
+        .iter()
+        .map(|port| format!("redis://app:any@127.0.0.1:{port}"))
+        .collect();
+    RedisClusterStore::client(app_urls).expect("a client for the app user")
+}
 
 /// The URL of `user` (any password: the user has none) on `redis`.
 fn url_of(redis: &PrivateRedis, user: &str) -> String {
@@ -61,12 +92,7 @@ async fn a_valkey_user_who_cannot_load_the_functions_is_refused_until_they_are_l
 }
 
 async fn refused_until_the_functions_are_loaded(redis: PrivateRedis) {
-    let mut admin = redis.connection().await;
-    let _: () = redis::cmd("ACL")
-        .arg(&NO_FUNCTION_LOAD[..])
-        .query_async(&mut admin)
-        .await
-        .expect("ACL SETUSER");
+    let mut admin = add_the_user_who_cannot_load(&redis).await;
 
     let pool = RedisStore::pool(&url_of(&redis, "app")).expect("a pool for the app user");
     let app = FloodServer::start(move || Idempotency::redis(pool.clone()), 64);
@@ -90,18 +116,7 @@ async fn refused_until_the_functions_are_loaded(redis: PrivateRedis) {
 async fn a_cluster_user_who_cannot_load_the_functions_is_refused_until_they_are_loaded() {
     let _alone = ONE_AT_A_TIME.lock().await;
     let cluster = RedisCluster::start();
-    for port in cluster.ports() {
-        let _: () = redis::cmd("ACL")
-            .arg(&NO_FUNCTION_LOAD[..])
-            .query(&mut cluster.connection(port))
-            .expect("ACL SETUSER");
-    }
-    let app_urls: Vec<String> = cluster
-        .ports()
-        .iter()
-        .map(|port| format!("redis://app:any@127.0.0.1:{port}"))
-        .collect();
-    let client = RedisClusterStore::client(app_urls).expect("a client for the app user");
+    let client = add_the_user_who_cannot_load_to_the_cluster(&cluster);
     let app = FloodServer::start(move || Idempotency::redis_cluster(client.clone()), 64);
     // A cluster connection connects to a seed for the slot map, then to every node.
     let ports = cluster.ports();
@@ -122,12 +137,7 @@ async fn a_cluster_user_who_cannot_load_the_functions_is_refused_until_they_are_
 async fn functions_deleted_under_an_open_connection_refuse_the_requests_after_the_first() {
     let _alone = ONE_AT_A_TIME.lock().await;
     let redis = PrivateRedis::start().await;
-    let mut admin = redis.connection().await;
-    let _: () = redis::cmd("ACL")
-        .arg(&NO_FUNCTION_LOAD[..])
-        .query_async(&mut admin)
-        .await
-        .expect("ACL SETUSER");
+    let mut admin = add_the_user_who_cannot_load(&redis).await;
     let admin_pool = RedisStore::pool(&redis.url()).expect("a pool for the default user");
     let loader = FloodServer::start(move || Idempotency::redis(admin_pool.clone()), 64);
     assert_eq!(
@@ -153,38 +163,66 @@ async fn functions_deleted_under_an_open_connection_refuse_the_requests_after_th
 #[actix_web::test]
 async fn functions_deleted_under_open_replicated_connections_refuse_the_requests_after_the_first() {
     let _alone = ONE_AT_A_TIME.lock().await;
-    let redis = PrivateRedis::start().await;
-    let _replica = PrivateRedis::start_replica_of(&redis).await;
-    let mut admin = redis.connection().await;
-    let _: () = redis::cmd("ACL")
-        .arg(&NO_FUNCTION_LOAD[..])
-        .query_async(&mut admin)
-        .await
-        .expect("ACL SETUSER");
-    let writes = ReplicatedWrites::new(1, Duration::from_secs(1));
-    let admin_pool = RedisStore::pool(&redis.url()).expect("a pool for the default user");
-    let loader = FloodServer::start(
-        move || Idempotency::new(RedisStore::new(admin_pool.clone()).replicated_writes(writes)),
-        64,
-    );
-    assert_eq!(
-        loader.post("/orders", "load").await.status,
-        StatusCode::CREATED
-    );
-
-    let pool = RedisStore::pool(&url_of(&redis, "app")).expect("a pool for the app user");
-    let app = FloodServer::start(
-        move || Idempotency::new(RedisStore::new(pool.clone()).replicated_writes(writes)),
-        64,
-    );
+    let mut replicated = ReplicatedWithAUserWhoCannotLoad::start().await;
+    let store = replicated.app_store();
+    let app = FloodServer::start(move || Idempotency::new(store()), 64);
     only_the_request_that_finds_them_gone_runs(&app, async {
         let _: () = redis::cmd("FUNCTION")
             .arg("FLUSH")
-            .query_async(&mut admin)
+            .query_async(&mut replicated.admin)
             .await
             .expect("FUNCTION FLUSH");
     })
     .await;
+}
+
+/// A private primary with one replica, the user `app` who may not `FUNCTION LOAD` on it,
+/// and the functions loaded there by a request to an app of the default user: where the
+/// tests with replicated writes (to the one replica, waiting up to 1 s) start.
+struct ReplicatedWithAUserWhoCannotLoad {
+    /// The primary.
+    redis: PrivateRedis,
+    _replica: PrivateRedis,
+    /// A connection to the primary as the default user.
+    admin: MultiplexedConnection,
+    /// The app of the default user that loaded the functions, kept running.
+    _loader: FloodServer,
+}
+
+impl ReplicatedWithAUserWhoCannotLoad {
+    /// The replicated writes of every store of these tests.
+    const WRITES: ReplicatedWrites = ReplicatedWrites::new(1, Duration::from_secs(1));
+
+    async fn start() -> Self {
+        let redis = PrivateRedis::start().await;
+        let replica = PrivateRedis::start_replica_of(&redis).await;
+        let admin = add_the_user_who_cannot_load(&redis).await;
+        let store = Self::store_of(&redis.url(), "the default user");
+        let loader = FloodServer::start(move || Idempotency::new(store()), 64);
+        assert_eq!(
+            loader.post("/orders", "load").await.status,
+            StatusCode::CREATED
+        );
+        Self {
+            redis,
+            _replica: replica,
+            admin,
+            _loader: loader,
+        }
+    }
+
+    /// A new store of the user `app` on the primary for each call.
+    fn app_store(&self) -> impl Fn() -> RedisStore + Clone + Send + use<> {
+        Self::store_of(&url_of(&self.redis, "app"), "the app user")
+    }
+
+    /// A new store for each call on a pool of `url` (whose user is `who`), with
+    /// [`WRITES`](Self::WRITES).
+    fn store_of(url: &str, who: &str) -> impl Fn() -> RedisStore + Clone + Send + use<> {
+        let pool =
+            RedisStore::pool(url).unwrap_or_else(|error| panic!("a pool for {who}: {error}"));
+        move || RedisStore::new(pool.clone()).replicated_writes(Self::WRITES)
+    }
 }
 
 /// The same on a Redis Cluster of its own, the functions deleted from every primary (and
@@ -193,12 +231,7 @@ async fn functions_deleted_under_open_replicated_connections_refuse_the_requests
 async fn functions_deleted_under_an_open_cluster_connection_refuse_the_requests_after_the_first() {
     let _alone = ONE_AT_A_TIME.lock().await;
     let cluster = RedisCluster::start();
-    for port in cluster.ports() {
-        let _: () = redis::cmd("ACL")
-            .arg(&NO_FUNCTION_LOAD[..])
-            .query(&mut cluster.connection(port))
-            .expect("ACL SETUSER");
-    }
+    let client = add_the_user_who_cannot_load_to_the_cluster(&cluster);
     let admin_client = cluster.client();
     let loader = FloodServer::start(move || Idempotency::redis_cluster(admin_client.clone()), 64);
     assert_eq!(
@@ -206,12 +239,6 @@ async fn functions_deleted_under_an_open_cluster_connection_refuse_the_requests_
         StatusCode::CREATED
     );
 
-    let app_urls: Vec<String> = cluster
-        .ports()
-        .iter()
-        .map(|port| format!("redis://app:any@127.0.0.1:{port}"))
-        .collect();
-    let client = RedisClusterStore::client(app_urls).expect("a client for the app user");
     let app = FloodServer::start(move || Idempotency::redis_cluster(client.clone()), 64);
     only_the_request_that_finds_them_gone_runs(&app, async {
         for primary in cluster.primaries() {
@@ -433,33 +460,12 @@ impl Write for LogWriter {
 #[actix_web::test]
 async fn functions_found_missing_by_a_renewal_refuse_the_begins_on_kept_spare_connections() {
     let _alone = ONE_AT_A_TIME.lock().await;
-    let redis = PrivateRedis::start().await;
-    let _replica = PrivateRedis::start_replica_of(&redis).await;
-    let mut admin = redis.connection().await;
-    let _: () = redis::cmd("ACL")
-        .arg(&NO_FUNCTION_LOAD[..])
-        .query_async(&mut admin)
-        .await
-        .expect("ACL SETUSER");
-    let writes = ReplicatedWrites::new(1, Duration::from_secs(1));
-    let admin_pool = RedisStore::pool(&redis.url()).expect("a pool for the default user");
-    let loader = FloodServer::start(
-        move || Idempotency::new(RedisStore::new(admin_pool.clone()).replicated_writes(writes)),
-        64,
-    );
-    assert_eq!(
-        loader.post("/orders", "load").await.status,
-        StatusCode::CREATED
-    );
-
-    let pool = RedisStore::pool(&url_of(&redis, "app")).expect("a pool for the app user");
+    let mut replicated = ReplicatedWithAUserWhoCannotLoad::start().await;
+    let store = replicated.app_store();
     // A short lease: the slow run renews it every 300 ms.
     let policy = IdempotencyPolicy::default().lease(Duration::from_millis(900));
     let app = Rc::new(FloodServer::start(
-        move || {
-            Idempotency::new(RedisStore::new(pool.clone()).replicated_writes(writes))
-                .policy(policy.clone())
-        },
+        move || Idempotency::new(store()).policy(policy.clone()),
         64,
     ));
     let slow = actix_rt::spawn({
@@ -469,7 +475,7 @@ async fn functions_found_missing_by_a_renewal_refuse_the_begins_on_kept_spare_co
     app.slow_runs.wait_for(1).await;
     let _: () = redis::cmd("FUNCTION")
         .arg("FLUSH")
-        .query_async(&mut admin)
+        .query_async(&mut replicated.admin)
         .await
         .expect("FUNCTION FLUSH");
     // Its renewals find the functions missing.
