@@ -3,6 +3,7 @@
 
 pub mod cluster;
 pub mod keyed_app;
+pub mod replica_sync;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
