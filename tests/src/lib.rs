@@ -81,6 +81,30 @@ pub fn valkey_pool() -> RedisPool {
     RedisStore::pool(&valkey_url()).expect("valid Redis URL")
 }
 
+/// Whether the server behind `connection` takes `SET … IFEQ` (Valkey ≥ 8.1, Redis ≥ 8.4),
+/// learnt as the store learns it: one without it refuses the command as a syntax error. The
+/// `SET` names a key of its own that does not exist, so it writes nothing either way.
+///
+/// # Panics
+///
+/// When the server answers anything else.
+pub async fn takes_conditional_set(connection: &mut redis::aio::MultiplexedConnection) -> bool {
+    let reply: redis::RedisResult<redis::Value> = redis::cmd("SET")
+        .arg(format!("{}probe", unique_prefix("takes_conditional_set")))
+        .arg("written")
+        .arg("IFEQ")
+        .arg("expected")
+        .query_async(connection)
+        .await;
+    match reply {
+        Ok(redis::Value::Nil) => true,
+        Err(error) if error.code() == Some("ERR") && error.detail() == Some("syntax error") => {
+            false
+        }
+        other => panic!("SET … IFEQ on a missing key answered {other:?}"),
+    }
+}
+
 /// A key prefix no other test (or earlier run) uses.
 pub fn unique_prefix(test: &str) -> String {
     format!("test:{test}:{}:", uuid::Uuid::new_v4().simple())
@@ -349,6 +373,12 @@ impl PrivateRedis {
             info.lines()
                 .any(|line| line.strip_prefix("process_id:").map(str::trim) == Some(&own))
         })
+    }
+
+    /// Whether it takes `SET … IFEQ` (Valkey ≥ 8.1, Redis ≥ 8.4), learnt as the store
+    /// learns it (see [`takes_conditional_set`]).
+    pub async fn takes_conditional_set(&self) -> bool {
+        takes_conditional_set(&mut self.connection().await).await
     }
 
     /// Its URL.
