@@ -33,7 +33,8 @@ const SETTLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// pipe that only the test process holds.
 #[derive(Debug)]
 pub struct RedisCluster {
-    /// The node binary (`redis-server`, or a `valkey-server`), kept for restarts.
+    /// The node binary (`redis-server`, a Redis 8 one or a `valkey-server`), kept for
+    /// restarts.
     server: PathBuf,
     dir: PathBuf,
     nodes: Mutex<Vec<Node>>,

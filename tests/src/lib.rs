@@ -15,14 +15,14 @@ mod faulty_store;
 mod flood;
 mod gated_routes;
 mod proxy;
+mod servers;
 mod test_redis;
-mod valkey;
 
 pub use faulty_store::FaultyStore;
 pub use flood::FloodServer;
 pub use gated_routes::GatedRoutes;
 pub use proxy::MovableAddress;
-pub use valkey::{valkey_server, valkey_url};
+pub use servers::{redis8_server, redis8_url, valkey_server, valkey_url};
 
 /// What to do when the test Redis does not answer, printed whenever a test cannot reach it
 /// (with `REDIS_URL` unset the tests start their own server, so this names the variable).
@@ -79,6 +79,15 @@ pub async fn redis_pool() -> RedisPool {
 /// When `valkey-server` is missing or older than 8.1, with the install hint.
 pub fn valkey_pool() -> RedisPool {
     RedisStore::pool(&valkey_url()).expect("valid Redis URL")
+}
+
+/// A bb8 pool on this test process's private Redis ≥ 8.4 (see [`redis8_url`]).
+///
+/// # Panics
+///
+/// When no Redis ≥ 8.4 is found, with the install hint.
+pub fn redis8_pool() -> RedisPool {
+    RedisStore::pool(&redis8_url()).expect("valid Redis URL")
 }
 
 /// Whether the server behind `connection` takes `SET … IFEQ` (Valkey ≥ 8.1, Redis ≥ 8.4),
@@ -217,7 +226,8 @@ impl Gate {
 #[derive(Debug)]
 pub struct PrivateRedis {
     child: std::process::Child,
-    /// The server binary (`redis-server`, or a `valkey-server`), kept for restarts.
+    /// The server binary (`redis-server`, a Redis 8 one or a `valkey-server`), kept for
+    /// restarts.
     server: PathBuf,
     port: u16,
     /// Configuration arguments given on top of the defaults, kept for restarts.
@@ -254,6 +264,17 @@ impl PrivateRedis {
     /// not start within 10 s.
     pub async fn start_valkey(extra_args: &[&str]) -> Self {
         Self::start_server(valkey_server(), extra_args).await
+    }
+
+    /// Starts a Redis ≥ 8.4 (see [`redis8_server`]) instead, which has `SET … IFEQ`, with
+    /// these arguments on top of the defaults, and waits until it answers `PING`.
+    ///
+    /// # Panics
+    ///
+    /// When no Redis ≥ 8.4 is found (with the install hint), or it does not start within
+    /// 10 s.
+    pub async fn start_redis8(extra_args: &[&str]) -> Self {
+        Self::start_server(redis8_server(), extra_args).await
     }
 
     async fn start_server(server: PathBuf, extra_args: &[&str]) -> Self {

@@ -1,8 +1,8 @@
-//! The Redis commit's fence: the function (Redis 7) or `SET … IFEQ` (Valkey ≥ 8.1) writes the
-//! completed record only where it finds, byte for byte, the in-flight record that the
-//! `begin` of the same token and fingerprint wrote. Runs against the server at `REDIS_URL`
-//! (default 127.0.0.1:6379) and against a private `valkey-server`, under a key prefix of its
-//! own.
+//! The Redis commit's fence: the function (Redis 7) or `SET … IFEQ` (Valkey ≥ 8.1, Redis
+//! ≥ 8.4) writes the completed record only where it finds, byte for byte, the in-flight
+//! record that the `begin` of the same token and fingerprint wrote. Runs against the server
+//! at `REDIS_URL` (default 127.0.0.1:6379), a private `valkey-server` and a private Redis
+//! ≥ 8.4, under a key prefix of its own.
 
 #![allow(clippy::unwrap_used)]
 
@@ -14,7 +14,7 @@ use idempotency_actix::{
     BeginOutcome, Fingerprint, IdempotencyKey, IdempotencyStore, LeaseToken, RedisStore,
     StorageKey, StoredResponse,
 };
-use idempotency_actix_tests::{redis_pool, unique_prefix, valkey_pool};
+use idempotency_actix_tests::{redis_pool, redis8_pool, unique_prefix, valkey_pool};
 
 const LEASE: Duration = Duration::from_secs(30);
 const TTL: Duration = Duration::from_secs(60);
@@ -31,6 +31,11 @@ async fn a_commit_with_another_fingerprint_than_its_begin_writes_nothing() {
 #[actix_web::test]
 async fn on_valkey_a_commit_with_another_fingerprint_than_its_begin_writes_nothing() {
     a_commit_is_fenced_by_the_whole_in_flight_record(RedisStore::new(valkey_pool())).await;
+}
+
+#[actix_web::test]
+async fn on_redis_8_a_commit_with_another_fingerprint_than_its_begin_writes_nothing() {
+    a_commit_is_fenced_by_the_whole_in_flight_record(RedisStore::new(redis8_pool())).await;
 }
 
 async fn a_commit_is_fenced_by_the_whole_in_flight_record(store: RedisStore) {

@@ -87,6 +87,12 @@ async fn on_valkey_a_new_key_costs_two_plain_sets() {
     round_trips_on(valkey, &NEW_KEY_BY_CONDITIONAL_SET).await;
 }
 
+#[actix_web::test]
+async fn on_redis_8_a_new_key_costs_two_plain_sets() {
+    let redis = PrivateRedis::start_redis8(&[]).await;
+    round_trips_on(redis, &NEW_KEY_BY_CONDITIONAL_SET).await;
+}
+
 /// Counts the commands of a new key (`new_key`: `begin`'s plain `SET … NX PX … GET`, then
 /// the commit), a replay and unprotected requests on `redis`.
 async fn round_trips_on(redis: PrivateRedis, new_key: &[(&str, u64)]) {

@@ -1,12 +1,13 @@
 //! The backend-agnostic acceptance suite: every store must pass every test here.
 //!
-//! Each test runs once per backend (`memory::…`, `redis::…`, `valkey::…`, `redis_cluster::…`,
-//! `valkey_cluster::…`, `redis_cluster_replicated::…`, `postgres::…`). The Redis runs use the
-//! server at `REDIS_URL` (default 127.0.0.1:6379); the Valkey runs (the same stores,
-//! committing by `SET … IFEQ`) a private `valkey-server` ≥ 8.1, or a cluster of them, that
-//! this test binary starts; the cluster runs a local 6-node cluster this test binary starts
-//! (the replicated run waits for each write to reach the primary's replica); each test under
-//! its own key prefix. The PostgreSQL runs use the server at `DATABASE_URL` (default
+//! Each test runs once per backend (`memory::…`, `redis::…`, `valkey::…`, `redis8::…`,
+//! `redis_cluster::…`, `valkey_cluster::…`, `redis_cluster_replicated::…`, `postgres::…`).
+//! The Redis runs use the server at `REDIS_URL` (default 127.0.0.1:6379); the Valkey runs
+//! (the same stores, committing by `SET … IFEQ`) a private `valkey-server` ≥ 8.1, or a
+//! cluster of them, and the Redis 8 run a private Redis ≥ 8.4, that this test binary starts;
+//! the cluster runs a local 6-node cluster this test binary starts (the replicated run waits
+//! for each write to reach the primary's replica); each test under its own key prefix. The
+//! PostgreSQL runs use the server at `DATABASE_URL` (default
 //! postgres://postgres@127.0.0.1:5432/postgres), each test in a database of its own.
 
 #![allow(clippy::unwrap_used)]
@@ -567,6 +568,11 @@ acceptance_suite!(
 acceptance_suite!(
     valkey,
     idempotency_actix::RedisStore::new(idempotency_actix_tests::valkey_pool())
+);
+// Redis ≥ 8.4: `SET … IFEQ` too, from the server's own prefix (never the one on the PATH).
+acceptance_suite!(
+    redis8,
+    idempotency_actix::RedisStore::new(idempotency_actix_tests::redis8_pool())
 );
 acceptance_suite!(
     postgres,
