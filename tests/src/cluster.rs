@@ -92,6 +92,18 @@ impl RedisCluster {
         SHARED.get_or_init(|| Self::start_nodes(crate::valkey_server()))
     }
 
+    /// A cluster of Redis ≥ 8.4 (see [`redis8_server`](crate::redis8_server)) nodes for
+    /// this test binary, started on first use: its primaries take `SET … IFEQ`.
+    ///
+    /// # Panics
+    ///
+    /// When no Redis ≥ 8.4 is found (with the install hint), or the cluster cannot be
+    /// started (see [`start`](Self::start)).
+    pub fn redis8_shared() -> &'static Self {
+        static SHARED: OnceLock<RedisCluster> = OnceLock::new();
+        SHARED.get_or_init(|| Self::start_nodes(crate::redis8_server()))
+    }
+
     /// Starts the 6 nodes, creates the cluster with `redis-cli --cluster create` and waits
     /// until every node reports `cluster_state:ok`, every replica is in sync and all nodes
     /// agree on which primary serves which slots.

@@ -1,14 +1,15 @@
 //! The backend-agnostic acceptance suite: every store must pass every test here.
 //!
 //! Each test runs once per backend (`memory::…`, `redis::…`, `valkey::…`, `redis8::…`,
-//! `redis_cluster::…`, `valkey_cluster::…`, `redis_cluster_replicated::…`, `postgres::…`).
-//! The Redis runs use the server at `REDIS_URL` (default 127.0.0.1:6379); the Valkey runs
-//! (the same stores, committing by `SET … IFEQ`) a private `valkey-server` ≥ 8.1, or a
-//! cluster of them, and the Redis 8 run a private Redis ≥ 8.4, that this test binary starts;
-//! the cluster runs a local 6-node cluster this test binary starts (the replicated run waits
-//! for each write to reach the primary's replica); each test under its own key prefix. The
-//! PostgreSQL runs use the server at `DATABASE_URL` (default
-//! postgres://postgres@127.0.0.1:5432/postgres), each test in a database of its own.
+//! `redis_cluster::…`, `valkey_cluster::…`, `redis8_cluster::…`,
+//! `redis_cluster_replicated::…`, `postgres::…`). The Redis runs use the server at
+//! `REDIS_URL` (default 127.0.0.1:6379); the Valkey and Redis 8 runs (the same stores,
+//! committing by `SET … IFEQ`) a private `valkey-server` ≥ 8.1 or Redis ≥ 8.4, or a cluster
+//! of them, that this test binary starts; the cluster runs a local 6-node cluster this test
+//! binary starts (the replicated run waits for each write to reach the primary's replica);
+//! each test under its own key prefix. The PostgreSQL runs use the server at `DATABASE_URL`
+//! (default postgres://postgres@127.0.0.1:5432/postgres), each test in a database of its
+//! own.
 
 #![allow(clippy::unwrap_used)]
 
@@ -590,6 +591,13 @@ acceptance_suite!(
     valkey_cluster,
     idempotency_actix::RedisClusterStore::new(
         idempotency_actix_tests::cluster::RedisCluster::valkey_shared().client()
+    )
+);
+// Redis ≥ 8.4 nodes: the same through the cluster connection.
+acceptance_suite!(
+    redis8_cluster,
+    idempotency_actix::RedisClusterStore::new(
+        idempotency_actix_tests::cluster::RedisCluster::redis8_shared().client()
     )
 );
 // A wide wait for the replica: each write is still acknowledged by it (strict), but on a
