@@ -1,5 +1,5 @@
-//! An in-flight record lost while its handler runs, on a private `redis-server` (or
-//! `valkey-server`) whose keys are all deleted meanwhile, where no request takes the key
+//! An in-flight record lost while its handler runs, on a private `redis-server` (Redis 7 or
+//! 8, or a `valkey-server`) whose keys are all deleted meanwhile, where no request takes the key
 //! before the handler ends: its commit finds the key free and writes the completed record
 //! anew, so a retry gets the replay instead of running the handler a second time. (The case
 //! where another request took the key is `redis_lost_record.rs`.)
@@ -31,4 +31,10 @@ async fn a_lost_record_that_no_one_took_is_written_anew_at_commit() {
 #[actix_web::test]
 async fn a_lost_record_that_no_one_took_is_written_anew_at_commit_on_valkey() {
     a_lost_record_that_no_one_took_is_written_anew(PrivateRedis::start_valkey(&[]).await).await;
+}
+
+/// On Redis ≥ 8.4, after the `SET … IFEQ` commit wrote nothing.
+#[actix_web::test]
+async fn a_lost_record_that_no_one_took_is_written_anew_at_commit_on_redis_8() {
+    a_lost_record_that_no_one_took_is_written_anew(PrivateRedis::start_redis8(&[]).await).await;
 }

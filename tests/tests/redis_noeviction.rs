@@ -91,6 +91,13 @@ async fn a_full_valkey_keeps_keys_locked_until_their_commits_land() {
         .await;
 }
 
+/// The same on Redis ≥ 8.4, where the commit is `SET … IFEQ` too.
+#[actix_web::test]
+async fn a_full_redis_8_keeps_keys_locked_until_their_commits_land() {
+    keys_stay_locked_until_their_commits_land(PrivateRedis::start_redis8(&FULL_AT_4_MB).await)
+        .await;
+}
+
 async fn keys_stay_locked_until_their_commits_land(redis: PrivateRedis) {
     let pool = RedisStore::pool(&redis.url()).unwrap();
     let server = FloodServer::start(
