@@ -14,114 +14,31 @@
 //! (503), never freed for a retry to run the handler again; an in-flight record replaced by
 //! a key of another type is reported lost once, not retried for a day.
 //!
-//! The Redis 8.6 server is `REDIS8_SERVER`, else `/opt/redis-8.6/bin/redis-server`.
+//! The Redis 8.6 server is `REDIS8_SERVER`, else `/opt/redis-8.6/bin/redis-server` (see
+//! `idempotency_actix_tests::redis8_server`).
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use actix_web::http::StatusCode;
 use idempotency_actix::{Idempotency, RedisStore};
 use idempotency_actix_tests::{FloodServer, PrivateRedis, keys_under};
 
-/// A Redis ≥ 8.4 server of the test's own, without persistence; killed when dropped.
-struct Redis8 {
-    child: std::process::Child,
-    port: u16,
-}
-
-impl Redis8 {
-    /// Starts one and waits until it answers, and checks that it takes `SET … IFEQ`.
-    ///
-    /// # Panics
-    ///
-    /// When the server is missing, does not answer within 10 s, or has no `SET … IFEQ`.
-    async fn start() -> Self {
-        let server = std::env::var_os("REDIS8_SERVER")
-            .filter(|path| !path.is_empty())
-            .map_or_else(
-                || PathBuf::from("/opt/redis-8.6/bin/redis-server"),
-                PathBuf::from,
-            );
-        for _ in 0..5 {
-            let port = std::net::TcpListener::bind("127.0.0.1:0")
-                .and_then(|listener| listener.local_addr())
-                .expect("a free loopback port")
-                .port();
-            let child = std::process::Command::new(&server)
-                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-                .args(["--save", "", "--appendonly", "no", "--dir"])
-                .arg(std::env::temp_dir())
-                .stdout(std::process::Stdio::null())
-                .spawn()
-                .unwrap_or_else(|error| {
-                    panic!(
-                        "cannot run {} ({error}): these tests need Redis ≥ 8.4; set \
-                         REDIS8_SERVER to its redis-server",
-                        server.display()
-                    )
-                });
-            let mut started = Self { child, port };
-            if started.answers().await {
-                let mut connection = started.connection().await;
-                let taken: redis::RedisResult<()> = redis::cmd("SET")
-                    .arg("ifeq-probe")
-                    .arg("v")
-                    .arg("IFEQ")
-                    .arg("v")
-                    .query_async(&mut connection)
-                    .await;
-                assert!(
-                    taken.is_ok(),
-                    "{} has no SET … IFEQ ({taken:?}): set REDIS8_SERVER to a Redis ≥ 8.4",
-                    server.display()
-                );
-                return started;
-            }
-        }
-        panic!("{} did not start on a free port", server.display());
-    }
-
-    /// Whether its own process answers (false: it exited, its port taken meanwhile).
-    async fn answers(&mut self) -> bool {
-        for _ in 0..100 {
-            if matches!(self.child.try_wait(), Ok(Some(_))) {
-                return false;
-            }
-            let client = redis::Client::open(self.url()).expect("valid URL");
-            if let Ok(mut connection) = client.get_multiplexed_async_connection().await
-                && redis::cmd("PING")
-                    .query_async::<String>(&mut connection)
-                    .await
-                    .is_ok()
-            {
-                return true;
-            }
-            actix_rt::time::sleep(Duration::from_millis(100)).await;
-        }
-        panic!(
-            "redis-server on port {} did not answer within 10 s",
-            self.port
-        );
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    async fn connection(&self) -> redis::aio::MultiplexedConnection {
-        redis::Client::open(self.url())
-            .expect("valid URL")
-            .get_multiplexed_async_connection()
-            .await
-            .expect("the private Redis 8 answers")
-    }
-}
-
-impl Drop for Redis8 {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// A Redis ≥ 8.4 server of the test's own (see [`redis8_server`]), checked to take
+/// `SET … IFEQ`.
+///
+/// # Panics
+///
+/// When no Redis ≥ 8.4 is found (with the install hint), or it does not answer within 10 s.
+///
+/// [`redis8_server`]: idempotency_actix_tests::redis8_server
+async fn redis8() -> PrivateRedis {
+    let redis = PrivateRedis::start_redis8(&[]).await;
+    assert!(
+        redis.takes_conditional_set().await,
+        "the Redis 8 at {} has no SET … IFEQ",
+        redis.url()
+    );
+    redis
 }
 
 /// How long a store refusing a user may take to serve it once it may: its retry interval
@@ -191,8 +108,8 @@ async fn served(app: &FloodServer) {
 /// `FCALL` (though still not `FCALL_RO` nor `FUNCTION`).
 #[actix_web::test]
 async fn a_user_who_may_not_call_functions_is_refused_until_granted_fcall() {
-    let redis = Redis8::start().await;
-    refused_until_granted_fcall(redis.url(), redis.port, redis.connection().await).await;
+    let redis = redis8().await;
+    refused_until_granted_fcall(redis.url(), redis.port(), redis.connection().await).await;
 }
 
 /// The same on Redis 7, where the commit is a function call too.
@@ -229,11 +146,11 @@ async fn refused_until_granted_fcall(
 /// who may loads them.
 #[actix_web::test]
 async fn a_user_who_may_only_fcall_is_refused_until_the_functions_are_loaded() {
-    let redis = Redis8::start().await;
+    let redis = redis8().await;
     let mut admin = redis.connection().await;
     set_app_user(&mut admin, &["-@scripting", "+fcall"]).await;
 
-    let app = app_of(redis.port);
+    let app = app_of(redis.port());
     refused_with_no_run(&app).await;
     load_the_functions(redis.url()).await;
     served(&app).await;
@@ -245,7 +162,7 @@ async fn a_user_who_may_only_fcall_is_refused_until_the_functions_are_loaded() {
 /// handler never runs again (an unreadable record is never a free key).
 #[actix_web::test]
 async fn a_record_overwritten_with_unreadable_bytes_is_never_a_free_key() {
-    let redis = Redis8::start().await;
+    let redis = redis8().await;
     let pool = RedisStore::pool(&redis.url()).expect("a pool");
     let app = FloodServer::start(move || Idempotency::redis(pool.clone()), 64);
     let first = app.post("/orders", "charge-1").await;
@@ -275,7 +192,7 @@ async fn a_record_overwritten_with_unreadable_bytes_is_never_a_free_key() {
 /// the commit for the record's whole ttl. Retries are refused (503), with no second run.
 #[actix_web::test]
 async fn an_in_flight_record_replaced_by_another_type_is_lost_not_retried_for_a_day() {
-    let redis = Redis8::start().await;
+    let redis = redis8().await;
     let pool = RedisStore::pool(&redis.url()).expect("a pool");
     let app = FloodServer::start(move || Idempotency::redis(pool.clone()), 64);
     let Ok(running) = app.start_slow("charge-1").await else {
