@@ -101,6 +101,12 @@ impl Exchange {
 }
 
 impl Acknowledgement {
+    /// No acknowledgement asked for (a test transport's reply).
+    #[cfg(test)]
+    pub(crate) fn none() -> Self {
+        Self(None)
+    }
+
     /// `Ok` unless the exchange waited for replicas, fewer acknowledged than asked, and the
     /// setting is strict (otherwise a warning is logged).
     pub(crate) fn check(self, step: &'static str) -> Result<(), StoreError> {

@@ -514,6 +514,11 @@ pub(crate) enum Unwritten {
     /// and no request holds the key now: the completed record may be written anew
     /// ([`recreate`]), over that marker if any.
     Free(Option<Vec<u8>>),
+    /// This token's own in-flight record, as `begin` wrote it: the commit that wrote nothing
+    /// was answered by a node that no longer served the key (a primary that woke after its
+    /// replica took over, and answered once before learning it), and this read by the one
+    /// that does. The commit is sent again; nothing is lost.
+    StillHeld,
     /// Another request's record (or one this version cannot read): left alone.
     Taken,
 }
@@ -531,6 +536,9 @@ pub(crate) fn unwritten(reply: Value, token: &LeaseToken) -> Result<Unwritten, S
     Ok(match Found::read(&found) {
         Ok(Found::Abandoned { tokens }) if !record::remembers(tokens, token) => {
             Unwritten::Free(Some(found))
+        }
+        Ok(Found::InFlight { token: held, .. }) if held == token.as_str().as_bytes() => {
+            Unwritten::StillHeld
         }
         _ => Unwritten::Taken,
     })
@@ -839,6 +847,11 @@ mod tests {
         );
         assert_eq!(found(completed(&theirs)), Unwritten::Taken);
         assert_eq!(found(record::in_flight(&print, &theirs)), Unwritten::Taken);
+        assert_eq!(
+            found(record::in_flight(&print, &mine)),
+            Unwritten::StillHeld,
+            "our own lock, read from the node that serves the key now"
+        );
         assert_eq!(
             found(record::abandoned(&mine)),
             Unwritten::Taken,

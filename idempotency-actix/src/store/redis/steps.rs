@@ -242,6 +242,7 @@ impl<T: Transport> Steps<'_, T> {
             .await?;
         let completed = match protocol::unwritten(reply.value, token)? {
             Unwritten::Taken => return Ok(false),
+            Unwritten::StillHeld => return Err(answered_elsewhere()),
             Unwritten::CompletedEarlier(completed) => completed,
             Unwritten::Free(mut marker) => {
                 let mut claims = 1;
@@ -266,6 +267,7 @@ impl<T: Transport> Steps<'_, T> {
                             marker = found;
                             claims += 1;
                         }
+                        Some(Unwritten::StillHeld) => return Err(answered_elsewhere()),
                         // Another request took the key meanwhile.
                         Some(_) => return Ok(false),
                     }
@@ -330,6 +332,20 @@ impl<T: Transport> Steps<'_, T> {
             .await?;
         inspection::deletion(reply.value)
     }
+}
+
+/// A commit that wrote nothing, after which the key still holds this token's in-flight
+/// record, exactly what the commit compared with: two nodes answered for the key (on a
+/// cluster, a primary that woke after its replica was promoted runs the commands queued for
+/// it before it learns so, then answers `MOVED`). Neither lost nor taken: the commit is
+/// retried (in the background, the lease renewed meanwhile), where it lands on the node that
+/// serves the key.
+#[derive(Debug, thiserror::Error)]
+#[error("commit answered by a node that no longer serves the key; the record is still held")]
+struct AnsweredElsewhere;
+
+fn answered_elsewhere() -> StoreError {
+    StoreError::Unavailable(Box::new(AnsweredElsewhere))
 }
 
 /// Decodes the reply to `renew`, `release` or `abandon`: a key of another type is one the
@@ -430,3 +446,78 @@ macro_rules! idempotency_store_on_steps {
 }
 
 pub(crate) use idempotency_store_on_steps;
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+
+    use actix_web::http::StatusCode;
+    use actix_web::web::Bytes;
+
+    use super::*;
+    use crate::key::IdempotencyKey;
+    use crate::store::redis::exchange::Acknowledgement;
+    use crate::store::redis::record;
+
+    /// A transport that answers each request with the next of `replies`, whatever it is.
+    struct Scripted {
+        replies: RefCell<Vec<redis::Value>>,
+    }
+
+    impl Transport for Scripted {
+        async fn send(&self, _exchange: &Exchange) -> Result<Reply, StoreError> {
+            let value = self.replies.borrow_mut().remove(0);
+            Ok(Reply {
+                value,
+                replication: Acknowledgement::none(),
+            })
+        }
+    }
+
+    /// A Redis Cluster primary stopped (SIGSTOP) while a commit waited for it, its replica
+    /// promoted meanwhile: on waking it ran the commits queued for it before learning it
+    /// was demoted, so a resent `SET … IFEQ` found the record its first send completed
+    /// there and wrote nothing, and the read that followed went to the new primary, which
+    /// still holds the request's in-flight record. Taken for "not held", the commit was
+    /// given up, its lease no longer renewed, and once that lease ran out a retry ran the
+    /// handler again. It is an error now, so the commit is retried (lease renewed).
+    #[actix_rt::test]
+    async fn an_unwritten_commit_that_finds_its_own_lock_is_retried_not_given_up() {
+        let key = StorageKey::new(
+            "idem:",
+            b"",
+            &IdempotencyKey::parse(b"order-1").expect("a valid key"),
+        );
+        let fingerprint = Fingerprint::from_bytes([7; 32]);
+        let token = LeaseToken::generate();
+        let response = StoredResponse {
+            status: StatusCode::CREATED,
+            headers: Vec::new(),
+            body: Some(Bytes::from_static(b"{}")),
+        };
+        let own_lock = record::in_flight(&fingerprint, &token);
+        let transport = Scripted {
+            // The commit wrote nothing; the read finds this token's own in-flight record.
+            replies: RefCell::new(vec![redis::Value::Nil, redis::Value::BulkString(own_lock)]),
+        };
+        let conditional_set = ConditionalSet::default();
+        let steps = Steps {
+            transport: &transport,
+            replication: None,
+            conditional_set: &conditional_set,
+        };
+        let committed = steps
+            .commit(
+                &key,
+                &fingerprint,
+                &token,
+                &response,
+                Duration::from_secs(60),
+            )
+            .await;
+        assert!(
+            matches!(committed, Err(StoreError::Unavailable(_))),
+            "a commit whose record is still held must be retried, not reported lost: {committed:?}"
+        );
+    }
+}
