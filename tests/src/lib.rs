@@ -3,7 +3,6 @@
 
 pub mod cluster;
 pub mod keyed_app;
-pub mod replica_sync;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -15,6 +14,7 @@ mod faulty_store;
 mod flood;
 mod gated_routes;
 mod proxy;
+mod replica_sync;
 mod servers;
 mod test_redis;
 
@@ -297,18 +297,20 @@ impl PrivateRedis {
         );
     }
 
-    /// Starts one as a replica of `primary` and waits until it is in sync with it.
+    /// Starts one as a replica of `primary` and waits until it has caught up as its
+    /// primary's `WAIT` counts it, so that a test's first replicated write may follow at
+    /// once (its link up is not enough: until the replica's first acknowledgement, a `WAIT`
+    /// counts no replica).
     ///
     /// # Panics
     ///
-    /// When it does not start, or is not in sync within 10 s.
+    /// When it does not start, or has not caught up within 20 s.
     pub async fn start_replica_of(primary: &PrivateRedis) -> Self {
         let extra_args = vec![
             "--replicaof".to_owned(),
             "127.0.0.1".to_owned(),
             primary.port.to_string(),
         ];
-        let mut replica = None;
         for _ in 0..PORT_TRIES {
             let port = free_loopback_port();
             let mut started = Self {
@@ -318,26 +320,11 @@ impl PrivateRedis {
                 extra_args: extra_args.clone(),
             };
             if started.wait_until_it_answers().await {
-                replica = Some(started);
-                break;
+                replica_sync::wait_until_in_sync(primary, &started).await;
+                return started;
             }
         }
-        let replica = replica.unwrap_or_else(|| {
-            panic!("the replica could not listen on any of {PORT_TRIES} free loopback ports")
-        });
-        let port = replica.port;
-        for _ in 0..100 {
-            let info: String = redis::cmd("INFO")
-                .arg("replication")
-                .query_async(&mut replica.connection().await)
-                .await
-                .expect("INFO replication");
-            if info.contains("master_link_status:up") {
-                return replica;
-            }
-            actix_rt::time::sleep(std::time::Duration::from_millis(100)).await;
-        }
-        panic!("the replica on port {port} did not sync within 10 s");
+        panic!("the replica could not listen on any of {PORT_TRIES} free loopback ports");
     }
 
     /// Kills the server (like a crash: nothing is kept, it keeps nothing on disk).

@@ -1,13 +1,12 @@
 //! A replica in sync as its primary's `WAIT` counts it, before a test's first replicated
-//! write.
+//! write: what [`PrivateRedis::start_replica_of`] waits for.
 //!
-//! [`PrivateRedis::start_replica_of`] returns once the replica reports its link up, but after
-//! a diskless sync the primary lists the replica online (with an acknowledged offset of 0)
-//! and holds back the replication stream, the `GETACK` of a `WAIT` included, until the
-//! replica's first acknowledgement arrives: its once-a-second `REPLCONF ACK`. A `WAIT` of a
-//! few hundred milliseconds in that window reports no replica at all (a `NotReplicated {
-//! acknowledged: 0 }` error, a 503), and on a fresh primary, whose offset is still 0, the
-//! offsets alone do not show the window.
+//! The replica's link up is not enough: after a diskless sync the primary lists the replica
+//! online (with an acknowledged offset of 0) and holds back the replication stream, the
+//! `GETACK` of a `WAIT` included, until the replica's first acknowledgement arrives: its
+//! once-a-second `REPLCONF ACK`. A `WAIT` of a few hundred milliseconds in that window
+//! reports no replica at all (a `NotReplicated { acknowledged: 0 }` error, a 503), and on a
+//! fresh primary, whose offset is still 0, the offsets alone do not show the window.
 
 use std::time::{Duration, Instant};
 
@@ -17,17 +16,6 @@ use crate::PrivateRedis;
 /// its offset once a second).
 const CATCH_UP_WITHIN: Duration = Duration::from_secs(20);
 
-/// Starts a replica of `primary` and waits until it has caught up (see [`wait_until_in_sync`]).
-///
-/// # Panics
-///
-/// When it does not start, or has not caught up within 20 s.
-pub async fn start_replica_in_sync(primary: &PrivateRedis) -> PrivateRedis {
-    let replica = PrivateRedis::start_replica_of(primary).await;
-    wait_until_in_sync(primary, &replica).await;
-    replica
-}
-
 /// Waits until `replica` has caught up with `primary`: once a write (a `PUBLISH`, which
 /// touches no key) has moved the primary's replication offset on, the replica reports its
 /// link up (`master_link_status:up`) and that offset as its own, and the primary lists it
@@ -36,7 +24,7 @@ pub async fn start_replica_in_sync(primary: &PrivateRedis) -> PrivateRedis {
 /// # Panics
 ///
 /// When it has not caught up within 20 s, with what both last said.
-pub async fn wait_until_in_sync(primary: &PrivateRedis, replica: &PrivateRedis) {
+pub(crate) async fn wait_until_in_sync(primary: &PrivateRedis, replica: &PrivateRedis) {
     let _: i64 = redis::cmd("PUBLISH")
         .arg("idempotency-actix-tests:replica-sync")
         .arg("")

@@ -21,7 +21,6 @@ use idempotency_actix::{
     ReplicatedWrites,
 };
 use idempotency_actix_tests::cluster::RedisCluster;
-use idempotency_actix_tests::replica_sync::start_replica_in_sync;
 use idempotency_actix_tests::{FloodServer, PrivateRedis};
 use redis::aio::MultiplexedConnection;
 
@@ -196,7 +195,7 @@ impl ReplicatedWithAUserWhoCannotLoad {
 
     async fn start() -> Self {
         let redis = PrivateRedis::start().await;
-        let replica = start_replica_in_sync(&redis).await;
+        let replica = PrivateRedis::start_replica_of(&redis).await;
         let admin = add_the_user_who_cannot_load(&redis).await;
         let store = Self::store_of(&redis.url(), "the default user");
         let loader = FloodServer::start(move || Idempotency::new(store()), 64);

@@ -3,7 +3,7 @@
 //! (503, the handler does not run) while replays go on, and `or_warn` goes on. The
 //! cluster store runs the same protocol in `redis_cluster_failover` and the acceptance
 //! suite. Each replica has acknowledged a write before the test's first request
-//! ([`start_replica_in_sync`]): until then its primary holds back the stream to a replica
+//! ([`PrivateRedis::start_replica_of`] waits for it): until then its primary holds back the stream to a replica
 //! that just synced, and a `WAIT` counts no replica (a flaky 503 under load).
 
 #![allow(clippy::unwrap_used)]
@@ -17,7 +17,6 @@ use idempotency_actix::{
     RedisStore, ReplicatedWrites, StorageKey, StoredResponse,
 };
 use idempotency_actix_tests::keyed_app::{KeyedApp, RunsByKey};
-use idempotency_actix_tests::replica_sync::start_replica_in_sync;
 use idempotency_actix_tests::{PrivateRedis, keys_under, unique_prefix};
 
 fn app(primary: &PrivateRedis, writes: ReplicatedWrites, runs: &RunsByKey) -> (KeyedApp, String) {
@@ -41,7 +40,7 @@ const WAIT: Duration = Duration::from_millis(200);
 #[actix_web::test]
 async fn with_the_replica_up_the_record_is_on_it_when_the_response_arrives() {
     let primary = PrivateRedis::start().await;
-    let replica = start_replica_in_sync(&primary).await;
+    let replica = PrivateRedis::start_replica_of(&primary).await;
     let runs = RunsByKey::default();
     let (app, prefix) = app(&primary, ReplicatedWrites::new(1, WAIT), &runs);
 
@@ -71,7 +70,7 @@ async fn with_the_replica_up_the_record_is_on_it_when_the_response_arrives() {
 #[actix_web::test]
 async fn the_longest_timeout_is_one_redis_accepts() {
     let primary = PrivateRedis::start().await;
-    let _replica = start_replica_in_sync(&primary).await;
+    let _replica = PrivateRedis::start_replica_of(&primary).await;
     let runs = RunsByKey::default();
     let longest = ReplicatedWrites::new(1, idempotency_actix::MAX_DURATION);
     let (app, _prefix) = app(&primary, longest, &runs);
@@ -87,7 +86,7 @@ async fn the_longest_timeout_is_one_redis_accepts() {
 #[actix_web::test]
 async fn strict_refuses_new_keys_while_the_replica_is_down_and_replays_go_on() {
     let primary = PrivateRedis::start().await;
-    let mut replica = start_replica_in_sync(&primary).await;
+    let mut replica = PrivateRedis::start_replica_of(&primary).await;
     let runs = RunsByKey::default();
     let (app, _prefix) = app(&primary, ReplicatedWrites::new(1, WAIT), &runs);
     let done = app.post("done").await.unwrap();
@@ -102,7 +101,7 @@ async fn strict_refuses_new_keys_while_the_replica_is_down_and_replays_go_on() {
     assert!(replay.is_replay(), "replays need no replica: {replay:?}");
 
     // Once a replica is back, the refused key runs (its lock was released).
-    let _replica = start_replica_in_sync(&primary).await;
+    let _replica = PrivateRedis::start_replica_of(&primary).await;
     let created = app.create("new", 40).await.expect("served once replicated");
     assert!(!created.reply.is_replay());
     assert_eq!(runs.of("new"), 1);
@@ -157,7 +156,7 @@ async fn a_begin_its_replicas_refused_leaves_no_lock_behind() {
 #[actix_web::test]
 async fn or_warn_goes_on_while_the_replica_is_down() {
     let primary = PrivateRedis::start().await;
-    let mut replica = start_replica_in_sync(&primary).await;
+    let mut replica = PrivateRedis::start_replica_of(&primary).await;
     replica.stop();
     let runs = RunsByKey::default();
     let (app, _prefix) = app(&primary, ReplicatedWrites::new(1, WAIT).or_warn(), &runs);
@@ -207,7 +206,7 @@ impl StalledReplica {
             Server::Valkey | Server::ValkeyByFunction => PrivateRedis::start_valkey(&[]).await,
             Server::Redis7 => PrivateRedis::start().await,
         };
-        let replica = start_replica_in_sync(&primary).await;
+        let replica = PrivateRedis::start_replica_of(&primary).await;
         let mut store = RedisStore::new(RedisStore::pool(&primary.url()).unwrap())
             .replicated_writes(ReplicatedWrites::new(1, Duration::from_millis(300)));
         if let Server::ValkeyByFunction = server {
