@@ -22,7 +22,7 @@ pub use faulty_store::FaultyStore;
 pub use flood::FloodServer;
 pub use gated_routes::GatedRoutes;
 pub use proxy::MovableAddress;
-pub use servers::{redis8_server, redis8_url, valkey_server, valkey_url};
+pub use servers::{redis7_server, redis8_server, redis8_url, valkey_server, valkey_url};
 
 /// What to do when the test Redis does not answer, printed whenever a test cannot reach it
 /// (with `REDIS_URL` unset the tests start their own server, so this names the variable).
@@ -275,6 +275,17 @@ impl PrivateRedis {
     /// 10 s.
     pub async fn start_redis8(extra_args: &[&str]) -> Self {
         Self::start_server(redis8_server(), extra_args).await
+    }
+
+    /// Starts a Redis without `SET … IFEQ` (7.0 to 8.2, see [`redis7_server`]), which
+    /// commits by function, with these arguments on top of the defaults, and waits until it
+    /// answers `PING`: for the tests of that commit, whatever `redis-server` the `PATH` has.
+    ///
+    /// # Panics
+    ///
+    /// When none is found (with the install hint), or it does not start within 10 s.
+    pub async fn start_redis7(extra_args: &[&str]) -> Self {
+        Self::start_server(redis7_server(), extra_args).await
     }
 
     async fn start_server(server: PathBuf, extra_args: &[&str]) -> Self {

@@ -10,8 +10,12 @@
 //! `/opt/redis-8.6/bin/redis-server`, where `.ci/install-redis8` builds it from Debian's
 //! source package, else the `redis-server` on the `PATH` if it is ≥ 8.4.
 //!
-//! A missing or older binary fails the tests that need it, with the install hint; they never
-//! pass silently.
+//! The tests of the commit by function, which such a server does not use, need a Redis
+//! without `SET … IFEQ` (7.0 to 8.2) instead: `REDIS7_SERVER` when set, else the
+//! `redis-server` on the `PATH` if it is one (Debian 12's is Redis 7.0).
+//!
+//! A missing, older or (for `REDIS7_SERVER`) newer binary fails the tests that need it, with
+//! the install hint; they never pass silently.
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -24,8 +28,10 @@ struct Wanted {
     variable: &'static str,
     /// Where it is looked for when the variable is unset, in order.
     candidates: &'static [&'static str],
-    /// The oldest version with `SET … IFEQ`.
+    /// The oldest version accepted.
     min_version: (u32, u32),
+    /// The first version too new, for a server wanted without `SET … IFEQ`.
+    too_new: Option<(u32, u32)>,
     /// What to do when no suitable binary is found.
     install: &'static str,
 }
@@ -35,6 +41,7 @@ const VALKEY: Wanted = Wanted {
     variable: "VALKEY_SERVER",
     candidates: &["valkey-server"],
     min_version: (8, 1),
+    too_new: None,
     install: "install valkey-server ≥ 8.1 (Debian ≥ 13: apt-get install -y valkey-server; \
               older systems: .ci/install-valkey builds it from Debian's source package), or \
               set VALKEY_SERVER to its path",
@@ -45,9 +52,21 @@ const REDIS8: Wanted = Wanted {
     variable: "REDIS8_SERVER",
     candidates: &["/opt/redis-8.6/bin/redis-server", "redis-server"],
     min_version: (8, 4),
+    too_new: None,
     install: "install a redis-server ≥ 8.4 in a prefix of its own (.ci/install-redis8 builds \
               Redis 8.6 from Debian's source package into /opt/redis-8.6), or set \
               REDIS8_SERVER to its path",
+};
+
+const REDIS7: Wanted = Wanted {
+    name: "Redis",
+    variable: "REDIS7_SERVER",
+    candidates: &["redis-server"],
+    min_version: (7, 0),
+    too_new: Some((8, 4)),
+    install: "install a redis-server without SET … IFEQ (Redis 7.0 to 8.2; Debian 12: apt-get \
+              install -y redis-server) and put it first on the PATH, or set REDIS7_SERVER to \
+              its path",
 };
 
 impl Wanted {
@@ -77,8 +96,12 @@ impl Wanted {
                 Err(problem) => problems.push(problem),
             }
         }
+        let below = self
+            .too_new
+            .map(|(major, minor)| format!(" and < {major}.{minor}"))
+            .unwrap_or_default();
         panic!(
-            "no {} ≥ {}.{} ({}); {}",
+            "no {} ≥ {}.{}{below} ({}); {}",
             self.name,
             self.min_version.0,
             self.min_version.1,
@@ -105,7 +128,18 @@ impl Wanted {
         }
         if version < self.min_version {
             return Err(format!(
-                "{} is {} {}.{}, without SET … IFEQ",
+                "{} is {} {}.{}, older than {}.{}",
+                server.display(),
+                self.name,
+                version.0,
+                version.1,
+                self.min_version.0,
+                self.min_version.1
+            ));
+        }
+        if self.too_new.is_some_and(|too_new| version >= too_new) {
+            return Err(format!(
+                "{} is {} {}.{}, with SET … IFEQ",
                 server.display(),
                 self.name,
                 version.0,
@@ -135,6 +169,17 @@ pub fn valkey_server() -> PathBuf {
 pub fn redis8_server() -> PathBuf {
     static SERVER: OnceLock<PathBuf> = OnceLock::new();
     SERVER.get_or_init(|| REDIS8.find()).clone()
+}
+
+/// A `redis-server` binary without `SET … IFEQ` (Redis 7.0 to 8.2) for the tests of the
+/// commit by function, found once per test process (see the module's documentation).
+///
+/// # Panics
+///
+/// When none is found, with the install hint.
+pub fn redis7_server() -> PathBuf {
+    static SERVER: OnceLock<PathBuf> = OnceLock::new();
+    SERVER.get_or_init(|| REDIS7.find()).clone()
 }
 
 /// The URL of a private Valkey that this test process starts on first use (on a free

@@ -112,10 +112,11 @@ async fn a_user_who_may_not_call_functions_is_refused_until_granted_fcall() {
     refused_until_granted_fcall(redis.url(), redis.port(), redis.connection().await).await;
 }
 
-/// The same on Redis 7, where the commit is a function call too.
+/// The same on Redis 7 (a server without `SET … IFEQ`, whatever the `PATH`'s `redis-server`
+/// is), where the commit is a function call too.
 #[actix_web::test]
 async fn a_redis_7_user_who_may_not_call_functions_is_refused_until_granted_fcall() {
-    let redis = PrivateRedis::start().await;
+    let redis = PrivateRedis::start_redis7(&[]).await;
     refused_until_granted_fcall(redis.url(), redis.port(), redis.connection().await).await;
 }
 

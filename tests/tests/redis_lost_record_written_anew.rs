@@ -21,10 +21,11 @@ async fn a_lost_record_that_no_one_took_is_written_anew(redis: PrivateRedis) {
     assert_eq!(server.slow_runs.get(), 1, "the handler ran once");
 }
 
-/// On Redis 7, after the function commit answered "not held".
+/// On Redis 7 (a server without `SET … IFEQ`, whatever the `PATH`'s `redis-server` is),
+/// after the function commit answered "not held".
 #[actix_web::test]
 async fn a_lost_record_that_no_one_took_is_written_anew_at_commit() {
-    a_lost_record_that_no_one_took_is_written_anew(PrivateRedis::start().await).await;
+    a_lost_record_that_no_one_took_is_written_anew(PrivateRedis::start_redis7(&[]).await).await;
 }
 
 /// On Valkey ≥ 8.1, after the `SET … IFEQ` commit wrote nothing.

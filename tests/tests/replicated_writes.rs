@@ -192,7 +192,9 @@ enum Server {
     /// Valkey ≥ 8.1 with commits by function: what Redis 7.2 to 8.2 and Valkey before 8.1
     /// are, no `IFEQ` and a `WAIT` that counts the connection's own writes.
     ValkeyByFunction,
-    /// Redis 7.0: commits by function; `WAIT` counts the server's replication offset.
+    /// Redis without `IFEQ` ([`PrivateRedis::start_redis7`], whatever the `PATH`'s
+    /// `redis-server` is): commits by function; on Redis 7.0 `WAIT` counts the server's
+    /// replication offset.
     Redis7,
 }
 
@@ -204,7 +206,7 @@ impl StalledReplica {
     ) -> (Self, actix_rt::task::JoinHandle<()>) {
         let primary = match server {
             Server::Valkey | Server::ValkeyByFunction => PrivateRedis::start_valkey(&[]).await,
-            Server::Redis7 => PrivateRedis::start().await,
+            Server::Redis7 => PrivateRedis::start_redis7(&[]).await,
         };
         let replica = PrivateRedis::start_replica_of(&primary).await;
         let mut store = RedisStore::new(RedisStore::pool(&primary.url()).unwrap())
