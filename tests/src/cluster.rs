@@ -104,6 +104,18 @@ impl RedisCluster {
         SHARED.get_or_init(|| Self::start_nodes(crate::redis8_server()))
     }
 
+    /// A cluster of Redis nodes without `SET … IFEQ` (7.0 to 8.2, see
+    /// [`redis7_server`](crate::redis7_server)), started like [`start`](Self::start): its
+    /// primaries commit by function, whatever the `PATH`'s `redis-server` is.
+    ///
+    /// # Panics
+    ///
+    /// When no such Redis is found (with the install hint), or the cluster cannot be
+    /// started.
+    pub fn start_redis7() -> Self {
+        Self::start_nodes(crate::redis7_server())
+    }
+
     /// Starts the 6 nodes, creates the cluster with `redis-cli --cluster create` and waits
     /// until every node reports `cluster_state:ok`, every replica is in sync and all nodes
     /// agree on which primary serves which slots.

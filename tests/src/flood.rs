@@ -11,17 +11,21 @@ use idempotency_actix::{Idempotency, IdempotencyPolicy, RedisStore};
 
 use crate::{Gate, PrivateRedis, Reply, RunCounter};
 
-/// A server under one `Idempotency` (protecting `POST`) with two routes:
+/// A server under one `Idempotency` (protecting `POST`) with three routes:
 ///
 /// * `POST /orders`: 201 with a `Location` and a JSON body padded to `body_bytes`;
 /// * `POST /slow`: counts its run, waits at [`gate`](Self::gate) (or until
-///   [`release_slow_run`](Self::release_slow_run) lets its run through), then answers 201.
+///   [`release_slow_run`](Self::release_slow_run) lets its run through), then answers 201;
+/// * `POST /fail`: counts its run and answers 500, which is not stored: its key is given
+///   back (the Redis store's `release` function, on every server).
 pub struct FloodServer {
     server: actix_test::TestServer,
     /// Runs of `/orders`.
     pub runs: RunCounter,
     /// Runs of `/slow`.
     pub slow_runs: RunCounter,
+    /// Runs of `/fail`.
+    pub failed_runs: RunCounter,
     /// Where `/slow` handlers wait.
     pub gate: Gate,
     /// The runs of `/slow` let through one by one, by their number (1 for the first).
@@ -39,6 +43,9 @@ impl SlowReleases {
 
 #[derive(Clone)]
 struct SlowRuns(RunCounter);
+
+#[derive(Clone)]
+struct FailedRuns(RunCounter);
 
 #[derive(Clone, Copy)]
 struct BodyBytes(usize);
@@ -67,6 +74,11 @@ async fn slow_create(
     HttpResponse::Created().json(serde_json::json!({ "slow": seq }))
 }
 
+async fn fail(runs: web::Data<FailedRuns>) -> HttpResponse {
+    let seq = runs.0.record();
+    HttpResponse::InternalServerError().json(serde_json::json!({ "failed": seq }))
+}
+
 impl FloodServer {
     /// Starts one; `idempotency` makes each worker's middleware, `body_bytes` pads the
     /// bodies of `/orders`.
@@ -74,16 +86,18 @@ impl FloodServer {
         idempotency: impl Fn() -> Idempotency + Clone + Send + 'static,
         body_bytes: usize,
     ) -> Self {
-        let (runs, slow_runs, gate, released) = (
+        let (runs, slow_runs, failed_runs, gate, released) = (
+            RunCounter::default(),
             RunCounter::default(),
             RunCounter::default(),
             Gate::default(),
             SlowReleases::default(),
         );
         let server = {
-            let (runs, slow_runs, gate, released) = (
+            let (runs, slow_runs, failed_runs, gate, released) = (
                 runs.clone(),
                 slow_runs.clone(),
+                failed_runs.clone(),
                 gate.clone(),
                 released.clone(),
             );
@@ -91,18 +105,21 @@ impl FloodServer {
                 App::new()
                     .app_data(web::Data::new(runs.clone()))
                     .app_data(web::Data::new(SlowRuns(slow_runs.clone())))
+                    .app_data(web::Data::new(FailedRuns(failed_runs.clone())))
                     .app_data(web::Data::new(gate.clone()))
                     .app_data(web::Data::new(released.clone()))
                     .app_data(web::Data::new(BodyBytes(body_bytes)))
                     .wrap(idempotency().protect_methods([Method::POST]))
                     .route("/orders", web::post().to(create))
                     .route("/slow", web::post().to(slow_create))
+                    .route("/fail", web::post().to(fail))
             })
         };
         Self {
             server,
             runs,
             slow_runs,
+            failed_runs,
             gate,
             released,
         }

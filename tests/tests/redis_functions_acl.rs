@@ -129,14 +129,39 @@ async fn a_cluster_user_who_cannot_load_the_functions_is_refused_until_they_are_
 
 /// The functions deleted from the server under a connection the store already uses
 /// (`FUNCTION FLUSH`, `FUNCTION DELETE`), for a user who may not load them again: the step
-/// that finds them missing cannot fence its commit, so its key stays locked for a lease and
-/// a retry then runs the handler again. The requests after it are refused with 503 before
-/// any handler runs, as where the functions were missing when the connection opened, rather
-/// than each running its handler and leaving its key to run again.
+/// that finds them missing has run its handler unfenced. The requests after it are refused
+/// with 503 before any handler runs, as where the functions were missing when the
+/// connection opened, rather than each running its handler and leaving its key to run
+/// again. The first step to need them is the release of a failed request's key, on every
+/// server.
 #[actix_web::test]
 async fn functions_deleted_under_an_open_connection_refuse_the_requests_after_the_first() {
     let _alone = ONE_AT_A_TIME.lock().await;
-    let redis = PrivateRedis::start().await;
+    deleted_under_an_open_connection(PrivateRedis::start().await, FirstStep::Release).await;
+}
+
+/// The same on Redis 8.6, whose `begin` and commit (`SET … IFEQ`) need no function: the
+/// requests served after the deletion until a step needs them run fenced.
+#[actix_web::test]
+async fn on_redis_8_functions_deleted_under_an_open_connection_refuse_the_requests_after_the_first()
+{
+    let _alone = ONE_AT_A_TIME.lock().await;
+    deleted_under_an_open_connection(PrivateRedis::start_redis8(&[]).await, FirstStep::Release)
+        .await;
+}
+
+/// The same on Redis 7, where the commit of a request served is the first step to find
+/// them missing: that request's handler has run, unfenced.
+#[actix_web::test]
+async fn on_redis_7_functions_deleted_under_an_open_connection_are_found_by_the_commit() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    deleted_under_an_open_connection(PrivateRedis::start_redis7(&[]).await, FirstStep::Commit)
+        .await;
+}
+
+/// The functions loaded on `redis` by an app of the default user, then deleted under the
+/// connection of an app of the user who may not load them, `first` the first request after.
+async fn deleted_under_an_open_connection(redis: PrivateRedis, first: FirstStep) {
     let mut admin = add_the_user_who_cannot_load(&redis).await;
     let admin_pool = RedisStore::pool(&redis.url()).expect("a pool for the default user");
     let loader = FloodServer::start(move || Idempotency::redis(admin_pool.clone()), 64);
@@ -147,7 +172,7 @@ async fn functions_deleted_under_an_open_connection_refuse_the_requests_after_th
 
     let pool = RedisStore::pool(&url_of(&redis, "app")).expect("a pool for the app user");
     let app = FloodServer::start(move || Idempotency::redis(pool.clone()), 64);
-    only_the_request_that_finds_them_gone_runs(&app, async {
+    only_the_request_that_finds_them_gone_runs(&app, first, async {
         let _: () = redis::cmd("FUNCTION")
             .arg("FLUSH")
             .query_async(&mut admin)
@@ -163,10 +188,26 @@ async fn functions_deleted_under_an_open_connection_refuse_the_requests_after_th
 #[actix_web::test]
 async fn functions_deleted_under_open_replicated_connections_refuse_the_requests_after_the_first() {
     let _alone = ONE_AT_A_TIME.lock().await;
-    let mut replicated = ReplicatedWithAUserWhoCannotLoad::start().await;
+    deleted_under_open_replicated_connections(PrivateRedis::start().await, FirstStep::Release)
+        .await;
+}
+
+/// The same on Redis 7, where the commit, on a spare connection, finds them missing.
+#[actix_web::test]
+async fn on_redis_7_functions_deleted_under_open_replicated_connections_are_found_by_the_commit() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    deleted_under_open_replicated_connections(
+        PrivateRedis::start_redis7(&[]).await,
+        FirstStep::Commit,
+    )
+    .await;
+}
+
+async fn deleted_under_open_replicated_connections(redis: PrivateRedis, first: FirstStep) {
+    let mut replicated = ReplicatedWithAUserWhoCannotLoad::start(redis).await;
     let store = replicated.app_store();
     let app = FloodServer::start(move || Idempotency::new(store()), 64);
-    only_the_request_that_finds_them_gone_runs(&app, async {
+    only_the_request_that_finds_them_gone_runs(&app, first, async {
         let _: () = redis::cmd("FUNCTION")
             .arg("FLUSH")
             .query_async(&mut replicated.admin)
@@ -193,8 +234,8 @@ impl ReplicatedWithAUserWhoCannotLoad {
     /// The replicated writes of every store of these tests.
     const WRITES: ReplicatedWrites = ReplicatedWrites::new(1, Duration::from_secs(1));
 
-    async fn start() -> Self {
-        let redis = PrivateRedis::start().await;
+    /// With `redis` as the primary.
+    async fn start(redis: PrivateRedis) -> Self {
         let replica = PrivateRedis::start_replica_of(&redis).await;
         let admin = add_the_user_who_cannot_load(&redis).await;
         let store = Self::store_of(&redis.url(), "the default user");
@@ -230,7 +271,17 @@ impl ReplicatedWithAUserWhoCannotLoad {
 #[actix_web::test]
 async fn functions_deleted_under_an_open_cluster_connection_refuse_the_requests_after_the_first() {
     let _alone = ONE_AT_A_TIME.lock().await;
-    let cluster = RedisCluster::start();
+    deleted_under_an_open_cluster_connection(RedisCluster::start(), FirstStep::Release).await;
+}
+
+/// The same on a Redis 7 cluster, where the commit finds them missing.
+#[actix_web::test]
+async fn on_redis_7_functions_deleted_under_an_open_cluster_connection_are_found_by_the_commit() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    deleted_under_an_open_cluster_connection(RedisCluster::start_redis7(), FirstStep::Commit).await;
+}
+
+async fn deleted_under_an_open_cluster_connection(cluster: RedisCluster, first: FirstStep) {
     let client = add_the_user_who_cannot_load_to_the_cluster(&cluster);
     let admin_client = cluster.client();
     let loader = FloodServer::start(move || Idempotency::redis_cluster(admin_client.clone()), 64);
@@ -240,7 +291,7 @@ async fn functions_deleted_under_an_open_cluster_connection_refuse_the_requests_
     );
 
     let app = FloodServer::start(move || Idempotency::redis_cluster(client.clone()), 64);
-    only_the_request_that_finds_them_gone_runs(&app, async {
+    only_the_request_that_finds_them_gone_runs(&app, first, async {
         for primary in cluster.primaries() {
             let _: () = redis::cmd("FUNCTION")
                 .arg("FLUSH")
@@ -251,33 +302,57 @@ async fn functions_deleted_under_an_open_cluster_connection_refuse_the_requests_
     .await;
 }
 
+/// The first keyed request after the functions are deleted, whose step finds them missing.
+#[derive(Clone, Copy, Debug)]
+enum FirstStep {
+    /// `POST /fail`, whose 500 is not stored: its key is given back by the `release`
+    /// function, on every server. (A request served would be committed by a plain
+    /// `SET … IFEQ` on Valkey ≥ 8.1 and Redis ≥ 8.4, which needs no function.)
+    Release,
+    /// `POST /orders`, served: its commit is a function call on a server without `IFEQ`
+    /// (Redis 7).
+    Commit,
+}
+
 /// A key served and replayed by `app`, then the functions deleted (`flush`) under the
-/// connections it uses, for a user who may not load them: the request whose commit finds
-/// them missing has run its handler (its response goes out all the same), and the next
-/// keyed requests get 503 with no handler run.
+/// connections it uses, for a user who may not load them: the request `first` whose step
+/// finds them missing has run its handler (its response goes out all the same), and the
+/// next keyed requests get 503 with no handler run.
 async fn only_the_request_that_finds_them_gone_runs(
     app: &FloodServer,
+    first: FirstStep,
     flush: impl std::future::Future<Output = ()>,
 ) {
     let served = app.post("/orders", "served").await;
     assert_eq!(served.status, StatusCode::CREATED, "{served:?}");
     assert!(app.post("/orders", "served").await.is_replay());
     flush.await;
-    let found = app.post("/orders", "found-missing").await;
-    assert_eq!(found.status, StatusCode::CREATED, "{found:?}");
-    assert_eq!(app.runs.get(), 2);
+    // The runs of `/orders` and of `/fail` so far.
+    let runs = match first {
+        FirstStep::Release => {
+            let found = app.post("/fail", "found-missing").await;
+            assert_eq!(found.status, StatusCode::INTERNAL_SERVER_ERROR, "{found:?}");
+            (1, 1)
+        }
+        FirstStep::Commit => {
+            let found = app.post("/orders", "found-missing").await;
+            assert_eq!(found.status, StatusCode::CREATED, "{found:?}");
+            (2, 0)
+        }
+    };
+    assert_eq!((app.runs.get(), app.failed_runs.get()), runs);
     for i in 0..5 {
         let key = format!("after-{i}");
         let refused = app.post("/orders", &key).await;
         assert_eq!(
             refused.status,
             StatusCode::SERVICE_UNAVAILABLE,
-            "{key}: {refused:?}"
+            "{first:?}, {key}: {refused:?}"
         );
     }
     assert_eq!(
-        app.runs.get(),
-        2,
+        (app.runs.get(), app.failed_runs.get()),
+        runs,
         "handlers ran whose commits nothing could fence"
     );
 }
@@ -460,7 +535,7 @@ impl Write for LogWriter {
 #[actix_web::test]
 async fn functions_found_missing_by_a_renewal_refuse_the_begins_on_kept_spare_connections() {
     let _alone = ONE_AT_A_TIME.lock().await;
-    let mut replicated = ReplicatedWithAUserWhoCannotLoad::start().await;
+    let mut replicated = ReplicatedWithAUserWhoCannotLoad::start(PrivateRedis::start().await).await;
     let store = replicated.app_store();
     // A short lease: the slow run renews it every 300 ms.
     let policy = IdempotencyPolicy::default().lease(Duration::from_millis(900));
