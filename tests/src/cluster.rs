@@ -116,6 +116,16 @@ impl RedisCluster {
         Self::start_nodes(crate::redis7_server())
     }
 
+    /// A cluster of Redis ≥ 8.4 nodes of the caller's own (not shared: for tests that stop
+    /// or fail over its nodes).
+    ///
+    /// # Panics
+    ///
+    /// As [`redis8_shared`](Self::redis8_shared).
+    pub fn start_redis8() -> Self {
+        Self::start_nodes(crate::redis8_server())
+    }
+
     /// Starts the 6 nodes, creates the cluster with `redis-cli --cluster create` and waits
     /// until every node reports `cluster_state:ok`, every replica is in sync and all nodes
     /// agree on which primary serves which slots.
@@ -312,6 +322,67 @@ impl RedisCluster {
                 .map(|_| ())
         });
         port
+    }
+
+    /// Stops the node on `port` with SIGSTOP (a process that hangs: its sockets stay open
+    /// and what is sent to it queues) until [`resume`](Self::resume).
+    pub fn pause(&self, port: u16) {
+        self.signal(port, "-STOP");
+    }
+
+    /// Wakes the node on `port` that [`pause`](Self::pause) stopped (SIGCONT): it runs what
+    /// queued meanwhile before it learns what the cluster decided without it.
+    pub fn resume(&self, port: u16) {
+        self.signal(port, "-CONT");
+    }
+
+    fn signal(&self, port: u16, signal: &str) {
+        let pid = self
+            .lock_nodes()
+            .iter()
+            .find(|node| node.port == port && node.alive)
+            .unwrap_or_else(|| panic!("no running node on port {port}"))
+            .child
+            .id()
+            .to_string();
+        let status = Command::new("kill")
+            .args([signal, &pid])
+            .status()
+            .expect("kill runs");
+        assert!(status.success(), "kill {signal} {pid} (node {port})");
+    }
+
+    /// The port of a replica of the primary on `primary`, as the first live node sees it.
+    ///
+    /// # Panics
+    ///
+    /// When that primary has no replica.
+    pub fn replica_of(&self, primary: u16) -> u16 {
+        let nodes = cluster_nodes(self.ports()[0]);
+        let fields = |line: &str| {
+            line.split_whitespace()
+                .map(str::to_owned)
+                .collect::<Vec<_>>()
+        };
+        let port_of = |address: &str| -> u16 {
+            address
+                .split(['@', ':'])
+                .nth(1)
+                .and_then(|port| port.parse().ok())
+                .unwrap_or_else(|| panic!("a node address: {address}"))
+        };
+        let id = nodes
+            .lines()
+            .map(fields)
+            .find(|node| port_of(&node[1]) == primary)
+            .unwrap_or_else(|| panic!("no node on port {primary}:\n{nodes}"))[0]
+            .clone();
+        nodes
+            .lines()
+            .map(fields)
+            .find(|node| node[3] == id)
+            .map(|node| port_of(&node[1]))
+            .unwrap_or_else(|| panic!("no replica of {primary}:\n{nodes}"))
     }
 
     /// Kills the node on `port` with SIGKILL (a crash: it keeps nothing).
