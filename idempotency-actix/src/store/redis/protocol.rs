@@ -523,8 +523,13 @@ pub(crate) enum Unwritten {
     Taken,
 }
 
-/// Decodes the reply to [`read`] after a commit that wrote nothing (see [`Unwritten`]).
-pub(crate) fn unwritten(reply: Value, token: &LeaseToken) -> Result<Unwritten, StoreError> {
+/// Decodes the reply to [`read`] after a commit that wrote nothing (see [`Unwritten`]): the
+/// commit of `token` for the request of `fingerprint`.
+pub(crate) fn unwritten(
+    reply: Value,
+    fingerprint: &Fingerprint,
+    token: &LeaseToken,
+) -> Result<Unwritten, StoreError> {
     let found = match reply {
         Value::Nil => return Ok(Unwritten::Free(None)),
         Value::BulkString(found) => found,
@@ -533,12 +538,14 @@ pub(crate) fn unwritten(reply: Value, token: &LeaseToken) -> Result<Unwritten, S
     if record::completed_by(&found, token) {
         return Ok(Unwritten::CompletedEarlier(found));
     }
+    // Exactly what the commit compared with: the token with another fingerprint is not
+    // the record its `begin` wrote, and a commit for it writes nothing, by design.
+    if found == record::in_flight(fingerprint, token) {
+        return Ok(Unwritten::StillHeld);
+    }
     Ok(match Found::read(&found) {
         Ok(Found::Abandoned { tokens }) if !record::remembers(tokens, token) => {
             Unwritten::Free(Some(found))
-        }
-        Ok(Found::InFlight { token: held, .. }) if held == token.as_str().as_bytes() => {
-            Unwritten::StillHeld
         }
         _ => Unwritten::Taken,
     })
@@ -564,10 +571,14 @@ pub(crate) fn recreate(
 /// Decodes the reply to [`recreate`]: `None` when it wrote; otherwise what it found there,
 /// read as [`unwritten`] reads it: the record this very request wrote when it was sent
 /// again after its connection died ([`Unwritten::CompletedEarlier`]), or another request's.
-pub(crate) fn recreated(reply: Value, token: &LeaseToken) -> Result<Option<Unwritten>, StoreError> {
+pub(crate) fn recreated(
+    reply: Value,
+    fingerprint: &Fingerprint,
+    token: &LeaseToken,
+) -> Result<Option<Unwritten>, StoreError> {
     match reply {
         Value::Nil => Ok(None),
-        found @ Value::BulkString(_) => unwritten(found, token).map(Some),
+        found @ Value::BulkString(_) => unwritten(found, fingerprint, token).map(Some),
         other => Err(unexpected(&other)),
     }
 }
@@ -817,8 +828,8 @@ mod tests {
         assert!(begin_outcome(Value::BulkString(vec![2, b'c']), &print, &token).is_err());
         assert!(held(Value::Nil).is_err());
         assert!(written(Value::Int(1)).is_err());
-        assert!(unwritten(Value::Int(1), &token).is_err());
-        assert!(recreated(Value::Int(0), &token).is_err());
+        assert!(unwritten(Value::Int(1), &print, &token).is_err());
+        assert!(recreated(Value::Int(0), &print, &token).is_err());
     }
 
     #[test]
@@ -833,9 +844,12 @@ mod tests {
         let ttl = Duration::from_secs(60);
         let completed =
             |token| record::completed(&record::in_flight(&print, token), &response, ttl);
-        let found = |record: Vec<u8>| unwritten(Value::BulkString(record), &mine).unwrap();
+        let found = |record: Vec<u8>| unwritten(Value::BulkString(record), &print, &mine).unwrap();
 
-        assert_eq!(unwritten(Value::Nil, &mine).unwrap(), Unwritten::Free(None));
+        assert_eq!(
+            unwritten(Value::Nil, &print, &mine).unwrap(),
+            Unwritten::Free(None)
+        );
         let marker = record::abandoned(&theirs);
         assert_eq!(found(marker.clone()), Unwritten::Free(Some(marker)));
         // Made once: a record holds its expiry in milliseconds, so two made a millisecond
@@ -853,20 +867,25 @@ mod tests {
             "our own lock, read from the node that serves the key now"
         );
         assert_eq!(
+            found(record::in_flight(&Fingerprint::from_bytes([5; 32]), &mine)),
+            Unwritten::Taken,
+            "our token with another fingerprint: not the record our begin wrote"
+        );
+        assert_eq!(
             found(record::abandoned(&mine)),
             Unwritten::Taken,
             "our own marker"
         );
         assert_eq!(found(vec![2, b'?']), Unwritten::Taken, "unreadable");
 
-        assert_eq!(recreated(Value::Nil, &mine).unwrap(), None);
+        assert_eq!(recreated(Value::Nil, &print, &mine).unwrap(), None);
         assert_eq!(
-            recreated(Value::BulkString(completed_by_me.clone()), &mine).unwrap(),
+            recreated(Value::BulkString(completed_by_me.clone()), &print, &mine).unwrap(),
             Some(Unwritten::CompletedEarlier(completed_by_me)),
             "sent again after its connection died"
         );
         assert_eq!(
-            recreated(Value::BulkString(completed(&theirs)), &mine).unwrap(),
+            recreated(Value::BulkString(completed(&theirs)), &print, &mine).unwrap(),
             Some(Unwritten::Taken)
         );
     }
@@ -922,8 +941,8 @@ mod tests {
             .run(&bytes, |found| {
                 let bulk = || Value::BulkString(found.clone());
                 let _ = begin_outcome(bulk(), &print, &mine);
-                let _ = unwritten(bulk(), &mine);
-                let _ = recreated(bulk(), &mine);
+                let _ = unwritten(bulk(), &print, &mine);
+                let _ = recreated(bulk(), &print, &mine);
                 Ok(())
             })
             .unwrap();

@@ -240,7 +240,7 @@ impl<T: Transport> Steps<'_, T> {
             .transport
             .send(&Exchange::plain(protocol::read(key)))
             .await?;
-        let completed = match protocol::unwritten(reply.value, token)? {
+        let completed = match protocol::unwritten(reply.value, fingerprint, token)? {
             Unwritten::Taken => return Ok(false),
             Unwritten::StillHeld => return Err(answered_elsewhere()),
             Unwritten::CompletedEarlier(completed) => completed,
@@ -253,7 +253,7 @@ impl<T: Transport> Steps<'_, T> {
                         .transport
                         .send(&Exchange::new(recreate, self.replication))
                         .await?;
-                    match protocol::recreated(reply.value, token)? {
+                    match protocol::recreated(reply.value, fingerprint, token)? {
                         None => {
                             lost_record::report_written_anew();
                             reply.replication.check("commit")?;
