@@ -90,6 +90,11 @@ pub enum RecordError {
     /// A field holds a value that is not valid (status code, header name or value).
     #[error("record holds an invalid {0}")]
     Invalid(&'static str),
+    /// The store holds a value of another kind under the record's key: on Redis, a key of
+    /// another type (a hash, a list…), written by another program under the prefix or by a
+    /// development build from before records were one string. Never taken for a free key.
+    #[error("the key holds a value of another type, not a record")]
+    OtherType,
 }
 
 impl StoredResponse {

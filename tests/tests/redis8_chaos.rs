@@ -12,7 +12,8 @@
 //!
 //! A record overwritten by hand with bytes this version cannot read is refused for good
 //! (503), never freed for a retry to run the handler again; an in-flight record replaced by
-//! a key of another type is reported lost once, not retried for a day.
+//! a key of another type is reported lost once, not retried for a day, and a retry's `begin`
+//! that finds it sends nothing after it.
 //!
 //! The Redis 8.6 server is `REDIS8_SERVER`, else `/opt/redis-8.6/bin/redis-server` (see
 //! `idempotency_actix_tests::redis8_server`).
@@ -230,8 +231,16 @@ async fn an_in_flight_record_replaced_by_another_type_is_lost_not_retried_for_a_
     actix_rt::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(commands_sent(&mut admin).await, before);
 
+    // A retry's `begin` finds the key of another type: it wrote nothing, so nothing is
+    // given back (no `abandon` after it).
+    let before = commands_sent(&mut admin).await;
     let retry = app.post("/slow", "charge-1").await;
     assert_eq!(retry.status, StatusCode::SERVICE_UNAVAILABLE, "{retry:?}");
+    assert_eq!(
+        commands_sent(&mut admin).await - before,
+        1,
+        "the refused retry sent more than its `begin`"
+    );
     assert_eq!(app.slow_runs.get(), 1);
 }
 

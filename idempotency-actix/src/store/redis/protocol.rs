@@ -36,7 +36,7 @@ use super::missing_library::LibraryMissing;
 use super::packed::{Carrier, PackedCommand, Packer};
 use super::record::{self, Found};
 use crate::fingerprint::Fingerprint;
-use crate::record::StoredResponse;
+use crate::record::{RecordError, StoredResponse};
 use crate::scope::StorageKey;
 use crate::store::{BeginOutcome, LeaseToken, StoreError};
 
@@ -720,23 +720,20 @@ pub(crate) fn connection_is_dead(error: &redis::RedisError) -> bool {
 
 /// What a Redis error means for the store: a key of another type (a record of this crate's
 /// hash format, before 0.2, or a key another program wrote under the prefix) is a record
-/// this version cannot read, never a free key.
+/// this version cannot read ([`RecordError::OtherType`]), never a free key.
 pub(crate) fn store_error(error: redis::RedisError) -> StoreError {
     if error.code() == Some("WRONGTYPE") {
-        return StoreError::Protocol(format!("{NOT_A_RECORD} ({error})"));
+        return StoreError::Corrupt(RecordError::OtherType);
     }
     StoreError::Unavailable(Box::new(error))
 }
-
-/// How [`store_error`] begins its error for a key of another type.
-const NOT_A_RECORD: &str = "the key holds a value that is not a record of this version";
 
 /// Whether `error` is [`store_error`]'s for a key of another type: for a step fenced by a
 /// token (commit, renew, release, abandon), the token's record is not there, as when
 /// another record holds the key. Not a failure to retry: the key keeps that type until
 /// someone deletes it.
 pub(crate) fn is_not_a_record(error: &StoreError) -> bool {
-    matches!(error, StoreError::Protocol(message) if message.starts_with(NOT_A_RECORD))
+    matches!(error, StoreError::Corrupt(RecordError::OtherType))
 }
 
 fn unexpected(value: &Value) -> StoreError {
