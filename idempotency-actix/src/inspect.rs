@@ -26,6 +26,12 @@ use crate::store::{Deletion, IdempotencyStore, RecordSnapshot, StoreError};
 /// [`ReplayCache`](crate::ReplayCache) keep replaying a deleted completed record they have
 /// cached until its TTL runs out.
 ///
+/// A Redis key of another type under the prefix (another program's, or a record of the
+/// hash format of 0.1 development builds), for which every request is refused with 503
+/// while it lives, fails a lookup and a deletion with [`StoreError::Corrupt`] holding
+/// [`RecordError::OtherType`](crate::RecordError::OtherType);
+/// [`force_delete`](Self::force_delete) deletes it.
+///
 /// # Examples
 ///
 /// ```
@@ -274,7 +280,7 @@ impl<S: IdempotencyStore> Inspector<S> {
     }
 
     /// Deletes the record of `key` in `scope`, even in flight (see the type's docs for
-    /// what that risks).
+    /// what that risks), or whatever else the key holds on Redis (a key of another type).
     ///
     /// # Errors
     ///

@@ -14,7 +14,7 @@ use actix_web::web::Bytes;
 use actix_web::{App, HttpResponse, web};
 use idempotency_actix::{
     BeginOutcome, Deletion, Fingerprint, Idempotency, IdempotencyStore, IdempotentRoute,
-    InspectionError, Inspector, LeaseToken, RecordState, StoredResponse,
+    InspectionError, Inspector, LeaseToken, RecordError, RecordState, StoreError, StoredResponse,
 };
 use idempotency_actix_tests::{Reply, RunCounter};
 
@@ -192,6 +192,38 @@ async fn an_invalid_key_is_an_error<S: IdempotencyStore + Clone>(store: S, prefi
     assert!(matches!(error, InspectionError::InvalidKey(_)), "{error}");
 }
 
+/// An app on `store` under `prefix` whose `POST /orders` answers 201 `run N`, counted in
+/// `runs`.
+fn orders_app<S: IdempotencyStore + Clone + Send>(
+    store: S,
+    prefix: String,
+    runs: RunCounter,
+) -> actix_test::TestServer {
+    actix_test::start(move || {
+        let runs = runs.clone();
+        App::new()
+            .wrap(Idempotency::new(store.clone()).key_prefix(prefix.clone()))
+            .service(
+                web::resource("/orders")
+                    .wrap(IdempotentRoute::new())
+                    .route(web::post().to(move || {
+                        let run = runs.record();
+                        async move { HttpResponse::Created().body(format!("run {run}")) }
+                    })),
+            )
+    })
+}
+
+/// `POST /orders` with the idempotency key `key`.
+async fn send_order(server: &actix_test::TestServer, key: &str) -> Reply {
+    let request = server
+        .post("/orders")
+        .insert_header(("idempotency-key", format!("\"{key}\"")));
+    Reply::read(request.send_body("{}").await.unwrap())
+        .await
+        .unwrap()
+}
+
 /// Through a real app: a completed request is seen, and after its record is deleted the
 /// same request runs the handler again.
 async fn a_deleted_record_lets_the_app_run_the_handler_again<S: IdempotencyStore + Clone + Send>(
@@ -199,28 +231,8 @@ async fn a_deleted_record_lets_the_app_run_the_handler_again<S: IdempotencyStore
     prefix: String,
 ) {
     let runs = RunCounter::default();
-    let server = actix_test::start({
-        let (store, prefix, runs) = (store.clone(), prefix.clone(), runs.clone());
-        move || {
-            let runs = runs.clone();
-            App::new()
-                .wrap(Idempotency::new(store.clone()).key_prefix(prefix.clone()))
-                .service(web::resource("/orders").wrap(IdempotentRoute::new()).route(
-                    web::post().to(move || {
-                        let run = runs.record();
-                        async move { HttpResponse::Created().body(format!("run {run}")) }
-                    }),
-                ))
-        }
-    });
-    let send = || async {
-        let request = server
-            .post("/orders")
-            .insert_header(("idempotency-key", "\"support-1\""));
-        Reply::read(request.send_body("{}").await.unwrap())
-            .await
-            .unwrap()
-    };
+    let server = orders_app(store.clone(), prefix.clone(), runs.clone());
+    let send = || send_order(&server, "support-1");
     assert_eq!(send().await.body, "run 1");
     assert!(send().await.is_replay());
 
@@ -308,6 +320,58 @@ inspection_suite!(
         idempotency_actix_tests::cluster::RedisCluster::shared().client()
     )
 );
+
+/// A Redis key of another type under the prefix, with no expiry (another program's), would
+/// refuse every request with its key for good: a lookup and a plain deletion say what it
+/// is, a forced deletion removes it, and the next request runs the handler.
+#[actix_web::test]
+async fn a_key_of_another_type_is_reported_and_removed_only_when_forced() {
+    let (store, prefix) = (
+        idempotency_actix::RedisStore::new(idempotency_actix_tests::redis_pool().await),
+        idempotency_actix_tests::unique_prefix("inspect-other-type"),
+    );
+    let inspector = Inspector::new(store.clone()).key_prefix(prefix.clone());
+    let storage_key = inspector.storage_key(b"", "support-2").unwrap();
+    let mut connection = idempotency_actix_tests::redis_connection().await;
+    let _: () = ::redis::cmd("HSET")
+        .arg(storage_key.as_str())
+        .arg("field")
+        .arg("value")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+
+    let runs = RunCounter::default();
+    let server = orders_app(store, prefix, runs.clone());
+    let send = || send_order(&server, "support-2");
+    assert_eq!(send().await.status, StatusCode::SERVICE_UNAVAILABLE);
+
+    let other_type = |error: InspectionError| {
+        matches!(
+            error,
+            InspectionError::Store(StoreError::Corrupt(RecordError::OtherType))
+        )
+    };
+    let looked_up = inspector.lookup(b"", "support-2").await.unwrap_err();
+    assert!(other_type(looked_up), "lookup");
+    let deleted = inspector.delete(b"", "support-2").await.unwrap_err();
+    assert!(other_type(deleted), "delete");
+    assert_eq!(
+        inspector.force_delete(b"", "support-2").await.unwrap(),
+        Deletion::Deleted
+    );
+    let exists: u64 = ::redis::cmd("EXISTS")
+        .arg(storage_key.as_str())
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    assert_eq!(exists, 0, "the key of another type is still there");
+
+    let again = send().await;
+    assert_eq!(again.status, StatusCode::CREATED);
+    assert_eq!(again.body, "run 1");
+    assert_eq!(runs.get(), 1);
+}
 
 /// A store that does not answer fails a lookup or a deletion at the inspector's timeout
 /// instead of hanging the support tool that called it (a private Redis, paused).

@@ -4,7 +4,7 @@
 //! | step | what Redis runs |
 //! |---|---|
 //! | inspect | `GET` and `PTTL` of the record, in one script (atomic) |
-//! | delete | `GETRANGE` of the state byte, then `DEL` unless in flight and not forced |
+//! | delete | `GETRANGE` of the state byte, then `DEL` unless in flight and not forced; forced, `TYPE` first, and `DEL` of a key of another type |
 
 use std::time::Duration;
 
@@ -21,8 +21,13 @@ const INSPECT: &str = "return {redis.call('GET', KEYS[1]), redis.call('PTTL', KE
 
 /// The state is byte 2 of the record (Lua is 1-based): `i` in flight, `c` completed, `a`
 /// an abandoned token's marker (no record: left alone). Answers 1 deleted, 0 not found, 2
-/// in flight and not forced (nothing deleted).
+/// in flight and not forced (nothing deleted). A key of another type (no version of this
+/// crate wrote it, and every request for it is refused while it lives) is deleted when
+/// forced; unforced, `GETRANGE` answers `WRONGTYPE` for it, an error that says so.
 const DELETE: &str = r"
+if ARGV[1] == '1' and redis.call('TYPE', KEYS[1]).ok ~= 'string' then
+  return redis.call('DEL', KEYS[1])
+end
 local state = redis.call('GETRANGE', KEYS[1], 1, 1)
 if state == '' or state == 'a' then return 0 end
 if state == 'i' and ARGV[1] ~= '1' then return 2 end
@@ -72,7 +77,8 @@ pub(crate) fn snapshot(
     }
 }
 
-/// Deletes the record under `key`: completed always, in flight only if `force`.
+/// Deletes the record under `key`: completed always, in flight (or a key of another type)
+/// only if `force`.
 pub(crate) fn delete(key: &StorageKey, force: bool) -> Request {
     let mut command = eval(DELETE, key);
     command.arg(if force { "1" } else { "0" });
