@@ -355,6 +355,13 @@ impl PrivateRedis {
         );
     }
 
+    /// Stops it and starts `server` (another binary: an upgrade, or a downgrade) in its
+    /// place, on the same port, with the same arguments, empty, and waits until it answers.
+    pub async fn replace_with(&mut self, server: PathBuf) {
+        self.server = server;
+        self.restart().await;
+    }
+
     /// Waits until this server's own process answers on its port: true once it does,
     /// false if it exited first (the port it was given was taken in the meantime, by an
     /// outgoing connection or another test's server, which must not be mistaken for it).

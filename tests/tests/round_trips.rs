@@ -93,6 +93,35 @@ async fn on_redis_8_a_new_key_costs_two_plain_sets() {
     round_trips_on(redis, &NEW_KEY_BY_CONDITIONAL_SET).await;
 }
 
+/// A Redis 7 upgraded underneath a running app (stopped, and Redis 8.6 started on its
+/// port): the store learnt on Redis 7 to commit by function, and after its reconnection it
+/// commits by `SET … IFEQ` again.
+#[actix_web::test]
+async fn a_redis_upgraded_underneath_is_asked_for_set_ifeq_again() {
+    let mut redis = PrivateRedis::start_redis7(&[]).await;
+    let server = start(RedisStore::pool(&redis.url()).unwrap());
+    assert_eq!(post(&server, Method::POST, Some("on-7-warm-up")).await, 201);
+    redis.take_command_counts().await;
+    assert_eq!(post(&server, Method::POST, Some("on-7")).await, 201);
+    let counted = redis.take_command_counts().await;
+    assert_eq!(counted, counts(&NEW_KEY_BY_FUNCTION), "new key on Redis 7");
+
+    redis
+        .replace_with(idempotency_actix_tests::redis8_server())
+        .await;
+    assert!(redis.takes_conditional_set().await, "no Redis ≥ 8.4 now");
+    // The first request finds the connection dead and reconnects.
+    assert_eq!(post(&server, Method::POST, Some("on-8-warm-up")).await, 201);
+    redis.take_command_counts().await;
+    assert_eq!(post(&server, Method::POST, Some("on-8")).await, 201);
+    let counted = redis.take_command_counts().await;
+    assert_eq!(
+        counted,
+        counts(&NEW_KEY_BY_CONDITIONAL_SET),
+        "new key after the upgrade"
+    );
+}
+
 /// Counts the commands of a new key (`new_key`: `begin`'s plain `SET … NX PX … GET`, then
 /// the commit), a replay and unprotected requests on `redis`.
 async fn round_trips_on(redis: PrivateRedis, new_key: &[(&str, u64)]) {

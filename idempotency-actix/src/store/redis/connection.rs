@@ -24,6 +24,7 @@ use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::{Cmd, Pipeline, RedisFuture, Value};
 
 use super::RedisPool;
+use super::conditional_set::ConditionalSet;
 use super::direct::DirectConnection;
 use super::exchange::{Exchange, Reply};
 use super::missing_library::MissingLibrary;
@@ -45,6 +46,9 @@ pub(super) struct SharedConnection {
     spares: Spares<StoreConnection>,
     /// Whether a connection found the functions missing lately: none is opened meanwhile.
     library: MissingLibrary,
+    /// Whether the server takes `SET … IFEQ`, learnt from a commit, and asked again on
+    /// each connection opened anew.
+    conditional_set: ConditionalSet,
 }
 
 /// A connection and a number that tells it apart from the one it replaced.
@@ -111,11 +115,17 @@ impl SharedConnection {
             connecting: AsyncMutex::new(()),
             spares: Spares::new(),
             library: MissingLibrary::default(),
+            conditional_set: ConditionalSet::default(),
         }
     }
 
     pub(super) fn pool(&self) -> &RedisPool {
         &self.pool
+    }
+
+    /// How this connection's commits go (see [`ConditionalSet`]).
+    pub(super) fn conditional_set(&self) -> &ConditionalSet {
+        &self.conditional_set
     }
 
     /// Sends `request`; if the connection turns out dead (see
@@ -214,6 +224,9 @@ impl SharedConnection {
             silence,
         };
         *current = Some(generation.clone());
+        // Perhaps another server, or the same one upgraded: whether it takes `SET … IFEQ`
+        // is learnt again.
+        self.conditional_set.reconsider();
         generation
     }
 

@@ -26,7 +26,6 @@ mod steps;
 
 #[cfg(feature = "redis-cluster")]
 pub use self::cluster::{RedisClusterClient, RedisClusterStore};
-use self::conditional_set::ConditionalSet;
 use self::connection::SharedConnection;
 pub use self::pool::RedisPool;
 pub use self::replication::ReplicatedWrites;
@@ -48,7 +47,8 @@ use self::steps::Steps;
 /// one plain `SET key record NX PX lease GET`. `commit` is one plain
 /// `SET key <completed record> IFEQ <in-flight record> PX ttl` where the server has `IFEQ`
 /// (Valkey ≥ 8.1, Redis ≥ 8.4; a server without it refuses the first commit as a syntax
-/// error, writing nothing, and the store commits by function from then on). `renew`,
+/// error, writing nothing, and the store commits by function until its connection is opened
+/// anew, as after a server's upgrade). `renew`,
 /// `release`, and `commit` elsewhere, are each one `FCALL` of a short Lua function fenced by
 /// the lease token (the library `idempotency_actix_2_r7`, which the store loads with
 /// `FUNCTION LOAD` when it opens a connection, and again if a server lacks it later). A
@@ -89,8 +89,6 @@ use self::steps::Steps;
 pub struct RedisStore {
     connection: SharedConnection,
     replication: Option<ReplicatedWrites>,
-    /// Whether the server takes `SET … IFEQ`, learnt from the first commit.
-    conditional_set: ConditionalSet,
 }
 
 impl RedisStore {
@@ -118,7 +116,6 @@ impl RedisStore {
         Self {
             connection: SharedConnection::new(pool.into()),
             replication: None,
-            conditional_set: ConditionalSet::default(),
         }
     }
 
@@ -176,7 +173,7 @@ impl RedisStore {
     #[doc(hidden)]
     #[must_use]
     pub fn commits_by_function(self) -> Self {
-        self.conditional_set.refuse();
+        self.connection.conditional_set().by_function_only();
         self
     }
 
@@ -184,7 +181,7 @@ impl RedisStore {
         Steps {
             transport: &self.connection,
             replication: self.replication,
-            conditional_set: &self.conditional_set,
+            conditional_set: self.connection.conditional_set(),
         }
     }
 
@@ -248,7 +245,6 @@ impl Clone for RedisStore {
         Self {
             connection: SharedConnection::new(self.connection.pool().clone()),
             replication: self.replication,
-            conditional_set: ConditionalSet::default(),
         }
     }
 }
