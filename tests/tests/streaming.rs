@@ -1,6 +1,7 @@
 //! Issue 13 item 4: streamed responses are forwarded chunk by chunk while they are recorded,
 //! committed before the response is complete, and an endless stream ends its record once it
-//! outgrows the stored-body limit. Real sockets, the test Redis under a prefix of its own.
+//! outgrows the stored-body limit. Real sockets, the test Redis under a prefix of its own
+//! (and, for a slow commit, a memory store whose commits are slow).
 
 #![allow(clippy::unwrap_used)]
 
@@ -13,7 +14,9 @@ use actix_web::web::{self, Bytes};
 use actix_web::{App, HttpResponse};
 use futures_util::{Stream, StreamExt};
 use idempotency_actix::{Idempotency, IdempotencyPolicy, IdempotentRoute, KeyScope, RedisStore};
-use idempotency_actix_tests::{Gate, RawExchange, RunCounter, redis_url, unique_prefix};
+use idempotency_actix_tests::{
+    FaultyStore, Gate, RawExchange, RunCounter, redis_url, reset, unique_prefix,
+};
 
 const FIRST: &[u8] = b"{\"progress\":50}\n";
 const LAST: &[u8] = b"{\"progress\":100}\n";
@@ -120,6 +123,18 @@ async fn stalled(runs: web::Data<RunCounter>, gate: web::Data<Gate>) -> HttpResp
     HttpResponse::Ok().streaming(chunks)
 }
 
+/// Waits at the gate, then answers `FIRST` and `LAST` as a stream: a client that leaves
+/// while it waits leaves before the response (and its body) exists.
+async fn late(runs: web::Data<RunCounter>, gate: web::Data<Gate>) -> HttpResponse {
+    runs.record();
+    gate.wait().await;
+    let chunks = futures_util::stream::iter([FIRST, LAST].map(Bytes::from_static))
+        .map(Ok::<_, actix_web::Error>);
+    HttpResponse::Ok()
+        .content_type("application/x-ndjson")
+        .streaming(chunks)
+}
+
 fn start(test: &str, runs: &RunCounter, gate: &Gate) -> actix_test::TestServer {
     start_with(test, runs, gate, |idempotency| idempotency)
 }
@@ -159,6 +174,11 @@ fn start_with(
                 web::resource("/mis-sized")
                     .wrap(IdempotentRoute::new())
                     .route(web::post().to(mis_sized)),
+            )
+            .service(
+                web::resource("/late")
+                    .wrap(IdempotentRoute::new())
+                    .route(web::post().to(late)),
             )
             .service(
                 web::resource("/stalled")
@@ -317,6 +337,94 @@ async fn a_stream_whose_client_left_is_read_to_its_end_and_committed() {
     gate.open();
 
     let mut retry = once_not_in_flight(&request).await;
+    assert_eq!(retry.headers().get("idempotent-replayed").unwrap(), "true");
+    assert_eq!(retry.body().await.unwrap(), [FIRST, LAST].concat());
+    assert_eq!(runs.get(), 1);
+}
+
+/// The client resets the connection while the handler runs, before it has produced its
+/// streamed response: the run goes on on a task of its own, where the response, which no
+/// client will read, is dropped as soon as it is made. Its body is read there to its end and
+/// committed, as the rest of a body whose client left mid-stream is, so the retry gets the
+/// whole replay and the handler ran once.
+#[actix_rt::test]
+async fn a_stream_whose_client_left_before_it_was_made_is_read_to_its_end_and_committed() {
+    use std::io::Write;
+
+    let (runs, gate) = (RunCounter::default(), Gate::default());
+    let server = start("stream-left-early", &runs, &gate);
+    let mut socket = std::net::TcpStream::connect(server.addr()).unwrap();
+    write!(
+        socket,
+        "POST /late HTTP/1.1\r\nHost: test\r\nIdempotency-Key: early\r\nContent-Length: 0\r\n\r\n"
+    )
+    .unwrap();
+    runs.wait_for(1).await;
+    reset(socket);
+    gate.open();
+
+    let client = awc::Client::default();
+    let request = || {
+        client
+            .post(server.url("/late"))
+            .insert_header(("idempotency-key", "early"))
+    };
+    let mut retry = once_not_in_flight(&request).await;
+    assert_eq!(retry.status(), 200);
+    assert_eq!(retry.headers().get("idempotent-replayed").unwrap(), "true");
+    assert_eq!(retry.headers().get("idempotent-body-omitted"), None);
+    assert_eq!(retry.body().await.unwrap(), [FIRST, LAST].concat());
+    assert_eq!(runs.get(), 1);
+}
+
+/// `FIRST` and `LAST` as a body of known size, both at once.
+async fn sized_at_once(runs: web::Data<RunCounter>) -> HttpResponse {
+    runs.record();
+    let chunks = futures_util::stream::iter([FIRST, LAST].map(Bytes::from_static))
+        .map(Ok::<_, actix_web::Error>);
+    HttpResponse::Ok().body(SizedStream::new((FIRST.len() + LAST.len()) as u64, chunks))
+}
+
+/// The last chunk of a body of known size waits for the commit, which is slow (half a
+/// second on the way to the store); the client, which has the first chunk, resets the
+/// connection meanwhile. The commit under way when the body was dropped is finished on the
+/// rest's task: the record holds the whole body, and the retry is its replay.
+#[actix_rt::test]
+async fn a_client_that_resets_while_the_last_chunk_waits_for_a_slow_commit_gets_the_replay() {
+    let store = FaultyStore {
+        commit_delay: Duration::from_millis(500),
+        ..FaultyStore::default()
+    };
+    let runs = RunCounter::default();
+    let server = {
+        let (store, runs) = (store.clone(), runs.clone());
+        actix_test::start(move || {
+            App::new()
+                .app_data(web::Data::new(runs.clone()))
+                .wrap(Idempotency::new(store.clone()).scope(KeyScope::global()))
+                .service(
+                    web::resource("/sized")
+                        .wrap(IdempotentRoute::new())
+                        .route(web::post().to(sized_at_once)),
+                )
+        })
+    };
+    let mut first = RawExchange::post(server.addr(), "/sized", &[("Idempotency-Key", "slow")]);
+    let head = first.read_head();
+    assert_eq!(head.status, 200, "{head:?}");
+    // The first chunk arrives; the last waits for the commit.
+    assert_eq!(first.read_some(), FIRST);
+    reset(first.stream().try_clone().unwrap());
+    drop(first);
+
+    let client = awc::Client::default();
+    let request = || {
+        client
+            .post(server.url("/sized"))
+            .insert_header(("idempotency-key", "slow"))
+    };
+    let mut retry = once_not_in_flight(&request).await;
+    assert_eq!(retry.status(), 200);
     assert_eq!(retry.headers().get("idempotent-replayed").unwrap(), "true");
     assert_eq!(retry.body().await.unwrap(), [FIRST, LAST].concat());
     assert_eq!(runs.get(), 1);

@@ -629,6 +629,42 @@ async fn a_duplicate_can_wait_for_the_commit_and_replay_it() {
     assert_eq!((h.runs.get(), h.ledger_rows().await), (1, 1));
 }
 
+/// DESIGN §7 on a transactional route: a client that resets the connection while its
+/// handler holds the transaction open does not cut the run short. The run goes on without
+/// it, the handler's write and its response commit together, and the retry is the replay:
+/// one row, one run, never a rolled-back write the client could not learn about.
+#[actix_web::test]
+async fn a_client_that_leaves_mid_handler_gets_the_replay_of_the_committed_run() {
+    use std::io::Write;
+
+    let h = start(4).await;
+    let mut socket = std::net::TcpStream::connect(h.server.addr()).unwrap();
+    write!(
+        socket,
+        "POST /ledger?hold=1 HTTP/1.1\r\nHost: test\r\nIdempotency-Key: left\r\n\
+         Content-Length: 0\r\n\r\n"
+    )
+    .unwrap();
+    h.runs.wait_for(1).await;
+    idempotency_actix_tests::reset(socket);
+    h.gate.open();
+
+    let mut retry = None;
+    for _ in 0..500 {
+        let reply = h.post("/ledger?hold=1", Some("left")).await;
+        if reply.status != StatusCode::CONFLICT {
+            retry = Some(reply);
+            break;
+        }
+        actix_rt::time::sleep(Duration::from_millis(10)).await;
+    }
+    let retry = retry.expect("the key stayed in flight");
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert!(retry.is_replay(), "{retry:?}");
+    assert_eq!(retry.json()["seq"], 1);
+    assert_eq!((h.runs.get(), h.ledger_rows().await), (1, 1));
+}
+
 #[actix_web::test]
 async fn a_request_without_a_key_gets_a_transaction_too() {
     let h = start(4).await;
