@@ -9,6 +9,8 @@ use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use actix_web::body::{BodySize, MessageBody};
+use actix_web::dev::ResponseHead;
+use actix_web::http::header;
 use actix_web::web::{Bytes, BytesMut};
 use futures_util::future::LocalBoxFuture;
 
@@ -63,14 +65,16 @@ impl<B> CapturingBody<B>
 where
     B: MessageBody + 'static,
 {
+    /// Records `body`, which the client is told is `size` long (see [`framed_size`]).
     pub(crate) fn new(
         body: B,
+        size: BodySize,
         limit: usize,
         idle: Duration,
         commit: Commit,
         slot: Option<Rc<WorkSlot>>,
     ) -> Self {
-        let remaining = match body.size() {
+        let remaining = match size {
             BodySize::Sized(size) => Some(size),
             BodySize::None => Some(0),
             BodySize::Stream => None,
@@ -144,7 +148,8 @@ where
             match chunk {
                 Some(Ok(bytes)) => {
                     // Of a body of known size the client gets no more than that size (Actix
-                    // writes no more), so no more is stored.
+                    // writes no more; sent without chunking, the client reads no more), so no
+                    // more is stored.
                     let kept = match recording.remaining {
                         Some(remaining) => bytes
                             .len()
@@ -202,6 +207,22 @@ where
     fn is_recording(&self) -> bool {
         self.recording.is_some() || self.committing.is_some()
     }
+}
+
+/// The size the client is told a response's body has: the body's own, or, for a body of
+/// unknown size on a response sent without chunking
+/// ([`no_chunking`](actix_web::HttpResponseBuilder::no_chunking)), the response's
+/// `Content-Length`, which Actix then writes as the handler set it, followed by the body as
+/// it comes: the client reads that many bytes, as from a body of that known size.
+pub(crate) fn framed_size(head: &ResponseHead, size: BodySize) -> BodySize {
+    if size != BodySize::Stream || head.chunked() {
+        return size;
+    }
+    head.headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.trim().parse::<u64>().ok())
+        .map_or(size, BodySize::Sized)
 }
 
 impl<B> MessageBody for CapturingBody<B>

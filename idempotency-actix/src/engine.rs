@@ -21,7 +21,7 @@ use futures_util::future::{Either, FutureExt, select};
 use tracing::Instrument;
 
 use crate::body::IdempotentBody;
-use crate::capture::{CapturingBody, Commit};
+use crate::capture::{CapturingBody, Commit, framed_size};
 use crate::error::IdempotencyError;
 use crate::fingerprint::{Fingerprint, FingerprintParts};
 use crate::instrument::{self, LockHeld, Outcome, RequestRecord, StoreOperation, StoreTimer};
@@ -924,7 +924,8 @@ impl Engine {
                         drop((renewals, held));
                     })
                 });
-                let body = CapturingBody::new(body, limit, lease, commit, slot);
+                let size = framed_size(response.response().head(), body.size());
+                let body = CapturingBody::new(body, size, limit, lease, commit, slot);
                 Ok(response.map_body(|_, ()| IdempotentBody::produced(BoxBody::new(body))))
             }
         }

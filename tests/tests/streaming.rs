@@ -96,6 +96,19 @@ async fn mis_sized(runs: web::Data<RunCounter>, declared: web::Query<Declared>) 
     HttpResponse::Ok().body(SizedStream::new(declared.declared, chunks))
 }
 
+/// As [`mis_sized`], but as a body of unknown size sent without chunking
+/// (`HttpResponseBuilder::no_chunking`): Actix writes the handler's `Content-Length` as it
+/// is and then the body as it comes, so the client reads that many bytes, as for a
+/// `SizedStream`.
+async fn unchunked(runs: web::Data<RunCounter>, declared: web::Query<Declared>) -> HttpResponse {
+    runs.record();
+    let chunks =
+        futures_util::stream::iter([Ok::<_, actix_web::Error>(Bytes::from_static(DIGITS))]);
+    HttpResponse::Ok()
+        .no_chunking(declared.declared)
+        .body(actix_web::body::BodyStream::new(chunks))
+}
+
 const DIGITS: &[u8] = b"0123456789";
 
 #[derive(serde::Deserialize)]
@@ -179,6 +192,11 @@ fn start_with(
                 web::resource("/late")
                     .wrap(IdempotentRoute::new())
                     .route(web::post().to(late)),
+            )
+            .service(
+                web::resource("/unchunked")
+                    .wrap(IdempotentRoute::new())
+                    .route(web::post().to(unchunked)),
             )
             .service(
                 web::resource("/stalled")
@@ -473,68 +491,101 @@ async fn a_stalled_stream_whose_client_left_completes_its_record_without_a_body(
     assert_eq!(runs.get(), 1);
 }
 
+/// A body that ends before the size the client was told (`Content-Length: 100`, 10 bytes),
+/// as a `SizedStream` or as a body of unknown size sent without chunking: the retry learns
+/// that the handler ran and that its body is not stored, never gets the 10 bytes as a
+/// whole body.
 #[actix_rt::test]
 async fn a_body_that_ends_before_its_declared_size_is_stored_without_a_body() {
     let (runs, gate) = (RunCounter::default(), Gate::default());
     let server = start("stream-short", &runs, &gate);
     let client = awc::Client::default();
-    let request = || {
-        client
-            .post(server.url("/mis-sized?declared=100"))
-            .insert_header(("idempotency-key", "short"))
-    };
+    for (ran, path) in [(1, "/mis-sized"), (2, "/unchunked")] {
+        let key = format!("short{path}");
+        let url = format!("{path}?declared=100");
+        let request = || {
+            client
+                .post(server.url(&url))
+                .insert_header(("idempotency-key", key.clone()))
+        };
 
-    // The client gets the head (`Content-Length: 100`) and 10 bytes, then the connection
-    // closes. (Read off the socket: awc takes such a body as complete.)
-    let mut first = RawExchange::post(
-        server.addr(),
-        "/mis-sized?declared=100",
-        &[("Idempotency-Key", "short")],
-    );
-    let head = first.read_head();
-    assert_eq!(head.status, 200, "{head:?}");
-    assert_eq!(head.header("content-length"), Some("100"), "{head:?}");
-    assert_eq!(
-        first.read_to_end(),
-        b"0123456789",
-        "the connection closes after the 10 bytes"
-    );
+        // The client gets the head (`Content-Length: 100`) and 10 bytes, then the
+        // connection closes. (Read off the socket: awc takes such a body as complete.)
+        let mut first = RawExchange::post(server.addr(), &url, &[("Idempotency-Key", &key)]);
+        let head = first.read_head();
+        assert_eq!(head.status, 200, "{path}: {head:?}");
+        assert_eq!(
+            head.header("content-length"),
+            Some("100"),
+            "{path}: {head:?}"
+        );
+        assert_eq!(
+            first.read_to_end(),
+            b"0123456789",
+            "{path}: the connection closes after the 10 bytes"
+        );
 
-    // The retry learns the outcome without running the handler again, and is told that the
-    // body is not stored, rather than given the 10 bytes as if they were the whole body.
-    let mut retry = once_not_in_flight(&request).await;
-    assert_eq!(retry.status(), 200);
-    assert_eq!(retry.headers().get("idempotent-replayed").unwrap(), "true");
-    assert_eq!(
-        retry.headers().get("idempotent-body-omitted").unwrap(),
-        "true"
-    );
-    assert_eq!(retry.body().await.unwrap(), "");
-    assert_eq!(runs.get(), 1);
+        // The retry learns the outcome without running the handler again, and is told that
+        // the body is not stored, rather than given the 10 bytes as if they were the whole
+        // body.
+        let mut retry = once_not_in_flight(&request).await;
+        assert_eq!(retry.status(), 200, "{path}");
+        assert_eq!(
+            retry.headers().get("idempotent-replayed").unwrap(),
+            "true",
+            "{path}"
+        );
+        assert_eq!(
+            retry
+                .headers()
+                .get("idempotent-body-omitted")
+                .map(|v| v.to_str().unwrap()),
+            Some("true"),
+            "{path}: {:?}",
+            retry.headers()
+        );
+        assert_eq!(retry.body().await.unwrap(), "", "{path}");
+        assert_eq!(runs.get(), ran, "{path}");
+    }
 }
 
+/// A body that runs past the size the client was told (`Content-Length: 4`, 10 bytes), as
+/// a `SizedStream` or as a body of unknown size sent without chunking: the client reads 4
+/// bytes, and the replay is those 4 bytes, as they were sent.
 #[actix_rt::test]
 async fn a_body_that_runs_past_its_declared_size_is_replayed_as_it_was_sent() {
     let (runs, gate) = (RunCounter::default(), Gate::default());
     let server = start("stream-long", &runs, &gate);
     let client = awc::Client::default();
-    let request = || {
-        client
-            .post(server.url("/mis-sized?declared=4"))
-            .insert_header(("idempotency-key", "long"))
-    };
+    for (ran, path) in [(1, "/mis-sized"), (2, "/unchunked")] {
+        let key = format!("long{path}");
+        let url = format!("{path}?declared=4");
+        let request = || {
+            client
+                .post(server.url(&url))
+                .insert_header(("idempotency-key", key.clone()))
+        };
 
-    let mut first = request().send().await.unwrap();
-    assert_eq!(first.status(), 200);
-    let sent = first.body().await.unwrap();
-    assert_eq!(sent, DIGITS[..4]);
+        let mut first = request().send().await.unwrap();
+        assert_eq!(first.status(), 200, "{path}");
+        let sent = first.body().await.unwrap();
+        assert_eq!(sent, DIGITS[..4], "{path}");
 
-    let mut replay = once_not_in_flight(&request).await;
-    assert_eq!(replay.status(), 200);
-    assert_eq!(replay.headers().get("idempotent-replayed").unwrap(), "true");
-    assert_eq!(replay.headers().get("content-length").unwrap(), "4");
-    assert_eq!(replay.body().await.unwrap(), sent);
-    assert_eq!(runs.get(), 1);
+        let mut replay = once_not_in_flight(&request).await;
+        assert_eq!(replay.status(), 200, "{path}");
+        assert_eq!(
+            replay.headers().get("idempotent-replayed").unwrap(),
+            "true",
+            "{path}"
+        );
+        assert_eq!(
+            replay.headers().get("content-length").unwrap(),
+            "4",
+            "{path}"
+        );
+        assert_eq!(replay.body().await.unwrap(), sent, "{path}");
+        assert_eq!(runs.get(), ran, "{path}");
+    }
 }
 
 /// The server stops (without waiting, or at the end of its shutdown timeout) while a keyed
