@@ -18,12 +18,13 @@ use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use actix_web::body::{BodySize, BodyStream, BoxBody, MessageBody, SizedStream};
-use actix_web::dev::{Payload, Service, ServiceRequest, ServiceResponse};
+use actix_web::dev::{Payload, ResponseHead, Service, ServiceRequest, ServiceResponse};
 use actix_web::web::{Bytes, BytesMut};
 use actix_web::{FromRequest, HttpMessage, HttpRequest};
 use futures_util::{FutureExt, StreamExt};
 
 use crate::body::IdempotentBody;
+use crate::capture::framed_size;
 use crate::engine::{
     Engine, Handled, HeldLock, Response, claim_with_lock, refuse, wait_for_next_begin,
     with_handler_body,
@@ -288,9 +289,14 @@ impl Engine {
                 mut stored,
                 ttl,
                 limit,
-            } => match AssertUnwindSafe(read_before_commit(body, limit, lock.lease.get()))
-                .catch_unwind()
-                .await
+            } => match AssertUnwindSafe(read_before_commit(
+                body,
+                response.response().head(),
+                limit,
+                lock.lease.get(),
+            ))
+            .catch_unwind()
+            .await
             {
                 Ok((body, kept)) => {
                     stored.body = kept;
@@ -449,15 +455,21 @@ impl Engine {
 /// produces nothing for `idle` (the lease): it would hold the transaction, its advisory lock
 /// and its pooled connection for as long as it stalls, also once its client has left. A body
 /// of known size is whole once that size is read: what it sends past it is neither sent nor
-/// stored, as on other routes.
-async fn read_before_commit<B>(body: B, limit: usize, idle: Duration) -> (BoxBody, Option<Bytes>)
+/// stored, as on other routes. Its size is the one its response `head` tells the client (see
+/// [`framed_size`]).
+async fn read_before_commit<B>(
+    body: B,
+    head: &ResponseHead,
+    limit: usize,
+    idle: Duration,
+) -> (BoxBody, Option<Bytes>)
 where
     B: MessageBody + 'static,
 {
     // A body of known size that ends before that size is a response cut short: sent with
     // that size (the client sees the connection close before the end) and stored without
     // a body, as on other routes, never sent and stored as a complete shorter one.
-    let declared = match body.size() {
+    let declared = match framed_size(head, body.size()) {
         BodySize::Sized(size) => Some(size),
         BodySize::None | BodySize::Stream => None,
     };

@@ -111,38 +111,57 @@ async fn stalls(transaction: IdempotentTransaction, runs: web::Data<RunCounter>)
     HttpResponse::Created().streaming(chunks)
 }
 
+#[derive(serde::Deserialize)]
+struct Framing {
+    /// 1: a body of unknown size on a response sent without chunking
+    /// (`HttpResponseBuilder::no_chunking`) instead of a `SizedStream`; the client is told
+    /// the same `Content-Length` either way.
+    unchunked: Option<u8>,
+}
+
+/// 201 with `0123456789` as a body the client is told is `declared` bytes long, as
+/// `framing` says.
+fn declaring(declared: u64, framing: &Framing) -> HttpResponse {
+    let chunks = futures_util::stream::iter([Ok::<_, actix_web::Error>(web::Bytes::from_static(
+        b"0123456789",
+    ))]);
+    if framing.unchunked == Some(1) {
+        HttpResponse::Created()
+            .no_chunking(declared)
+            .body(actix_web::body::BodyStream::new(chunks))
+    } else {
+        HttpResponse::Created().body(actix_web::body::SizedStream::new(declared, chunks))
+    }
+}
+
 /// Inserts one ledger row, then answers 201 with a body that declares 100 bytes and ends
 /// after 10 (a proxied or file body cut short).
 async fn cut_short(
     transaction: IdempotentTransaction,
     runs: web::Data<RunCounter>,
+    framing: web::Query<Framing>,
 ) -> HttpResponse {
     runs.record();
     transaction
         .execute("INSERT INTO ledger (amount) VALUES (1)", &[])
         .await
         .expect("the insert");
-    let chunks = futures_util::stream::iter([Ok::<_, actix_web::Error>(web::Bytes::from_static(
-        b"0123456789",
-    ))]);
-    HttpResponse::Created().body(actix_web::body::SizedStream::new(100, chunks))
+    declaring(100, &framing)
 }
 
 /// Inserts one ledger row, then answers 201 with a body that declares 4 bytes and sends 10
-/// (a wrong length given to `SizedStream`).
+/// (a wrong length given to `SizedStream` or `no_chunking`).
 async fn runs_past(
     transaction: IdempotentTransaction,
     runs: web::Data<RunCounter>,
+    framing: web::Query<Framing>,
 ) -> HttpResponse {
     runs.record();
     transaction
         .execute("INSERT INTO ledger (amount) VALUES (1)", &[])
         .await
         .expect("the insert");
-    let chunks = futures_util::stream::iter([Ok::<_, actix_web::Error>(web::Bytes::from_static(
-        b"0123456789",
-    ))]);
-    HttpResponse::Created().body(actix_web::body::SizedStream::new(4, chunks))
+    declaring(4, &framing)
 }
 
 /// A plain (not transactional) route: counts its run and answers 201.
@@ -784,57 +803,84 @@ async fn a_body_that_stalls_before_the_commit_is_cut_after_a_lease_and_its_write
 #[actix_web::test]
 async fn a_body_that_ends_before_its_declared_size_is_not_taken_for_the_whole_body() {
     let h = start(2).await;
-    let mut first = idempotency_actix_tests::RawExchange::post(
-        h.server.addr(),
-        "/ledger-cut-short",
-        &[("Idempotency-Key", "cut")],
-    );
-    let sent = String::from_utf8(first.read_to_end()).expect("an HTTP/1.1 response");
-    if !sent.is_empty() {
-        let (head, body) = sent.split_once("\r\n\r\n").expect("a whole head");
-        assert!(head.starts_with("HTTP/1.1 201"), "{head}");
-        assert!(
-            head.to_ascii_lowercase().contains("content-length: 100"),
-            "sent as complete: {sent:?}"
+    // As a `SizedStream`, and as a body of unknown size sent without chunking, whose
+    // `Content-Length` Actix writes as the handler set it.
+    for (ran, path) in [
+        (1_i64, "/ledger-cut-short"),
+        (2, "/ledger-cut-short?unchunked=1"),
+    ] {
+        let key = format!("cut{path}");
+        let mut first = idempotency_actix_tests::RawExchange::post(
+            h.server.addr(),
+            path,
+            &[("Idempotency-Key", &key)],
         );
-        assert_eq!(body, "0123456789", "{sent:?}");
-    }
+        let sent = String::from_utf8(first.read_to_end()).expect("an HTTP/1.1 response");
+        if !sent.is_empty() {
+            let (head, body) = sent.split_once("\r\n\r\n").expect("a whole head");
+            assert!(head.starts_with("HTTP/1.1 201"), "{path}: {head}");
+            assert!(
+                head.to_ascii_lowercase().contains("content-length: 100"),
+                "{path}: sent as complete: {sent:?}"
+            );
+            assert_eq!(body, "0123456789", "{path}: {sent:?}");
+        }
 
-    let retry = h.post("/ledger-cut-short", Some("cut")).await;
-    assert_eq!(retry.status, StatusCode::CREATED);
-    assert!(retry.is_replay(), "{retry:?}");
-    assert_eq!(retry.header("idempotent-body-omitted"), Some("true"));
-    assert_eq!(retry.body, "");
-    assert_eq!(h.runs.get(), 1);
-    assert_eq!(
-        h.ledger_rows().await,
-        1,
-        "the handler's write committed once"
-    );
+        let retry = h.post(path, Some(&key)).await;
+        assert_eq!(retry.status, StatusCode::CREATED, "{path}");
+        assert!(retry.is_replay(), "{path}: {retry:?}");
+        assert_eq!(
+            retry.header("idempotent-body-omitted"),
+            Some("true"),
+            "{path}: {retry:?}"
+        );
+        assert_eq!(retry.body, "", "{path}");
+        assert_eq!(h.runs.get() as i64, ran, "{path}");
+        assert_eq!(
+            h.ledger_rows().await,
+            ran,
+            "{path}: the handler's write committed once"
+        );
+    }
 }
 
 /// A body that runs past its declared size is sent and stored as that size, as on a plain
 /// route (Actix writes no more than the size declared): the client gets the 4 bytes
 /// declared, and the retry the same 4. The transaction sent all 10 bytes read, with a
-/// `Content-Length` of 10 the handler never declared, and stored them so (helper review).
+/// `Content-Length` of 10 the handler never declared, and stored them so (helper review);
+/// so it did still for a body of unknown size sent without chunking.
 #[actix_web::test]
 async fn a_body_that_runs_past_its_declared_size_is_sent_and_stored_as_that_size() {
     let h = start(2).await;
-    let first = h.post("/ledger-runs-past", Some("past")).await;
-    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
-    assert_eq!(first.header("content-length"), Some("4"), "{first:?}");
-    assert_eq!(first.body, "0123", "{first:?}");
+    for (ran, path) in [
+        (1_i64, "/ledger-runs-past"),
+        (2, "/ledger-runs-past?unchunked=1"),
+    ] {
+        let key = format!("past{path}");
+        let first = h.post(path, Some(&key)).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{path}: {first:?}");
+        assert_eq!(
+            first.header("content-length"),
+            Some("4"),
+            "{path}: {first:?}"
+        );
+        assert_eq!(first.body, "0123", "{path}: {first:?}");
 
-    let retry = h.post("/ledger-runs-past", Some("past")).await;
-    assert!(retry.is_replay(), "{retry:?}");
-    assert_eq!(retry.header("content-length"), Some("4"), "{retry:?}");
-    assert_eq!(retry.body, first.body);
-    assert_eq!(h.runs.get(), 1);
-    assert_eq!(
-        h.ledger_rows().await,
-        1,
-        "the handler's write committed once"
-    );
+        let retry = h.post(path, Some(&key)).await;
+        assert!(retry.is_replay(), "{path}: {retry:?}");
+        assert_eq!(
+            retry.header("content-length"),
+            Some("4"),
+            "{path}: {retry:?}"
+        );
+        assert_eq!(retry.body, first.body, "{path}");
+        assert_eq!(h.runs.get() as i64, ran, "{path}");
+        assert_eq!(
+            h.ledger_rows().await,
+            ran,
+            "{path}: the handler's write committed once"
+        );
+    }
 }
 
 #[actix_web::test]
