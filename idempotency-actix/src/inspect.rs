@@ -129,7 +129,8 @@ impl<S: IdempotencyStore> Inspector<S> {
     /// How long each lookup or deletion may take before it fails with
     /// [`StoreError::Timeout`] (2 s by default, as the middleware's store timeout), so that a
     /// store that does not answer never hangs a support tool. A deletion that timed out may
-    /// still have landed: look the record up again.
+    /// still have landed: look the record up again. `Duration::MAX` waits as long as the
+    /// store takes.
     ///
     /// # Examples
     ///
@@ -340,7 +341,13 @@ impl<S: IdempotencyStore> Inspector<S> {
         &self,
         operation: impl std::future::Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
-        let deadline = std::time::Instant::now() + self.timeout;
+        // A timeout past what the clock can count (`Duration::MAX`, meant as "no timeout")
+        // ends in 30 years, as Tokio's timer does, instead of overflowing.
+        let now = std::time::Instant::now();
+        let deadline = now
+            .checked_add(self.timeout)
+            .or_else(|| now.checked_add(Duration::from_secs(30 * 365 * 24 * 60 * 60)))
+            .unwrap_or(now);
         let mut operation = std::pin::pin!(operation);
         let polled = std::future::poll_fn(|cx| {
             crate::store::deadline::polling(deadline, || operation.as_mut().poll(cx)).0
@@ -353,5 +360,25 @@ impl<S: IdempotencyStore> Inspector<S> {
             Ok(result) => result,
             Err(_) => Err(StoreError::Timeout(self.timeout)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::MemoryStore;
+
+    /// A support tool that means "no timeout" (`Duration::MAX`, or a timeout read from its
+    /// command line) gets its answer: the deadline saturates instead of overflowing.
+    #[actix_web::test]
+    async fn an_endless_timeout_answers() {
+        let inspector = Inspector::new(MemoryStore::new()).timeout(Duration::MAX);
+        assert!(matches!(inspector.lookup(b"", "k").await, Ok(None)));
+        assert!(matches!(
+            inspector.delete(b"", "k").await,
+            Ok(Deletion::NotFound)
+        ));
     }
 }
