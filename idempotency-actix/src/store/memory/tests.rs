@@ -390,3 +390,164 @@ async fn what_a_commit_logs_is_logged_once_the_shard_is_unlocked() {
         "another request on the shard waited for a log line: {free_at_events:?}"
     );
 }
+
+/// A small deterministic generator (xorshift64*), so that the run below is the same on every
+/// machine and needs no dependency.
+struct Xorshift(u64);
+
+impl Xorshift {
+    fn below(&mut self, bound: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % bound
+    }
+}
+
+/// What the test knows a key holds: the live in-flight record of a token it acquired.
+#[derive(Clone, Copy)]
+struct Held {
+    token: LeaseToken,
+    until: std::time::Instant,
+}
+
+/// Random operations on one shard, on a clock the test moves (leases and ttls of a few
+/// ticks, so records expire, are reclaimed and evicted all the time, in a budget that holds
+/// a handful of them): after each, the map, the indices and the byte counts agree, the
+/// bytes stay within the budget, and no live in-flight record is ever lost, evicted or
+/// taken by another token.
+#[test]
+fn random_operations_on_a_clock_keep_the_shard_exact_and_in_flight_records_held() {
+    use super::shard::{Begun, HashedKey, Shard};
+    let tick = Duration::from_millis(1);
+    let mut random = Xorshift(0x9e37_79b9_7f4a_7c15);
+    let keys: Vec<StorageKey> = (0..12).map(|i| key(&format!("k{i}"))).collect();
+    let hasher = foldhash::quality::RandomState::default();
+    let hashed = |i: usize| HashedKey {
+        key: keys[i].as_str(),
+        hash: std::hash::BuildHasher::hash_one(&hasher, keys[i].as_str()),
+    };
+    let prints = [print(), Fingerprint::from_bytes([7; 32])];
+    for budget in [entry::MIN_SHARD_BUDGET, 4_000, 9_000, 40_000] {
+        let mut shard = Shard::new(budget);
+        let mut now = std::time::Instant::now();
+        let mut held: Vec<Option<Held>> = vec![None; keys.len()];
+        let mut tokens: Vec<Vec<LeaseToken>> = vec![Vec::new(); keys.len()];
+        for round in 0..20_000 {
+            now += tick * u32::try_from(random.below(3)).unwrap();
+            let i = usize::try_from(random.below(keys.len() as u64)).unwrap();
+            let key = hashed(i);
+            if held[i].is_some_and(|held| held.until <= now) {
+                held[i] = None;
+            }
+            // A token of this key's past, or a new one.
+            let token = match random.below(3) {
+                0 if !tokens[i].is_empty() => {
+                    let at = random.below(tokens[i].len() as u64);
+                    tokens[i][usize::try_from(at).unwrap()]
+                }
+                _ => {
+                    let token = LeaseToken::generate();
+                    tokens[i].push(token);
+                    token
+                }
+            };
+            let token = match (random.below(2), held[i]) {
+                (0, Some(held)) => held.token,
+                _ => token,
+            };
+            let lease = tick * (1 + u32::try_from(random.below(20)).unwrap());
+            let ttl = tick * (1 + u32::try_from(random.below(40)).unwrap());
+            let fingerprint = prints[usize::try_from(random.below(4)).unwrap().min(1)];
+            let body = usize::try_from(random.below(3_000)).unwrap();
+            let operation = random.below(7);
+            match operation {
+                0 | 1 => {
+                    let begun = shard.begin(key, &fingerprint, &token, lease, now);
+                    let acquired = matches!(begun, Ok(Begun::Decided(BeginOutcome::Acquired)));
+                    match held[i] {
+                        Some(holder) if holder.token != token => assert!(
+                            !acquired,
+                            "round {round}: another token took a live in-flight record"
+                        ),
+                        None if acquired => {
+                            held[i] = Some(Held {
+                                token,
+                                until: now + lease,
+                            });
+                        }
+                        _ => {}
+                    }
+                }
+                2 => {
+                    let renewed = shard.renew(key, &token, lease, now);
+                    match held[i] {
+                        Some(holder) if holder.token == token => {
+                            assert!(renewed, "round {round}: a live in-flight record was lost");
+                            held[i] = Some(Held {
+                                token,
+                                until: now + lease,
+                            });
+                        }
+                        _ => assert!(!renewed, "round {round}: renewed a record not held"),
+                    }
+                }
+                3 => {
+                    let committed =
+                        shard.commit(key, &fingerprint, &token, &response(body), ttl, now);
+                    if held[i].is_some_and(|holder| holder.token == token) {
+                        assert!(
+                            matches!(committed, Ok(true)),
+                            "round {round}: the holder's commit failed"
+                        );
+                        held[i] = None;
+                    } else if held[i].is_some() {
+                        assert!(
+                            matches!(committed, Ok(false)),
+                            "round {round}: a commit over another token's in-flight record"
+                        );
+                    }
+                }
+                4 => {
+                    let released = shard.release(key, &token, now);
+                    let holds = held[i].is_some_and(|holder| holder.token == token);
+                    assert_eq!(released, holds, "round {round}: release");
+                    if holds {
+                        held[i] = None;
+                    }
+                }
+                5 => {
+                    let abandoned = shard.abandon(key, &token, ttl, now);
+                    match held[i] {
+                        Some(holder) if holder.token != token => {
+                            assert!(!abandoned, "round {round}: abandoned over another token");
+                        }
+                        _ => {
+                            assert!(abandoned, "round {round}: abandon");
+                            held[i] = None;
+                        }
+                    }
+                }
+                _ => {
+                    let force = random.below(4) == 0;
+                    let deleted = shard.delete(key, force, now);
+                    if held[i].is_some() {
+                        if force {
+                            assert_eq!(deleted, Deletion::Deleted, "round {round}: forced");
+                            held[i] = None;
+                        } else {
+                            assert_eq!(deleted, Deletion::InFlight, "round {round}: delete");
+                        }
+                    }
+                    let _ = shard.inspect(key, now);
+                }
+            }
+            let _ = shard.take_report();
+            assert!(
+                shard.is_consistent(),
+                "round {round} (operation {operation}, budget {budget}): the shard disagrees \
+                 with itself"
+            );
+        }
+    }
+}
