@@ -121,6 +121,19 @@ impl moka::Expiry<String, Arc<Entry>> for RemainingTtl {
     ) -> Option<Duration> {
         Some(entry.remaining)
     }
+
+    /// An entry cached over another under the same key (two requests that both missed the
+    /// cache) lives for the rest of its own record, not of the one it replaces (moka's
+    /// default keeps the old expiry): the record may have changed in between.
+    fn expire_after_update(
+        &self,
+        _key: &String,
+        entry: &Arc<Entry>,
+        _updated_at: Instant,
+        _duration_until_expiry: Option<Duration>,
+    ) -> Option<Duration> {
+        Some(entry.remaining)
+    }
 }
 
 impl ReplayCache {
@@ -374,6 +387,32 @@ mod tests {
         std::thread::sleep(Duration::from_millis(60));
         assert_eq!(cache.lookup(&key("a"), &print), None);
         assert_eq!(cache.lookup(&key("b"), &print), None);
+    }
+
+    #[test]
+    fn a_record_cached_again_lives_no_longer_than_its_own_remaining_ttl() {
+        // Two requests that both missed the cache cache what the store answered each; when
+        // the record changed in between (deleted by hand, the key run again under a shorter
+        // ttl), the later one is cached for its own rest, not for the earlier one's.
+        let cache = ReplayCache::with_max_bytes(1 << 20);
+        let (earlier, later) = (
+            Fingerprint::from_bytes([1; 32]),
+            Fingerprint::from_bytes([2; 32]),
+        );
+        cache.insert(
+            &key("a"),
+            earlier,
+            response(b"one"),
+            Duration::from_secs(60),
+        );
+        cache.insert(
+            &key("a"),
+            later,
+            response(b"two"),
+            Duration::from_millis(30),
+        );
+        std::thread::sleep(Duration::from_millis(60));
+        assert_eq!(cache.lookup(&key("a"), &later), None);
     }
 
     #[test]
