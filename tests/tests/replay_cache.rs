@@ -1,7 +1,9 @@
 //! The opt-in replay cache over real HTTP against a private `redis-server`: a cached replay
 //! is byte-identical and costs no Redis command, a request with another fingerprint still
 //! gets 422, and an entry is never served past its record's TTL. The same on the PostgreSQL
-//! store, whose `begin` reports a completed record's remaining TTL too.
+//! store, whose `begin` reports a completed record's remaining TTL too. A cached record
+//! serves only its own scope, and a stored error response or a record kept without its body
+//! replays from the cache as it does from Redis.
 
 #![allow(clippy::unwrap_used)]
 
@@ -10,7 +12,7 @@ use std::time::Duration;
 use actix_web::http::StatusCode;
 use actix_web::{App, HttpResponse, web};
 use idempotency_actix::{
-    Idempotency, IdempotencyPolicy, IdempotentRoute, RedisPool, RedisStore, ReplayCache,
+    Idempotency, IdempotencyPolicy, IdempotentRoute, KeyScope, RedisPool, RedisStore, ReplayCache,
 };
 use idempotency_actix_tests::{PrivateRedis, Reply, RunCounter, TestDatabase};
 
@@ -253,4 +255,142 @@ async fn on_postgres_a_replay_is_cached_and_not_served_after_its_ttl() {
         "the record expired, in the table and in the cache"
     );
     assert_eq!(runs.get(), 3);
+}
+
+async fn failed(runs: web::Data<RunCounter>) -> HttpResponse {
+    let seq = runs.record();
+    HttpResponse::InternalServerError().json(serde_json::json!({ "seq": seq }))
+}
+
+async fn large(runs: web::Data<RunCounter>) -> HttpResponse {
+    let seq = runs.record();
+    HttpResponse::Created()
+        .insert_header(("location", format!("/large/{seq}")))
+        .body(vec![b'x'; 4096])
+}
+
+/// Sends `path` with `key` as `tenant` (a scope header of its own).
+async fn post_as(server: &actix_test::TestServer, tenant: &str, key: &str, body: &str) -> Reply {
+    let response = server
+        .post("/orders")
+        .insert_header(("idempotency-key", key))
+        .insert_header(("x-tenant", tenant))
+        .send_body(body.to_owned())
+        .await
+        .unwrap();
+    Reply::read(response).await.unwrap()
+}
+
+#[actix_web::test]
+async fn a_cached_record_is_replayed_only_in_its_own_scope() {
+    let redis = PrivateRedis::start().await;
+    let runs = RunCounter::default();
+    let cache = ReplayCache::with_max_bytes(1 << 20);
+    let pool = RedisStore::pool(&redis.url()).unwrap();
+    let server = actix_test::start({
+        let runs = runs.clone();
+        move || {
+            let scope = KeyScope::header("x-tenant").unwrap();
+            App::new()
+                .app_data(web::Data::new(runs.clone()))
+                .wrap(
+                    Idempotency::redis(pool.clone())
+                        .scope(scope)
+                        .replay_cache(cache.clone()),
+                )
+                .service(
+                    web::resource("/orders")
+                        .wrap(IdempotentRoute::new())
+                        .route(web::post().to(create)),
+                )
+        }
+    });
+
+    let acme = post_as(&server, "acme", "shared", "book").await;
+    assert_eq!(acme.status, StatusCode::CREATED);
+    // Cached on its first replay.
+    assert!(post_as(&server, "acme", "shared", "book").await.is_replay());
+    // Another tenant with the same key and body runs its own request.
+    let globex = post_as(&server, "globex", "shared", "book").await;
+    assert_eq!(globex.status, StatusCode::CREATED);
+    assert!(!globex.is_replay(), "another tenant's cached response");
+    assert_ne!(globex.body, acme.body);
+    assert_eq!(runs.get(), 2);
+    for _ in 0..2 {
+        let (acme_again, globex_again) = (
+            post_as(&server, "acme", "shared", "book").await,
+            post_as(&server, "globex", "shared", "book").await,
+        );
+        assert!(acme_again.is_replay() && globex_again.is_replay());
+        assert_eq!(acme_again.body, acme.body);
+        assert_eq!(globex_again.body, globex.body);
+    }
+    // Another body under one tenant's key is refused from the cache, not the other's.
+    let mismatch = post_as(&server, "globex", "shared", "pen").await;
+    assert_eq!(mismatch.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(runs.get(), 2);
+}
+
+#[actix_web::test]
+async fn a_cached_error_and_a_cached_record_without_its_body_replay_as_the_store_does() {
+    let redis = PrivateRedis::start().await;
+    let runs = RunCounter::default();
+    let cache = ReplayCache::with_max_bytes(1 << 20);
+    let pool = RedisStore::pool(&redis.url()).unwrap();
+    let server = actix_test::start({
+        let runs = runs.clone();
+        move || {
+            App::new()
+                .app_data(web::Data::new(runs.clone()))
+                .wrap(Idempotency::redis(pool.clone()).replay_cache(cache.clone()))
+                .service(
+                    web::resource("/failed")
+                        .wrap(IdempotentRoute::with_policy(
+                            IdempotencyPolicy::default().store_errors(),
+                        ))
+                        .route(web::post().to(failed)),
+                )
+                .service(
+                    web::resource("/large")
+                        .wrap(IdempotentRoute::with_policy(
+                            IdempotencyPolicy::default().max_stored_body(1024),
+                        ))
+                        .route(web::post().to(large)),
+                )
+        }
+    });
+
+    for (path, key) in [("/failed", "k-failed"), ("/large", "k-large")] {
+        let first = post(&server, path, key, "").await;
+        assert!(!first.is_replay());
+        let from_redis = post(&server, path, key, "").await;
+        assert!(from_redis.is_replay(), "{path}: {from_redis:?}");
+        redis.take_command_counts().await;
+        let cached = post(&server, path, key, "").await;
+        assert_eq!(
+            redis.take_command_counts().await,
+            Default::default(),
+            "{path}: served from the cache"
+        );
+        assert_eq!(cached.status, from_redis.status, "{path}");
+        // Every header but `Date`, in order, as text.
+        let without_date = |reply: &Reply| {
+            let mut headers: Vec<(String, Vec<u8>)> = reply
+                .headers
+                .iter()
+                .filter(|(name, _)| name.as_str() != "date")
+                .map(|(name, value)| (name.to_string(), value.as_bytes().to_vec()))
+                .collect();
+            headers.sort();
+            headers
+        };
+        assert_eq!(without_date(&cached), without_date(&from_redis), "{path}");
+        assert_eq!(cached.body, from_redis.body, "{path}");
+    }
+    let cached_large = post(&server, "/large", "k-large", "").await;
+    assert_eq!(cached_large.header("idempotent-body-omitted"), Some("true"));
+    assert!(cached_large.body.is_empty());
+    let cached_failed = post(&server, "/failed", "k-failed", "").await;
+    assert_eq!(cached_failed.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(runs.get(), 2);
 }
