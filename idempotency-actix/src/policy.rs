@@ -279,8 +279,10 @@ impl IdempotencyPolicy {
     /// Requests to this route without a key are let through unprotected (the default), even
     /// under an app policy that is [`required`](Self::required): it undoes that for this
     /// route. (Not where the App's layer claims the route's method with
-    /// [`Idempotency::protect_methods`](crate::Idempotency::protect_methods): it refuses a
-    /// keyless request before routing.)
+    /// [`Idempotency::protect_methods`](crate::Idempotency::protect_methods), nor under an
+    /// [`IdempotentRoute`](crate::IdempotentRoute) on an enclosing scope whose policy, its
+    /// own or the App's, requires a key: that layer refuses a keyless request before the
+    /// route's own layer sees it.)
     ///
     /// # Examples
     ///

@@ -55,7 +55,7 @@ use proc_macro::TokenStream;
 /// | `ttl = "<duration>"` | how long a completed response is replayed: the TTL the store holds after commit | 24 h (`Idempotency::policy`) |
 /// | `lease = "<duration>"` | how long an in-flight record holds the key without renewal; renewed every third of it while the handler runs, so it bounds how soon a crashed instance's key frees up; at least 500 ms | 30 s (`Idempotency::policy`) |
 /// | `required` | a request without a key is refused with a 400 problem | off (`Idempotency::policy`) |
-/// | `optional` | a request without a key is let through unprotected, even where the App's policy is `required` (the opposite of `required`); not where the App's `protect_methods` covers the method, as that layer decides before routing | — |
+/// | `optional` | a request without a key is let through unprotected, even where the App's policy is `required` (the opposite of `required`); not where the App's `protect_methods` covers the method, nor under an `IdempotentRoute` on an enclosing scope whose policy requires a key, as those layers decide before the route's own layer runs | — |
 /// | `store_errors` | responses with status >= 400 are stored and replayed too, instead of releasing the key so that a retry runs again | off (`Idempotency::policy`) |
 /// | `release_errors` | responses with status >= 400 release the key, even where the App's policy stores errors (the opposite of `store_errors`) | — |
 /// | `max_request_body = <bytes>` | the largest body a keyed request may send; larger is a 413 problem and the handler does not run | 1 MiB (`Idempotency::policy`) |
