@@ -309,7 +309,7 @@ impl Engine {
         let pending = PendingBegin {
             engine: Rc::clone(&self),
             lease: policy.lease,
-            remember_for: policy.ttl,
+            remember_for: policy.ttl.max(policy.lease),
             storage_key,
             token: LeaseToken::generate(),
             armed: Cell::new(true),
@@ -1193,7 +1193,10 @@ impl Engine {
 struct PendingBegin {
     engine: Rc<Engine>,
     lease: Duration,
-    /// How long the store remembers the abandoned token: the route's ttl.
+    /// How long the store remembers the abandoned token: the route's ttl, and at least its
+    /// lease (a `begin` that lands after the marker is gone locks the key for a lease with
+    /// no handler running, so on a route whose ttl is shorter than its lease the marker
+    /// outlives the ttl).
     remember_for: Duration,
     storage_key: StorageKey,
     token: LeaseToken,

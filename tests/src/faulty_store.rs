@@ -23,7 +23,9 @@ use crate::RunCounter;
 /// times out does, and its next `failed_commits` commits fail as a store that refuses them
 /// does (a Redis at its memory limit that still takes a small in-flight record); each
 /// `release` is counted in `releases` as it is sent and reaches `inner` only after
-/// `release_delay`. Clones share the store and the counts.
+/// `release_delay`; its next `late_begins` fail as a store that times out does and reach
+/// `inner` only `late_by` later, on their own (a `begin` stuck in a connection's queue that
+/// lands after its request gave it up). Clones share the store and the counts.
 #[derive(Clone, Default)]
 pub struct FaultyStore {
     /// The store behind the faults.
@@ -52,6 +54,10 @@ pub struct FaultyStore {
     pub release_delay: Duration,
     /// The `release`s sent, counted as they are sent (before `release_delay`).
     pub releases: RunCounter,
+    /// How many `begin`s are still to time out and land `late_by` later.
+    pub late_begins: Arc<AtomicU32>,
+    /// How long after it timed out a late `begin` lands in `inner`.
+    pub late_by: Duration,
 }
 
 /// Takes one from `left` unless it is 0: whether this call is to fail.
@@ -72,6 +78,16 @@ impl IdempotencyStore for FaultyStore {
     ) -> Result<BeginOutcome, StoreError> {
         self.begins.record();
         if fails(&self.failed_begins) {
+            return Err(StoreError::Timeout(Duration::from_secs(2)));
+        }
+        if fails(&self.late_begins) {
+            let (inner, key, fingerprint, token) =
+                (self.inner.clone(), key.clone(), *fingerprint, *token);
+            let late_by = self.late_by;
+            actix_rt::spawn(async move {
+                actix_rt::time::sleep(late_by).await;
+                let _ = inner.begin(&key, &fingerprint, &token, lease).await;
+            });
             return Err(StoreError::Timeout(Duration::from_secs(2)));
         }
         actix_rt::time::sleep(self.delay).await;

@@ -418,6 +418,54 @@ async fn a_waiting_retry_does_not_fail_open_beside_the_first_request() {
     assert_eq!(runs.get(), 1);
 }
 
+/// A `begin` that timed out and lands later, after its request gave its token up (a store
+/// timeout; the marker of the abandoned token refuses it), on a route whose ttl (1 s) is
+/// shorter than its lease (30 s): landing 1.5 s later it finds the marker still there and
+/// writes nothing, so the retry runs the handler. It used to find the marker gone (kept
+/// for the ttl) and lock the key for a lease with no handler running: 409 for 30 s.
+#[actix_web::test]
+async fn a_late_begin_on_a_route_with_a_ttl_shorter_than_its_lease_locks_nothing() {
+    let store = FaultyStore {
+        late_by: Duration::from_millis(1_500),
+        ..FaultyStore::default()
+    };
+    store
+        .late_begins
+        .store(1, std::sync::atomic::Ordering::SeqCst);
+    let routes = GatedRoutes::default();
+    routes.gate.open();
+    let runs = routes.work_runs.clone();
+    let server = actix_test::start({
+        let store = store.clone();
+        move || {
+            let policy = IdempotencyPolicy::default()
+                .ttl(Duration::from_secs(1))
+                .lease(Duration::from_secs(30));
+            App::new()
+                .wrap(
+                    Idempotency::new(store.clone())
+                        .policy(policy)
+                        .scope(KeyScope::global()),
+                )
+                .configure(routes.configure())
+        }
+    });
+    let client = awc::Client::default();
+    let url = server.url("/work");
+    let first = post(&client, &url, "late").await;
+    assert_eq!(
+        first.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{:?}",
+        first.body
+    );
+    // The late `begin` lands.
+    actix_rt::time::sleep(Duration::from_millis(2_000)).await;
+    let retry = post(&client, &url, "late").await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
+    assert_eq!(runs.get(), 1);
+}
+
 /// A faulty memory store whose first `begin` lands but does not answer (a store timeout).
 fn first_begin_lands_unanswered() -> FaultyStore {
     let store = FaultyStore::default();
