@@ -373,6 +373,70 @@ async fn a_key_of_another_type_is_reported_and_removed_only_when_forced() {
     assert_eq!(runs.get(), 1);
 }
 
+/// A support user with only the rights README's "The Redis user's rights" names for an
+/// Inspector (`EVAL`, and `GET`, `PTTL`, `GETRANGE`, `DEL` inside it) looks up and deletes,
+/// forced, an in-flight record and a key of another type.
+#[actix_web::test]
+async fn a_support_user_with_the_listed_rights_force_deletes() {
+    let redis = idempotency_actix_tests::PrivateRedis::start().await;
+    let mut admin = redis.connection().await;
+    let _: () = ::redis::cmd("ACL")
+        .arg(&[
+            "SETUSER",
+            "support",
+            "on",
+            ">pw",
+            "~*",
+            "resetchannels",
+            "-@all",
+            "+eval",
+            "+get",
+            "+pttl",
+            "+getrange",
+            "+del",
+            "+fcall",
+            "+fcall_ro",
+        ])
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let url = format!("redis://support:pw@127.0.0.1:{}", redis.port());
+    let support = Inspector::new(idempotency_actix::RedisStore::new(
+        idempotency_actix::RedisStore::pool(&url).unwrap(),
+    ));
+    let store = idempotency_actix::RedisStore::new(
+        idempotency_actix::RedisStore::pool(&redis.url()).unwrap(),
+    );
+    record(&Inspector::new(store.clone()), &store, b"", "stuck", false).await;
+    let found = support.lookup(b"", "stuck").await.unwrap().unwrap();
+    assert_eq!(found.state, RecordState::InFlight);
+    assert_eq!(
+        support.delete(b"", "stuck").await.unwrap(),
+        Deletion::InFlight
+    );
+    assert_eq!(
+        support.force_delete(b"", "stuck").await.unwrap(),
+        Deletion::Deleted
+    );
+
+    let other = support.storage_key(b"", "other").unwrap();
+    let _: () = ::redis::cmd("HSET")
+        .arg(other.as_str())
+        .arg("field")
+        .arg("value")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert_eq!(
+        support.force_delete(b"", "other").await.unwrap(),
+        Deletion::Deleted
+    );
+    assert_eq!(
+        support.force_delete(b"", "other").await.unwrap(),
+        Deletion::NotFound
+    );
+}
+
 /// A store that does not answer fails a lookup or a deletion at the inspector's timeout
 /// instead of hanging the support tool that called it (a private Redis, paused).
 #[actix_web::test]
