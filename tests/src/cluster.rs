@@ -150,11 +150,10 @@ impl RedisCluster {
         let mut nodes = Vec::new();
         let mut taken = Vec::new();
         for _ in 0..6 {
-            let port = free_port_pair(&taken);
-            taken.push(port);
+            let (port, child) = spawn_own_node(&server, &dir, &mut taken);
             nodes.push(Node {
                 port,
-                child: spawn_node(&server, &dir, port),
+                child,
                 alive: true,
             });
         }
@@ -270,16 +269,11 @@ impl RedisCluster {
     ///
     /// When the node does not start or join within 60 s.
     pub fn add_empty_primary(&self) -> u16 {
-        let port = free_port_pair(
-            &self
-                .lock_nodes()
-                .iter()
-                .map(|node| node.port)
-                .collect::<Vec<_>>(),
-        );
+        let mut taken: Vec<u16> = self.lock_nodes().iter().map(|node| node.port).collect();
+        let (port, child) = spawn_own_node(&self.server, &self.dir, &mut taken);
         let node = Node {
             port,
-            child: spawn_node(&self.server, &self.dir, port),
+            child,
             alive: true,
         };
         let watchdog = spawn_watchdog(&self.dir, std::slice::from_ref(&node));
@@ -597,6 +591,37 @@ impl Drop for RedisCluster {
 }
 
 /// A data port whose bus port (+10000) is free too, not in `taken`.
+/// Spawns a node on a free pair of ports and waits until it answers as itself (`INFO
+/// server`'s `process_id`): a port found free may be taken by another test's server before
+/// the node binds it, and the node then exits while the other server answers on its port.
+/// Tries other ports then; every port tried is added to `taken`.
+fn spawn_own_node(server: &Path, dir: &Path, taken: &mut Vec<u16>) -> (u16, Child) {
+    for _ in 0..5 {
+        let port = free_port_pair(taken);
+        taken.push(port);
+        let mut child = spawn_node(server, dir, port);
+        let own = child.id().to_string();
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_secs(10) {
+            if matches!(child.try_wait(), Ok(Some(_))) {
+                break;
+            }
+            let info: redis::RedisResult<String> = query(port, redis::cmd("INFO").arg("server"));
+            let answers_as_itself = info.is_ok_and(|info| {
+                info.lines()
+                    .any(|line| line.strip_prefix("process_id:").map(str::trim) == Some(&own))
+            });
+            if answers_as_itself {
+                return (port, child);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    panic!("no cluster node could listen on any of 5 free pairs of loopback ports");
+}
+
 fn free_port_pair(taken: &[u16]) -> u16 {
     let span = u128::from(MAX_DATA_PORT - MIN_DATA_PORT);
     for _ in 0..1_000 {
