@@ -309,7 +309,7 @@ impl Engine {
         let pending = PendingBegin {
             engine: Rc::clone(&self),
             lease: policy.lease,
-            remember_for: policy.ttl.max(policy.lease),
+            remember_for: policy.marker_lifetime(),
             storage_key,
             token: LeaseToken::generate(),
             armed: Cell::new(true),
@@ -483,8 +483,9 @@ impl Engine {
                         )
                         .await;
                     }
-                    if matches!(error, StoreError::Refused(_)) {
-                        // Nothing was written (a full store): no token to run under.
+                    if matches!(error, StoreError::Refused(_) | StoreError::Corrupt(_)) {
+                        // Nothing was written (a full store, or a record this version cannot
+                        // read holds the key): no token to run under.
                         return service.call(req).await.map(with_handler_body);
                     }
                     let held = UnconfirmedBegin {
@@ -805,8 +806,11 @@ impl Engine {
             %error,
             "idempotency store failed while a retry waited for its key's run; answering 409 instead of running the handler beside it (fail-open)"
         );
-        if !matches!(error, StoreError::Refused(_)) {
-            self.abandon_token_in_background(storage_key, *token, policy.lease, policy.ttl);
+        // Nothing was written by a `begin` the store refused or that found a record this
+        // version cannot read: no token to give up.
+        if !matches!(error, StoreError::Refused(_) | StoreError::Corrupt(_)) {
+            let remember_for = policy.marker_lifetime();
+            self.abandon_token_in_background(storage_key, *token, policy.lease, remember_for);
         }
         Ok(BeginOutcome::InFlight)
     }
@@ -1193,10 +1197,7 @@ impl Engine {
 struct PendingBegin {
     engine: Rc<Engine>,
     lease: Duration,
-    /// How long the store remembers the abandoned token: the route's ttl, and at least its
-    /// lease (a `begin` that lands after the marker is gone locks the key for a lease with
-    /// no handler running, so on a route whose ttl is shorter than its lease the marker
-    /// outlives the ttl).
+    /// How long the store remembers the abandoned token (`Policy::marker_lifetime`).
     remember_for: Duration,
     storage_key: StorageKey,
     token: LeaseToken,

@@ -159,6 +159,15 @@ impl Default for Policy {
 }
 
 impl Policy {
+    /// How long the store remembers a token given up after a `begin` that did not answer
+    /// (`IdempotencyStore::abandon`'s `remember_for`): the ttl, and at least the lease. A
+    /// `begin` of that token landing after the marker is gone locks the key for a lease
+    /// with no handler running, so on a route whose ttl is shorter than its lease the marker
+    /// outlives the ttl.
+    pub(crate) fn marker_lifetime(&self) -> Duration {
+        self.ttl.max(self.lease)
+    }
+
     /// Whether a response with `status` completes the record (otherwise the key is
     /// released). An informational status (1xx) is never stored, even with `store_errors`:
     /// it is not a final response, and replaying one would leave clients waiting for the

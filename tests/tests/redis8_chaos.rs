@@ -21,7 +21,7 @@
 use std::time::{Duration, Instant};
 
 use actix_web::http::StatusCode;
-use idempotency_actix::{Idempotency, RedisStore};
+use idempotency_actix::{FailMode, Idempotency, RedisStore};
 use idempotency_actix_tests::{FloodServer, PrivateRedis, keys_under};
 
 /// A Redis ≥ 8.4 server of the test's own (see [`redis8_server`]), checked to take
@@ -201,18 +201,7 @@ async fn an_in_flight_record_replaced_by_another_type_is_lost_not_retried_for_a_
         panic!("the slow request was refused");
     };
     let mut admin = redis.connection().await;
-    let keys = keys_under(&mut admin, "idempotency:").await;
-    assert_eq!(keys.len(), 1, "{keys:?}");
-    let _: () = redis::pipe()
-        .cmd("DEL")
-        .arg(&keys[0])
-        .cmd("HSET")
-        .arg(&keys[0])
-        .arg("field")
-        .arg("value")
-        .query_async(&mut admin)
-        .await
-        .expect("DEL, HSET");
+    replace_the_record_with_a_hash(&mut admin).await;
 
     let lost_before = Idempotency::lost_records();
     app.gate.open();
@@ -242,6 +231,57 @@ async fn an_in_flight_record_replaced_by_another_type_is_lost_not_retried_for_a_
         "the refused retry sent more than its `begin`"
     );
     assert_eq!(app.slow_runs.get(), 1);
+}
+
+/// Failing open, a request whose key holds a key of another type runs the handler
+/// unprotected, as for any store error; its `begin` wrote nothing, so no commit and no
+/// abandon follow it (it used to commit under its token and then abandon it, retried about
+/// once a second for the lease: about 30 commands per request).
+#[actix_web::test]
+async fn failing_open_a_key_of_another_type_sends_nothing_after_its_begin() {
+    let redis = redis8().await;
+    let pool = RedisStore::pool(&redis.url()).expect("a pool");
+    let app = FloodServer::start(
+        move || Idempotency::redis(pool.clone()).on_store_error(FailMode::Open),
+        64,
+    );
+    // A first request (the store connects and loads its functions) leaves its record,
+    // which is then replaced by a key of another type.
+    assert_eq!(
+        app.post("/orders", "other").await.status,
+        StatusCode::CREATED
+    );
+    let mut admin = redis.connection().await;
+    replace_the_record_with_a_hash(&mut admin).await;
+
+    let before = commands_sent(&mut admin).await;
+    let reply = app.post("/orders", "other").await;
+    assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+    assert_eq!(app.runs.get(), 2);
+    // Room for a background commit or abandon to show (the first retry comes after 50 ms).
+    actix_rt::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        commands_sent(&mut admin).await - before,
+        1,
+        "more than the `begin` was sent for a key of another type"
+    );
+}
+
+/// Replaces the one record on the server of `admin` with a key of another type (`DEL`, then
+/// `HSET`, as another program could).
+async fn replace_the_record_with_a_hash(admin: &mut redis::aio::MultiplexedConnection) {
+    let keys = keys_under(admin, "idempotency:").await;
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    let _: () = redis::pipe()
+        .cmd("DEL")
+        .arg(&keys[0])
+        .cmd("HSET")
+        .arg(&keys[0])
+        .arg("field")
+        .arg("value")
+        .query_async(admin)
+        .await
+        .expect("DEL, HSET");
 }
 
 /// How many commands the server ran, `INFO` and `CONFIG` (the test's own) left out.

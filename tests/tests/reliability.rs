@@ -466,6 +466,73 @@ async fn a_late_begin_on_a_route_with_a_ttl_shorter_than_its_lease_locks_nothing
     assert_eq!(runs.get(), 1);
 }
 
+/// The same on an app that fails open, for a retry that waited for its key's run: its next
+/// `begin` times out (and lands 3.5 s later), so it answers 409 and gives its token up in
+/// the background; the first request then fails (500) and releases the key, and the
+/// abandon's marker, written on the free key, must still be there when the late `begin`
+/// lands. It was kept for the ttl (1 s) on that path, and the key was locked for a lease.
+#[actix_web::test]
+async fn a_late_begin_of_a_retry_that_waited_locks_nothing_on_a_short_ttl() {
+    let store = FaultyStore {
+        late_by: Duration::from_millis(3_500),
+        ..FaultyStore::default()
+    };
+    let (runs, gate) = (RunCounter::default(), Gate::default());
+    let server =
+        actix_test::start({
+            let (store, runs, gate) = (store.clone(), runs.clone(), gate.clone());
+            move || {
+                let (runs, gate) = (runs.clone(), gate.clone());
+                let policy = IdempotencyPolicy::default()
+                    .ttl(Duration::from_secs(1))
+                    .lease(Duration::from_secs(30))
+                    .wait_for_completion(Duration::from_secs(2));
+                App::new()
+                    .wrap(
+                        Idempotency::new(store.clone())
+                            .on_store_error(FailMode::Open)
+                            .policy(policy)
+                            .scope(KeyScope::global()),
+                    )
+                    .service(web::resource("/work").wrap(IdempotentRoute::new()).route(
+                        web::post().to(move || {
+                            let (runs, gate) = (runs.clone(), gate.clone());
+                            async move {
+                                if runs.record() == 1 {
+                                    gate.wait().await;
+                                    return HttpResponse::InternalServerError().body("failed");
+                                }
+                                HttpResponse::Created().body("done")
+                            }
+                        }),
+                    ))
+            }
+        });
+    let client = awc::Client::default();
+    let url = server.url("/work");
+    let first = post(&client, &url, "k");
+    let retry_then_release = async {
+        runs.wait_for(1).await;
+        let retry = async {
+            store.begins.wait_for(2).await;
+            store
+                .late_begins
+                .store(1, std::sync::atomic::Ordering::SeqCst);
+        };
+        let (waited, ()) = futures_util::future::join(post(&client, &url, "k"), retry).await;
+        gate.open();
+        waited
+    };
+    let (first, waited) = futures_util::future::join(first, retry_then_release).await;
+    assert_eq!(waited.status, StatusCode::CONFLICT, "{:?}", waited.body);
+    assert_eq!(first.status, StatusCode::INTERNAL_SERVER_ERROR);
+    // The late `begin` lands.
+    actix_rt::time::sleep(Duration::from_millis(4_500)).await;
+    let later = post(&client, &url, "k").await;
+    assert_eq!(later.status, StatusCode::CREATED, "{:?}", later.body);
+    assert_eq!(runs.get(), 2);
+}
+
 /// A faulty memory store whose first `begin` lands but does not answer (a store timeout).
 fn first_begin_lands_unanswered() -> FaultyStore {
     let store = FaultyStore::default();

@@ -224,9 +224,6 @@ impl SharedConnection {
             silence,
         };
         *current = Some(generation.clone());
-        // Perhaps another server, or the same one upgraded: whether it takes `SET … IFEQ`
-        // is learnt again.
-        self.conditional_set.reconsider();
         generation
     }
 
@@ -258,8 +255,11 @@ impl SharedConnection {
     /// A new connection, driven by this thread: the store's own when the pool knows its
     /// server's address, else one from the pool's connection manager. None while a
     /// connection that found the functions missing is recent (see [`MissingLibrary`]).
+    /// Whether the server takes `SET … IFEQ` is learnt again on each (perhaps another
+    /// server, or the same one upgraded), the shared connection's and the spares' alike.
     async fn open(&self) -> Result<StoreConnection, StoreError> {
-        self.library
+        let opened = self
+            .library
             .open(async {
                 Ok(match self.pool.server() {
                     Some(server) => StoreConnection::Direct(
@@ -270,7 +270,9 @@ impl SharedConnection {
                     None => StoreConnection::Multiplexed(self.open_multiplexed().await?),
                 })
             })
-            .await
+            .await?;
+        self.conditional_set.reconsider();
+        Ok(opened)
     }
 
     /// A new redis-rs connection from the pool's connection manager, driven by this thread.

@@ -4,7 +4,9 @@
 //! | step | what Redis runs |
 //! |---|---|
 //! | inspect | `GET` and `PTTL` of the record, in one script (atomic) |
-//! | delete | `GETRANGE` of the state byte, then `DEL` unless in flight and not forced (or, forced, of a key of another type) |
+//! | delete | `GETRANGE` of the state byte, `DEL` unless in flight and not forced |
+//!
+//! Forced, a key of another type (`GETRANGE` answers `WRONGTYPE`) is deleted too.
 
 use std::time::Duration;
 

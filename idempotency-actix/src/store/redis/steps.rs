@@ -146,8 +146,8 @@ impl<T: Transport> Steps<'_, T> {
 
     /// Sends the request `build` makes for the way this server takes a compare-and-write
     /// (`SET … IFEQ`, until a server refuses it as a syntax error, writing nothing; the
-    /// library's function from then on, see [`ConditionalSet`]), waiting for the replicas behind it; with the way
-    /// its reply is to be read.
+    /// library's function from then on, see [`ConditionalSet`]), waiting for the replicas
+    /// behind it; with the way its reply is to be read.
     async fn send_conditional(
         &self,
         build: impl Fn(CommitBy) -> protocol::Request,
