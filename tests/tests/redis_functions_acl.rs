@@ -9,9 +9,13 @@
 //! interval (1 s) at most, however many requests it refuses: a flood of keyed requests is no
 //! flood of connections, `FUNCTION LOAD`s and errors in the log against the server.
 
+// Each test holds its turn for its whole run on its own runtime thread: the lock only makes
+// the other tests of this binary wait.
+#![allow(clippy::await_holding_lock)]
+
 use std::io::Write;
 use std::rc::Rc;
-use std::sync::{Arc, LazyLock, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use actix_web::http::StatusCode;
@@ -72,14 +76,27 @@ const PAUSE: Duration = Duration::from_millis(350);
 /// interval (1 s) with room for a loaded machine.
 const SERVED_WITHIN: Duration = Duration::from_secs(5);
 
-/// Held by each test of this file for its whole run: they count the errors the process logs
-/// for missing functions, and `cargo test` runs a file's tests side by side in one process.
-static ONE_AT_A_TIME: LazyLock<futures_util::lock::Mutex<()>> =
-    LazyLock::new(|| futures_util::lock::Mutex::new(()));
+/// Held by each test of this file for its whole run, on its own runtime thread (so the
+/// blocking lock holds up only the tests waiting for their turn): `cargo test` runs a file's
+/// tests side by side in one process, and some count the errors the process logs for missing
+/// functions. Those run [`alone`]; the others, which count nothing and each start servers of
+/// their own, run [`beside_each_other`].
+static TURNS: RwLock<()> = RwLock::new(());
+
+/// The turn of a test that no other test of this file may run beside.
+fn alone() -> RwLockWriteGuard<'static, ()> {
+    TURNS.write().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The turn of a test that counts nothing the process logs: it runs beside the other such
+/// tests, never beside one that runs [`alone`].
+fn beside_each_other() -> RwLockReadGuard<'static, ()> {
+    TURNS.read().unwrap_or_else(PoisonError::into_inner)
+}
 
 #[actix_web::test]
 async fn a_user_who_cannot_load_the_functions_is_refused_until_they_are_loaded() {
-    let _alone = ONE_AT_A_TIME.lock().await;
+    let _turn = alone();
     refused_until_the_functions_are_loaded(PrivateRedis::start().await).await;
 }
 
@@ -87,7 +104,7 @@ async fn a_user_who_cannot_load_the_functions_is_refused_until_they_are_loaded()
 /// renewals and releases do.
 #[actix_web::test]
 async fn a_valkey_user_who_cannot_load_the_functions_is_refused_until_they_are_loaded() {
-    let _alone = ONE_AT_A_TIME.lock().await;
+    let _turn = alone();
     refused_until_the_functions_are_loaded(PrivateRedis::start_valkey(&[]).await).await;
 }
 
@@ -114,7 +131,7 @@ async fn refused_until_the_functions_are_loaded(redis: PrivateRedis) {
 /// one has loaded yet.
 #[actix_web::test]
 async fn a_cluster_user_who_cannot_load_the_functions_is_refused_until_they_are_loaded() {
-    let _alone = ONE_AT_A_TIME.lock().await;
+    let _turn = alone();
     let cluster = RedisCluster::start();
     let client = add_the_user_who_cannot_load_to_the_cluster(&cluster);
     let app = FloodServer::start(move || Idempotency::redis_cluster(client.clone()), 64);
@@ -136,7 +153,7 @@ async fn a_cluster_user_who_cannot_load_the_functions_is_refused_until_they_are_
 /// server.
 #[actix_web::test]
 async fn functions_deleted_under_an_open_connection_refuse_the_requests_after_the_first() {
-    let _alone = ONE_AT_A_TIME.lock().await;
+    let _turn = beside_each_other();
     deleted_under_an_open_connection(PrivateRedis::start().await, FirstStep::Release).await;
 }
 
@@ -145,7 +162,7 @@ async fn functions_deleted_under_an_open_connection_refuse_the_requests_after_th
 #[actix_web::test]
 async fn on_redis_8_functions_deleted_under_an_open_connection_refuse_the_requests_after_the_first()
 {
-    let _alone = ONE_AT_A_TIME.lock().await;
+    let _turn = beside_each_other();
     deleted_under_an_open_connection(PrivateRedis::start_redis8(&[]).await, FirstStep::Release)
         .await;
 }
@@ -154,7 +171,7 @@ async fn on_redis_8_functions_deleted_under_an_open_connection_refuse_the_reques
 /// them missing: that request's handler has run, unfenced.
 #[actix_web::test]
 async fn on_redis_7_functions_deleted_under_an_open_connection_are_found_by_the_commit() {
-    let _alone = ONE_AT_A_TIME.lock().await;
+    let _turn = beside_each_other();
     deleted_under_an_open_connection(PrivateRedis::start_redis7(&[]).await, FirstStep::Commit)
         .await;
 }
@@ -187,7 +204,7 @@ async fn deleted_under_an_open_connection(redis: PrivateRedis, first: FirstStep)
 /// handlers run once the functions are found missing.
 #[actix_web::test]
 async fn functions_deleted_under_open_replicated_connections_refuse_the_requests_after_the_first() {
-    let _alone = ONE_AT_A_TIME.lock().await;
+    let _turn = beside_each_other();
     deleted_under_open_replicated_connections(PrivateRedis::start().await, FirstStep::Release)
         .await;
 }
@@ -195,7 +212,7 @@ async fn functions_deleted_under_open_replicated_connections_refuse_the_requests
 /// The same on Redis 7, where the commit, on a spare connection, finds them missing.
 #[actix_web::test]
 async fn on_redis_7_functions_deleted_under_open_replicated_connections_are_found_by_the_commit() {
-    let _alone = ONE_AT_A_TIME.lock().await;
+    let _turn = beside_each_other();
     deleted_under_open_replicated_connections(
         PrivateRedis::start_redis7(&[]).await,
         FirstStep::Commit,
@@ -270,14 +287,14 @@ impl ReplicatedWithAUserWhoCannotLoad {
 /// so from their replicas) under the store's cluster connection.
 #[actix_web::test]
 async fn functions_deleted_under_an_open_cluster_connection_refuse_the_requests_after_the_first() {
-    let _alone = ONE_AT_A_TIME.lock().await;
+    let _turn = beside_each_other();
     deleted_under_an_open_cluster_connection(RedisCluster::start(), FirstStep::Release).await;
 }
 
 /// The same on a Redis 7 cluster, where the commit finds them missing.
 #[actix_web::test]
 async fn on_redis_7_functions_deleted_under_an_open_cluster_connection_are_found_by_the_commit() {
-    let _alone = ONE_AT_A_TIME.lock().await;
+    let _turn = beside_each_other();
     deleted_under_an_open_cluster_connection(RedisCluster::start_redis7(), FirstStep::Commit).await;
 }
 
@@ -534,7 +551,7 @@ impl Write for LogWriter {
 /// connections only): the spare kept from before must not let the handlers after it run.
 #[actix_web::test]
 async fn functions_found_missing_by_a_renewal_refuse_the_begins_on_kept_spare_connections() {
-    let _alone = ONE_AT_A_TIME.lock().await;
+    let _turn = alone();
     let mut replicated = ReplicatedWithAUserWhoCannotLoad::start(PrivateRedis::start().await).await;
     let store = replicated.app_store();
     // A short lease: the slow run renews it every 300 ms.
