@@ -600,18 +600,13 @@ fn spawn_own_node(server: &Path, dir: &Path, taken: &mut Vec<u16>) -> (u16, Chil
         let port = free_port_pair(taken);
         taken.push(port);
         let mut child = spawn_node(server, dir, port);
-        let own = child.id().to_string();
         let started = Instant::now();
         while started.elapsed() < Duration::from_secs(10) {
             if matches!(child.try_wait(), Ok(Some(_))) {
                 break;
             }
             let info: redis::RedisResult<String> = query(port, redis::cmd("INFO").arg("server"));
-            let answers_as_itself = info.is_ok_and(|info| {
-                info.lines()
-                    .any(|line| line.strip_prefix("process_id:").map(str::trim) == Some(&own))
-            });
-            if answers_as_itself {
+            if info.is_ok_and(|info| crate::info_names_process(&info, child.id())) {
                 return (port, child);
             }
             std::thread::sleep(Duration::from_millis(50));

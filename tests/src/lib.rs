@@ -394,11 +394,7 @@ impl PrivateRedis {
             .arg("server")
             .query_async(&mut connection)
             .await;
-        let own = self.child.id().to_string();
-        info.is_ok_and(|info| {
-            info.lines()
-                .any(|line| line.strip_prefix("process_id:").map(str::trim) == Some(&own))
-        })
+        info.is_ok_and(|info| info_names_process(&info, self.child.id()))
     }
 
     /// Whether it takes `SET … IFEQ` (Valkey ≥ 8.1, Redis ≥ 8.4), learnt as the store
@@ -473,6 +469,14 @@ impl PrivateRedis {
             })
             .collect()
     }
+}
+
+/// Whether `info` (an `INFO server` reply) is that of the server process `pid`: a server
+/// started on a port another one took in the meantime exits, and the other answers there.
+pub(crate) fn info_names_process(info: &str, pid: u32) -> bool {
+    let pid = pid.to_string();
+    info.lines()
+        .any(|line| line.strip_prefix("process_id:").map(str::trim) == Some(pid.as_str()))
 }
 
 /// How many free ports a private server is tried on before a test gives up.

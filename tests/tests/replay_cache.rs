@@ -54,8 +54,12 @@ fn start_on(
 }
 
 async fn post(server: &actix_test::TestServer, path: &str, key: &str, body: &str) -> Reply {
-    let response = server
-        .post(path)
+    send(server.post(path), key, body).await
+}
+
+/// Sends `request` with the idempotency key `key` and `body`.
+async fn send(request: awc::ClientRequest, key: &str, body: &str) -> Reply {
+    let response = request
         .insert_header(("idempotency-key", key))
         .send_body(body.to_owned())
         .await
@@ -271,14 +275,12 @@ async fn large(runs: web::Data<RunCounter>) -> HttpResponse {
 
 /// Sends `path` with `key` as `tenant` (a scope header of its own).
 async fn post_as(server: &actix_test::TestServer, tenant: &str, key: &str, body: &str) -> Reply {
-    let response = server
-        .post("/orders")
-        .insert_header(("idempotency-key", key))
-        .insert_header(("x-tenant", tenant))
-        .send_body(body.to_owned())
-        .await
-        .unwrap();
-    Reply::read(response).await.unwrap()
+    send(
+        server.post("/orders").insert_header(("x-tenant", tenant)),
+        key,
+        body,
+    )
+    .await
 }
 
 #[actix_web::test]
