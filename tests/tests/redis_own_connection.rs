@@ -96,3 +96,55 @@ async fn a_wrong_password_answers_503_and_runs_no_handler() {
     assert_eq!(status, 503);
     assert_eq!(runs.get(), 0);
 }
+
+/// A `unix://` URL: the store connects over the server's Unix socket (with its own
+/// connection, as for `redis://`), and records and replays as over TCP.
+#[cfg(unix)]
+#[actix_web::test]
+async fn a_unix_socket_url_keeps_records_on_that_server() {
+    let directory =
+        std::env::temp_dir().join(format!("idempotency-own-connection-{}", std::process::id()));
+    std::fs::create_dir_all(&directory).unwrap();
+    let socket = directory.join("redis.sock");
+    let socket_arg = socket.to_str().unwrap();
+    let redis =
+        PrivateRedis::start_with_args(&["--unixsocket", socket_arg, "--unixsocketperm", "700"])
+            .await;
+    let prefix = unique_prefix("own-connection-unix");
+    let runs = RunCounter::default();
+    let server = start(
+        &format!("unix://{socket_arg}?db=2"),
+        prefix.clone(),
+        runs.clone(),
+    );
+
+    assert_eq!(post(&server, "k").await, (201, "order 1".to_owned(), false));
+    assert_eq!(post(&server, "k").await, (201, "order 1".to_owned(), true));
+    assert_eq!(runs.get(), 1);
+
+    let mut connection = redis.connection().await;
+    redis::cmd("SELECT")
+        .arg(2)
+        .exec_async(&mut connection)
+        .await
+        .unwrap();
+    assert_eq!(
+        keys_under(&mut connection, &prefix).await.len(),
+        1,
+        "the record is in db 2"
+    );
+    let clients: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    assert!(
+        clients
+            .lines()
+            .any(|client| client.contains(&format!(" addr={socket_arg}:"))
+                && client.contains(" db=2 ")),
+        "the store is connected over the socket, on db 2:\n{clients}"
+    );
+    drop(redis);
+    let _ = std::fs::remove_dir_all(&directory);
+}

@@ -1,4 +1,5 @@
-//! [`DirectConnection`]: the store's own multiplexed connection to one server over plain TCP.
+//! [`DirectConnection`]: the store's own multiplexed connection to one server over plain TCP
+//! or a Unix socket.
 //!
 //! Requests write their commands into one shared buffer and wait for their replies in the
 //! order they wrote them; a driver task, on the thread that opened the connection, writes
@@ -15,9 +16,9 @@
 //! waiting at its deadline with a timeout error, so that the engine needs no timer of its
 //! own per operation (about a thousand instructions each).
 //!
-//! It speaks RESP2 and understands `redis://` URLs: host and port, user and password
-//! (`AUTH`), and database (`SELECT`). Other URLs (TLS, Unix sockets) go through redis-rs (see
-//! `pool`). A connection whose socket fails stays failed: every request on it, and every
+//! It speaks RESP2 and understands `redis://` and Unix-socket URLs (`unix://`,
+//! `redis+unix://`): host and port or the socket's path, user and password (`AUTH`), and
+//! database (`SELECT`). TLS (`rediss://`) goes through redis-rs (see `pool`). A connection whose socket fails stays failed: every request on it, and every
 //! one after, gets an I/O error, so that the store replaces it (`connection`).
 
 use std::collections::VecDeque;
@@ -29,13 +30,13 @@ use std::time::{Duration, Instant};
 
 use redis::aio::ConnectionLike;
 use redis::{Cmd, Pipeline, RedisError, RedisFuture, Value};
-use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 use tokio::time::Sleep;
 
 use super::packed::{Carrier, PackedCommand};
 use super::pool::ServerAddress;
 use super::reply::read_reply;
+use super::socket::Socket;
 use crate::store::deadline;
 
 /// A handle on the connection; clones share it. The driver task ends, closing the socket,
@@ -117,8 +118,7 @@ impl DirectConnection {
     ///
     /// When the server cannot be reached or refuses `AUTH` or `SELECT`.
     pub(super) async fn open(server: &ServerAddress) -> Result<Self, RedisError> {
-        let stream = TcpStream::connect((server.host.as_str(), server.port)).await?;
-        stream.set_nodelay(true)?;
+        let stream = Socket::connect(&server.endpoint).await?;
         // The runtime that drives the socket: this thread's, as the store opens its
         // connection on the worker that uses it.
         let shared = Arc::new(Shared {
@@ -439,7 +439,7 @@ fn reuse(buffer: &mut Vec<u8>) {
 
 /// The task that owns the socket: writes what requests queued and reads their replies.
 struct Driver {
-    stream: TcpStream,
+    stream: Socket,
     shared: Arc<Shared>,
     /// Bytes taken from `State::outgoing`, written up to `written`.
     writing: Vec<u8>,
@@ -643,6 +643,7 @@ mod tests {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpListener;
 
+    use super::super::socket::Endpoint;
     use super::*;
 
     /// A server that reads `expect` bytes of commands, then answers `replies`, a few bytes
@@ -687,8 +688,10 @@ mod tests {
     /// Port `port` of the loopback address, without a password, database 0.
     fn loopback(port: u16) -> ServerAddress {
         ServerAddress {
-            host: "127.0.0.1".to_owned(),
-            port,
+            endpoint: Endpoint::Tcp {
+                host: "127.0.0.1".to_owned(),
+                port,
+            },
             db: 0,
             username: None,
             password: None,
@@ -1048,5 +1051,58 @@ mod tests {
             .err()
             .expect("refused");
         assert!(error.is_io_error());
+    }
+
+    /// A server on a Unix socket at `path` that reads `expect` bytes of commands, answers
+    /// `replies`, and closes the connection.
+    #[cfg(unix)]
+    fn unix_server(
+        path: &std::path::Path,
+        expect: usize,
+        replies: &'static [u8],
+    ) -> tokio::task::JoinHandle<Vec<u8>> {
+        let listener = tokio::net::UnixListener::bind(path).expect("a socket");
+        tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.expect("the store connects");
+            let mut received = vec![0; expect];
+            socket
+                .read_exact(&mut received)
+                .await
+                .expect("the commands");
+            socket.write_all(replies).await.expect("the replies");
+            received
+        })
+    }
+
+    #[cfg(unix)]
+    #[actix_web::test]
+    async fn a_unix_socket_carries_the_commands_and_their_replies() {
+        let directory =
+            std::env::temp_dir().join(format!("idempotency-direct-{}", std::process::id()));
+        std::fs::create_dir_all(&directory).expect("a directory");
+        let path = directory.join("redis.sock");
+        let _ = std::fs::remove_file(&path);
+        let (a, b) = (get("a"), get("b"));
+        let expect = a.get_packed_command().len() + b.get_packed_command().len();
+        let server = unix_server(&path, expect, b"$1\r\nA\r\n$-1\r\n");
+        let address = ServerAddress {
+            endpoint: Endpoint::Unix(path.clone()),
+            db: 0,
+            username: None,
+            password: None,
+        };
+        let connection = DirectConnection::open(&address).await.expect("connected");
+        let (mut first, mut second) = (connection.clone(), connection);
+        let (a, b) =
+            futures_util::future::join(first.req_packed_command(&a), second.req_packed_command(&b))
+                .await;
+        assert_eq!(a.expect("a reply"), Value::BulkString(b"A".to_vec()));
+        assert_eq!(b.expect("a reply"), Value::Nil);
+        let received = server.await.expect("the server ran");
+        assert_eq!(
+            received,
+            b"*2\r\n$3\r\nGET\r\n$1\r\na\r\n*2\r\n$3\r\nGET\r\n$1\r\nb\r\n"
+        );
+        std::fs::remove_dir_all(&directory).expect("removed");
     }
 }

@@ -21,6 +21,7 @@ mod record;
 mod replication;
 mod reply;
 mod silence;
+mod socket;
 mod spares;
 mod steps;
 
@@ -62,10 +63,10 @@ use self::steps::Steps;
 /// Connections: the store opens one multiplexed connection and shares it between all its
 /// requests, so their commands go out together; it never holds a pool slot, so it neither
 /// waits for one nor pays bb8's `PING` per checkout. For a pool from [`RedisStore::pool`]
-/// with a `redis://` URL it is a connection of the store's own (RESP2, `AUTH` and `SELECT`
-/// from the URL; about 4 500 instructions less per round trip than redis-rs's); otherwise
-/// (a bb8 pool the app built, `rediss://`, a Unix socket) a redis-rs multiplexed connection
-/// from the pool's connection manager. A connection whose socket died is replaced and the
+/// with a `redis://` or Unix-socket URL it is a connection of the store's own (RESP2,
+/// `AUTH` and `SELECT` from the URL; about 4 500 instructions less per round trip than
+/// redis-rs's); otherwise (a bb8 pool the app built, `rediss://`) a redis-rs multiplexed
+/// connection from the pool's connection manager. A connection whose socket died is replaced and the
 /// command sent once more. Each clone of the store (one per worker, as `HttpServer::new`
 /// builds the app per worker) opens its own connection, on its worker's thread.
 ///

@@ -6,17 +6,19 @@ use std::time::Duration;
 use bb8_redis::RedisConnectionManager;
 use redis::{ConnectionAddr, IntoConnectionInfo};
 
+use super::socket::Endpoint;
+
 /// The pool [`Idempotency::redis`](crate::Idempotency::redis) and
 /// [`RedisStore::new`](crate::RedisStore::new) take: a bb8 pool of bb8-redis connections
 /// (it dereferences to [`bb8::Pool`], for the app's own commands), and, when
-/// [`RedisStore::pool`](crate::RedisStore::pool) made it from a `redis://` URL, where that URL
-/// points.
+/// [`RedisStore::pool`](crate::RedisStore::pool) made it from a `redis://` or Unix-socket
+/// URL, where that URL points.
 ///
 /// With the address, the store opens a connection of its own to that server (a lighter
 /// multiplexed connection than redis-rs's: about 4 500 instructions less per round trip,
 /// README "Performance"). Without it (a pool built with `bb8::Pool::builder()`, or a
-/// `rediss://` or Unix-socket URL), the store shares a redis-rs multiplexed connection from
-/// the pool's connection manager. Both behave the same; only the cost differs.
+/// `rediss://` URL), the store shares a redis-rs multiplexed connection from the pool's
+/// connection manager. Both behave the same; only the cost differs.
 ///
 /// # Examples
 ///
@@ -41,10 +43,9 @@ pub struct RedisPool {
     server: Option<Arc<ServerAddress>>,
 }
 
-/// Where a `redis://` URL points, and how to log in.
+/// Where a `redis://` or Unix-socket URL points, and how to log in.
 pub(super) struct ServerAddress {
-    pub(super) host: String,
-    pub(super) port: u16,
+    pub(super) endpoint: Endpoint,
     pub(super) db: i64,
     pub(super) username: Option<String>,
     pub(super) password: Option<String>,
@@ -55,16 +56,23 @@ impl RedisPool {
     /// [`RedisStore::pool`](crate::RedisStore::pool)).
     pub(super) fn for_url(url: &str) -> Result<Self, redis::RedisError> {
         let info = url.into_connection_info()?;
-        let server = match info.addr() {
-            ConnectionAddr::Tcp(host, port) => Some(Arc::new(ServerAddress {
+        let endpoint = match info.addr() {
+            ConnectionAddr::Tcp(host, port) => Some(Endpoint::Tcp {
                 host: host.clone(),
                 port: *port,
+            }),
+            #[cfg(unix)]
+            ConnectionAddr::Unix(path) => Some(Endpoint::Unix(path.clone())),
+            _ => None,
+        };
+        let server = endpoint.map(|endpoint| {
+            Arc::new(ServerAddress {
+                endpoint,
                 db: info.redis_settings().db(),
                 username: info.redis_settings().username().map(str::to_owned),
                 password: info.redis_settings().password().map(str::to_owned),
-            })),
-            _ => None,
-        };
+            })
+        });
         let pool = bb8::Pool::builder()
             .max_size(16)
             .test_on_check_out(false)
@@ -104,8 +112,41 @@ impl std::fmt::Debug for RedisPool {
                 &self
                     .server
                     .as_ref()
-                    .map(|server| format!("{}:{}/{}", server.host, server.port, server.db)),
+                    .map(|server| format!("{}/{}", server.endpoint, server.db)),
             )
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Where the pool made from `url` points, as its `Debug` shows it.
+    fn server_of(url: &str) -> Option<String> {
+        actix_rt::System::new().block_on(async {
+            let pool = RedisPool::for_url(url).expect("a valid URL");
+            pool.server()
+                .map(|server| format!("{}/{}", server.endpoint, server.db))
+        })
+    }
+
+    #[test]
+    fn a_redis_url_and_a_unix_socket_url_get_the_stores_own_connection() {
+        assert_eq!(
+            server_of("redis://127.0.0.1:6380/2").as_deref(),
+            Some("127.0.0.1:6380/2")
+        );
+        #[cfg(unix)]
+        {
+            assert_eq!(
+                server_of("unix:///run/redis/redis.sock?db=3").as_deref(),
+                Some("/run/redis/redis.sock/3")
+            );
+            assert_eq!(
+                server_of("redis+unix:///tmp/r.sock").as_deref(),
+                Some("/tmp/r.sock/0")
+            );
+        }
     }
 }
