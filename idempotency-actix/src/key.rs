@@ -95,6 +95,13 @@ pub enum KeyError {
         /// The offending byte.
         byte: u8,
     },
+    /// A space inside a bare key (`order 1`): only the quoted form (`"order 1"`) may hold
+    /// one. (A space is printable ASCII, so this is not [`KeyError::InvalidByte`].)
+    #[error(
+        "the idempotency key contains a space, which only a quoted key may hold; send it \
+         quoted (\"order 1\"), or without the space"
+    )]
+    UnquotedSpace,
     /// A quoted key without its closing quote, or a stray quote in a bare key.
     #[error("the idempotency key has an unbalanced quote")]
     UnbalancedQuote,
@@ -157,10 +164,11 @@ impl IdempotencyKey {
         if let Some(&first) = after_parameters.first() {
             return Err(match after_parameters.trim_ascii_start().first() {
                 Some(b',') => KeyError::List,
-                // A space inside a bare key is what the client most likely meant.
-                _ if value[0] != b'"' && rest.len() == after_parameters.len() => {
-                    KeyError::InvalidByte { byte: first }
-                }
+                // A space (or tab) inside a bare key is what the client most likely meant.
+                _ if value[0] != b'"' && rest.len() == after_parameters.len() => match first {
+                    b' ' => KeyError::UnquotedSpace,
+                    byte => KeyError::InvalidByte { byte },
+                },
                 _ => KeyError::TrailingCharacters,
             });
         }
@@ -470,7 +478,14 @@ mod tests {
             parse(b"\"a\tb\""),
             Err(KeyError::InvalidByte { byte: b'\t' })
         );
-        assert_eq!(parse(b"a b"), Err(KeyError::InvalidByte { byte: b' ' }));
+    }
+
+    #[test]
+    fn a_space_in_a_bare_key_asks_for_quotes() {
+        assert_eq!(parse(b"order 1"), Err(KeyError::UnquotedSpace));
+        assert_eq!(parse(b"a b c"), Err(KeyError::UnquotedSpace));
+        assert_eq!(parse(b"\"order 1\""), Ok("order 1".to_owned()));
+        assert!(!KeyError::UnquotedSpace.to_string().contains("printable"));
     }
 
     #[test]

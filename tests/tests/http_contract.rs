@@ -401,6 +401,34 @@ async fn malformed_keys_are_400(backend: Backend) {
     assert_eq!(h.runs.get(), 0);
 }
 
+/// A bare key with a space (`order 1`) is refused with a detail that says what is wrong
+/// and how to send it (quoted), never that a space is not printable ASCII; quoted, the same
+/// key is taken.
+async fn a_key_with_a_space_is_told_to_quote_it(backend: Backend) {
+    let h = start(backend, "space", |i| i);
+    let key = h.key("order 1");
+    let reply = h.post("/orders", Some(&key), "{}").await;
+    assert_eq!(
+        reply.assert_problem(400),
+        "tag:idempotency-actix,2026:invalid-key"
+    );
+    let detail = reply.json()["detail"].as_str().unwrap().to_owned();
+    assert!(!detail.contains("not printable"), "{detail}");
+    assert!(
+        detail.contains("space") && detail.contains("quote"),
+        "{detail}"
+    );
+    assert_eq!(h.runs.get(), 0);
+
+    let quoted = format!("\"{key}\"");
+    let first = h.post("/orders", Some(&quoted), "{}").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let retry = h.post("/orders", Some(&quoted), "{}").await;
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(retry.body, first.body);
+    assert_eq!(h.runs.get(), 1);
+}
+
 async fn a_retry_replays_byte_identical_without_running(backend: Backend) {
     let h = start(backend, "replay", |i| i);
     let key = h.key("order");
@@ -820,6 +848,7 @@ every_backend!(
     no_key_on_a_required_route_is_400,
     an_app_wide_required_key_is_400,
     malformed_keys_are_400,
+    a_key_with_a_space_is_told_to_quote_it,
     a_retry_replays_byte_identical_without_running,
     quoted_and_bare_keys_are_the_same_key,
     another_request_with_the_same_key_is_422,
