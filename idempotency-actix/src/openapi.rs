@@ -561,7 +561,7 @@ fn routed_at(route: &ProtectedRoute, method: &str, path: &str) -> bool {
     route
         .routes()
         .iter()
-        .any(|(routed, at)| *routed == method && path.ends_with(&*spec_path(at)))
+        .any(|(routed, at)| routed.eq_ignore_ascii_case(method) && path.ends_with(&*spec_path(at)))
 }
 
 /// An Actix path as a spec writes it: a segment's regex left out (`/orders/{id:\d+}` is
@@ -598,9 +598,10 @@ fn spec_path(path: &str) -> Cow<'_, str> {
     Cow::Owned(written)
 }
 
-/// The operation of `item` for `method` (lower case), if it is one the middleware protects.
+/// The operation of `item` for `method` (in any case: a route described by hand may say
+/// `"POST"`), if it is one the middleware protects.
 fn operation_for<'a>(item: &'a mut PathItem, method: &str) -> Option<&'a mut Operation> {
-    match method {
+    match method.to_ascii_lowercase().as_str() {
         "post" => item.post.as_mut(),
         "put" => item.put.as_mut(),
         "patch" => item.patch.as_mut(),
@@ -769,6 +770,33 @@ mod tests {
         );
         assert!(!documented(&spec, "/comments", HttpMethod::Post));
         assert!(!documented(&spec, "/orders/export", HttpMethod::Get));
+    }
+
+    /// A route described by hand with its method as HTTP writes it (`"POST"`) is documented
+    /// like one in lower case: it was silently left out of the spec, by operation id and by
+    /// path alike.
+    #[test]
+    fn a_method_in_upper_case_is_documented_too() {
+        const REFUNDS: ProtectedRoute = ProtectedRoute::new("refund", &[("POST", "/refunds")]);
+        const PAYOUTS: ProtectedRoute =
+            ProtectedRoute::new("payout", &[("Post", "/payouts")]).required();
+        let mut spec = OpenApiBuilder::new()
+            .paths(
+                PathsBuilder::new()
+                    .path(
+                        "/api/refunds",
+                        PathItem::new(HttpMethod::Post, operation("refund")),
+                    )
+                    // An operationId of the user's own: found by its path alone.
+                    .path(
+                        "/payouts",
+                        PathItem::new(HttpMethod::Post, operation("send_payout")),
+                    ),
+            )
+            .build();
+        IdempotencyOpenApi::new(&[REFUNDS, PAYOUTS]).apply(&mut spec);
+        assert!(documented(&spec, "/api/refunds", HttpMethod::Post));
+        assert_eq!(key_required(&spec, "/payouts"), Some(true));
     }
 
     /// utoipa writes Actix's `{id:\\d+}` as `{id}` (and so do users, by hand).

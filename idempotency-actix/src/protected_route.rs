@@ -40,7 +40,7 @@ pub struct ProtectedRoute {
 
 impl ProtectedRoute {
     /// The route of `handler` (its function name, which utoipa uses as the operation id)
-    /// at each `(method, path)` of `routes` (methods in lower case, paths as Actix writes
+    /// at each `(method, path)` of `routes` (methods in any case, paths as Actix writes
     /// them, e.g. `("post", "/orders/{id}")`); whether a key is required is the app's
     /// policy.
     ///
