@@ -751,11 +751,18 @@ impl Engine {
             // never late and a cached copy never outlives the record.
             let sent = Instant::now();
             sent_at.set(sent);
+            // Draining, a key found free is given back at once and no handler runs under
+            // it: its lease only bounds how long the key stays locked should the process
+            // stop before that release lands (or should this `begin` land late).
+            let lease = if work_in_progress::draining() {
+                policy.lease.min(DRAINING_LEASE)
+            } else {
+                policy.lease
+            };
             let begun = self
                 .bounded(
                     StoreOperation::Begin,
-                    self.store
-                        .begin(storage_key, fingerprint, token, policy.lease),
+                    self.store.begin(storage_key, fingerprint, token, lease),
                 )
                 .await;
             let wait = match &begun {
@@ -1393,6 +1400,13 @@ impl Drop for AbortOnDrop {
 
 /// How often a running request checks whether its lease is due for renewal.
 const RENEWAL_TICK: Duration = Duration::from_millis(100);
+
+/// The lease of a `begin` sent while the process drains (`Idempotency::drain`), when the
+/// route's is longer. Such a `begin` runs no handler: the key it finds free is given back
+/// at once (the drain is for good, so the check after it sees the drain too). A process
+/// stopped before that release lands leaves the key locked (409) for this long rather than
+/// a whole lease.
+const DRAINING_LEASE: Duration = Duration::from_secs(2);
 
 /// Logs, once per process, a lease that a renewal may outlast. The lease is counted from
 /// when a `begin` or renewal is sent; the next renewal is sent a third of the lease later,

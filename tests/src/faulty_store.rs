@@ -25,7 +25,9 @@ use crate::RunCounter;
 /// `release` is counted in `releases` as it is sent and reaches `inner` only after
 /// `release_delay`; its next `late_begins` fail as a store that times out does and reach
 /// `inner` only `late_by` later, on their own (a `begin` stuck in a connection's queue that
-/// lands after its request gave it up). Clones share the store and the counts.
+/// lands after its request gave it up); its next `lost_releases` never reach `inner` and
+/// fail as a store that times out does (a process stopped before they were sent). Clones
+/// share the store and the counts.
 #[derive(Clone, Default)]
 pub struct FaultyStore {
     /// The store behind the faults.
@@ -58,6 +60,8 @@ pub struct FaultyStore {
     pub late_begins: Arc<AtomicU32>,
     /// How long after it timed out a late `begin` lands in `inner`.
     pub late_by: Duration,
+    /// How many `release`s are still to be lost.
+    pub lost_releases: Arc<AtomicU32>,
 }
 
 /// Takes one from `left` unless it is 0: whether this call is to fail.
@@ -134,6 +138,9 @@ impl IdempotencyStore for FaultyStore {
 
     async fn release(&self, key: &StorageKey, token: &LeaseToken) -> Result<bool, StoreError> {
         self.releases.record();
+        if fails(&self.lost_releases) {
+            return Err(StoreError::Timeout(Duration::from_secs(2)));
+        }
         actix_rt::time::sleep(self.release_delay).await;
         self.inner.release(key, token).await
     }

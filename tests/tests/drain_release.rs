@@ -3,7 +3,11 @@
 //! and the retry finds the key free (503 `shutting-down` again, never 409 for a lease).
 //! Real sockets, an in-process server on a memory store whose releases are slow.
 //!
-//! One test in a binary of its own: a drain is for the whole process and for good.
+//! And a process that stops before such a release lands: the key stays locked only for a
+//! short lease, not the route's.
+//!
+//! Tests in a binary of their own: a drain is for the whole process and for good (each
+//! test drains; neither minds the other's).
 
 #![allow(clippy::unwrap_used)]
 
@@ -12,7 +16,7 @@ use std::time::Duration;
 
 use actix_web::http::StatusCode;
 use actix_web::{App, HttpServer};
-use idempotency_actix::{Idempotency, KeyScope};
+use idempotency_actix::{Idempotency, IdempotencyPolicy, KeyScope};
 use idempotency_actix_tests::{FaultyStore, GatedRoutes, Reply, reset};
 
 #[actix_rt::test]
@@ -66,6 +70,70 @@ async fn a_key_given_back_while_draining_is_released_though_its_client_left() {
         .await
         .unwrap();
     let retry = Reply::read(retry).await.unwrap();
+    assert_eq!(retry.status, StatusCode::SERVICE_UNAVAILABLE, "{retry:?}");
+    assert_eq!(
+        retry.json()["type"],
+        "tag:idempotency-actix,2026:shutting-down"
+    );
+    assert_eq!(quick_runs.get(), 0, "a handler ran while draining");
+
+    handle.stop(true).await;
+    server.await.unwrap().unwrap();
+}
+
+/// A new key found free while draining, whose release never lands (the process stopped
+/// first): the key is locked only for the short lease of a `begin` sent while draining
+/// (2 s), not the route's 30 s, so its retry after that is given back again (503
+/// `shutting-down`) rather than answered 409. It used to answer 409 for the whole lease.
+#[actix_rt::test]
+async fn a_key_whose_release_is_lost_while_draining_is_locked_only_briefly() {
+    let store = FaultyStore::default();
+    store
+        .lost_releases
+        .store(1, std::sync::atomic::Ordering::SeqCst);
+    let routes = GatedRoutes::default();
+    let quick_runs = routes.quick_runs.clone();
+    let server = {
+        let store = store.clone();
+        HttpServer::new(move || {
+            let policy = IdempotencyPolicy::default().lease(Duration::from_secs(30));
+            App::new()
+                .wrap(
+                    Idempotency::new(store.clone())
+                        .policy(policy)
+                        .scope(KeyScope::global()),
+                )
+                .configure(routes.configure())
+        })
+        .workers(1)
+        .disable_signals()
+        .bind(("127.0.0.1", 0))
+        .unwrap()
+    };
+    let addr = server.addrs()[0];
+    let server = server.run();
+    let handle = server.handle();
+    let server = actix_rt::spawn(server);
+    Idempotency::drain(Duration::from_secs(30)).await;
+
+    let client = awc::Client::default();
+    let post = || async {
+        let reply = client
+            .post(format!("http://{addr}/quick"))
+            .insert_header(("idempotency-key", "lost-release"))
+            .send()
+            .await
+            .unwrap();
+        Reply::read(reply).await.unwrap()
+    };
+    let first = post().await;
+    assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE, "{first:?}");
+    assert_eq!(store.releases.get(), 1);
+    // The lock its lost release left: a retry meanwhile is told the key is in flight.
+    let meanwhile = post().await;
+    assert_eq!(meanwhile.status, StatusCode::CONFLICT, "{meanwhile:?}");
+    actix_rt::time::sleep(Duration::from_millis(2_500)).await;
+    let retry = post().await;
     assert_eq!(retry.status, StatusCode::SERVICE_UNAVAILABLE, "{retry:?}");
     assert_eq!(
         retry.json()["type"],
