@@ -3,8 +3,7 @@
 //!
 //! The driver of [`DirectConnection`](super::direct::DirectConnection) writes and reads
 //! without blocking and waits for readiness itself, so it needs only those four operations
-//! of a stream; a Unix socket skips the loopback TCP stack on both ends (for a Redis on the
-//! same host: README "Performance").
+//! of a stream.
 
 use std::io;
 #[cfg(unix)]
