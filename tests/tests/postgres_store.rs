@@ -243,6 +243,48 @@ async fn a_table_of_the_previous_release_is_migrated_to_keep_abandoned_tokens() 
     assert_eq!(checks, 1);
 }
 
+/// A migration whose DDL waits behind another session's transaction on the table (here an
+/// old instance's transactional request, its row not yet committed, during an upgrade from
+/// 0.2) gives up after its lock timeout with an error that says so, instead of waiting for
+/// as long as that transaction runs while every statement on the table queues behind it;
+/// run again once that transaction ended, it migrates. (It waited forever.)
+#[actix_web::test]
+async fn a_migration_behind_a_long_transaction_gives_up_and_says_why() {
+    let database = TestDatabase::create().await;
+    let old_instance = database.connection().await;
+    old_instance
+        .batch_execute(
+            "CREATE TABLE idempotency_records (
+                 key         text        PRIMARY KEY,
+                 fingerprint bytea       NOT NULL,
+                 token       text        NOT NULL,
+                 state       \"char\"      NOT NULL CHECK (state IN ('i', 'c')),
+                 version     smallint    NOT NULL,
+                 expires_at  timestamptz NOT NULL,
+                 response    bytea
+             );
+             BEGIN;
+             INSERT INTO idempotency_records
+                 VALUES ('claimed', '', 't', 'i', 1, now() + interval '1 minute', NULL)",
+        )
+        .await
+        .unwrap();
+    let store = PostgresStore::new(PostgresStore::pool(database.url()).unwrap());
+    // Far longer than any lock timeout the store sets: only a migration that waits for the
+    // transaction to end runs into it.
+    let migrated = actix_rt::time::timeout(Duration::from_secs(60), store.migrate()).await;
+    let error = migrated
+        .expect("migrate waited for the other transaction, which never ends")
+        .expect_err("migrate went through a lock another transaction holds");
+    let message = error.to_string();
+    assert!(message.contains("lock"), "{message}");
+    assert!(message.contains("idempotency_records"), "{message}");
+    old_instance.batch_execute("COMMIT").await.unwrap();
+    store.migrate().await.unwrap();
+    let late = LeaseToken::generate();
+    assert!(store.abandon(&key("k"), &late, LEASE).await.unwrap());
+}
+
 /// A login role of the test's own. Dropped when this is: declare it before the database it
 /// has rights in, which is then dropped first (with those rights), also when the test fails.
 struct TestRole {

@@ -225,6 +225,7 @@ impl Statements {
             )
         };
         let (lock_free_2, lock_free_3) = (lock_free(2), lock_free(3));
+        let lock_timeout = MIGRATION_LOCK_TIMEOUT.as_millis();
         // The lock and the claim of both `begin`s, the claim returning `returning` of the
         // row it acquired.
         let lock_and_claim = |returning: &str| {
@@ -267,9 +268,17 @@ impl Statements {
             // that the checks after the lock see what the instance before did: under
             // REPEATABLE READ or SERIALIZABLE the transaction's snapshot, taken before the
             // lock, missed it, and each instance started at once added an expiry index.
+            //
+            // Each lock its DDL takes on the table is waited for at most
+            // `MIGRATION_LOCK_TIMEOUT`: a table that exists is locked by every transaction that
+            // wrote to it (a transactional route's running request), and every statement on
+            // the table that comes after queues behind a DDL waiting for its lock. The lock
+            // of another instance's migration is waited for as long as that one runs, which
+            // is bounded by the same timeout and its DDL.
             migrate: format!(
                 "BEGIN ISOLATION LEVEL READ COMMITTED;
                  SELECT pg_advisory_xact_lock(7291604383712561407);
+                 SET LOCAL lock_timeout = {lock_timeout};
                  CREATE TABLE IF NOT EXISTS {t} (
                      key         text        PRIMARY KEY,
                      fingerprint bytea       NOT NULL,
@@ -627,6 +636,13 @@ impl PostgresStore {
     /// `UPDATE` and `DELETE` on it can call it too. Creating or updating the table takes the
     /// rights to do so.
     ///
+    /// Updating a table that exists (one of an earlier release, or made by hand without the
+    /// expiry index) locks it, and every transaction that wrote to it holds that lock off
+    /// (a transactional request of an instance still running), while every statement on the
+    /// table waits behind the migration: it waits at most 2 s for each lock, then fails,
+    /// changing nothing, with an error that says so; run it again once that transaction has
+    /// ended. Another instance's migration is waited for until it ends.
+    ///
     /// It also finds the table's schema (for a name without one, where `search_path` leads:
     /// the table's, or where it creates it), which every statement of the store names from
     /// then on; without `migrate`, the store's first statement finds it.
@@ -635,7 +651,8 @@ impl PostgresStore {
     ///
     /// When the database cannot be reached within 2 s ([`StoreError::Timeout`]) or refuses
     /// the connection (why is in the error: a database that does not exist, a refused
-    /// login) or the statements.
+    /// login) or the statements, or when a lock on the table is held for more than 2 s (see
+    /// above).
     ///
     /// # Examples
     ///
@@ -698,7 +715,7 @@ impl PostgresStore {
             connection
                 .batch_execute(&sql.migrate)
                 .await
-                .map_err(unavailable)?;
+                .map_err(|error| migration_failed(error, &sql.relation))?;
         }
         self.table.settle(sql);
         Ok(())
@@ -1479,6 +1496,29 @@ fn millis(duration: Duration) -> i64 {
     i64::try_from(duration.as_millis())
         .unwrap_or(i64::MAX)
         .max(1)
+}
+
+/// How long [`PostgresStore::migrate`] waits for each lock its DDL takes on an existing
+/// table before it gives up: as long as a store step may take by default (the store
+/// timeout), since every statement on the table waits behind it meanwhile.
+const MIGRATION_LOCK_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The error of a migration that failed with `error` on the table `relation`: one that gave
+/// up waiting for a lock ([`MIGRATION_LOCK_TIMEOUT`]) says what holds it and that it may be
+/// run again.
+fn migration_failed(error: tokio_postgres::Error, relation: &str) -> StoreError {
+    if error.code() != Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) {
+        return unavailable(error);
+    }
+    StoreError::Unavailable(
+        format!(
+            "migrate gave up after waiting {MIGRATION_LOCK_TIMEOUT:?} for a lock on the table \
+             {relation}, which a transaction of another session holds (one that wrote to it, \
+             such as a transactional request still running); nothing was changed: run it \
+             again once that transaction has ended"
+        )
+        .into(),
+    )
 }
 
 /// How long a connection may take to open: a pool's checkout waits as long, and so does
