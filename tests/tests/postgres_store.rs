@@ -285,6 +285,71 @@ async fn a_migration_behind_a_long_transaction_gives_up_and_says_why() {
     assert!(store.abandon(&key("k"), &late, LEASE).await.unwrap());
 }
 
+/// A statement the server refuses is an error that says what the server said, wherever
+/// it reaches the app: a request's step (in the log of its 503), the inspector, the reaper.
+/// (Each said only "store unavailable: db error".)
+#[actix_web::test]
+async fn errors_of_statements_say_what_the_server_said() {
+    let database = TestDatabase::create().await;
+    let store = database.store().await;
+    // The table is gone (a DBA's mistake, a restore that missed it): every statement of the
+    // store fails.
+    database
+        .connection()
+        .await
+        .batch_execute("DROP TABLE idempotency_records")
+        .await
+        .unwrap();
+    let said = "relation \"public.idempotency_records\" does not exist";
+    let begun = store
+        .begin(&key("k"), &print(), &LeaseToken::generate(), LEASE)
+        .await
+        .expect_err("a begin without its table");
+    assert!(begun.to_string().contains(said), "{begun}");
+    let looked_up = Inspector::new(store.clone())
+        .key_prefix("pg:")
+        .lookup(b"", "k")
+        .await
+        .expect_err("a lookup without its table");
+    assert!(looked_up.to_string().contains(said), "{looked_up}");
+    let reaped = store
+        .delete_expired(10)
+        .await
+        .expect_err("a batch without its table");
+    assert!(reaped.to_string().contains(said), "{reaped}");
+}
+
+/// A store step that found no connection in the pool says why: every connection in use
+/// (here the only one, held by the app), which a transactional request does for its whole
+/// run. (It said "store unavailable: Timed out in bb8".)
+#[actix_web::test]
+async fn a_step_that_finds_the_pool_in_use_says_so() {
+    let database = TestDatabase::create().await;
+    let manager = bb8_postgres::PostgresConnectionManager::new_from_stringlike(
+        database.url(),
+        tokio_postgres::NoTls,
+    )
+    .unwrap();
+    let pool = bb8::Pool::builder()
+        .max_size(1)
+        .connection_timeout(Duration::from_millis(200))
+        .build_unchecked(manager);
+    let store = PostgresStore::new(pool.clone());
+    store.migrate().await.unwrap();
+    let held = pool.get().await.unwrap();
+    let begun = store
+        .begin(&key("k"), &print(), &LeaseToken::generate(), LEASE)
+        .await
+        .expect_err("a begin without a connection");
+    let message = begun.to_string();
+    assert!(
+        message.contains("all 1 of its connections were in use"),
+        "{message}"
+    );
+    drop(held);
+    assert_eq!(begin_anew(&store, "k").await, BeginOutcome::Acquired);
+}
+
 /// A login role of the test's own. Dropped when this is: declare it before the database it
 /// has rights in, which is then dropped first (with those rights), also when the test fails.
 struct TestRole {

@@ -15,11 +15,13 @@ use crate::lost_record;
 use crate::record::{RECORD_VERSION, StoredResponse};
 use crate::scope::StorageKey;
 
+mod error;
 mod isolation;
 mod renewals;
 mod serialization;
 mod table;
 
+use error::{PostgresError, no_connection, unavailable};
 use isolation::Isolation;
 use renewals::RenewalConnections;
 use serialization::{again_while_unserializable, failed_to_serialize};
@@ -806,7 +808,7 @@ impl PostgresStore {
         // isolation a batch whose snapshot predates the takeover of one of its expired rows
         // failed, deleting nothing.
         again_while_unserializable(|| async {
-            let connection = self.pool.get().await.map_err(unavailable)?;
+            let connection = self.pool.get().await.map_err(|error| no_connection(&self.pool, error))?;
             let deleted = match connection.execute_typed(&sql.delete_expired, &params).await {
                 // As every other step, once more on a live connection: after a restart or a
                 // failover, or where the server ends idle sessions (`idle_session_timeout`),
@@ -871,13 +873,21 @@ impl PostgresStore {
     async fn live_connection(&self) -> Result<PostgresConnection, StoreError> {
         // Bounded by what the pool holds now: each closed one taken leaves it for good.
         let held = self.pool.state().connections;
-        let mut connection = self.pool.get_owned().await.map_err(unavailable)?;
+        let mut connection = self
+            .pool
+            .get_owned()
+            .await
+            .map_err(|error| no_connection(&self.pool, error))?;
         for _ in 0..held {
             if !connection.is_closed() {
                 break;
             }
             drop(connection);
-            connection = self.pool.get_owned().await.map_err(unavailable)?;
+            connection = self
+                .pool
+                .get_owned()
+                .await
+                .map_err(|error| no_connection(&self.pool, error))?;
         }
         Ok(connection)
     }
@@ -914,7 +924,11 @@ impl PostgresStore {
         statement: &str,
         params: &[(&(dyn ToSql + Sync), Type)],
     ) -> Result<Vec<Row>, StoreError> {
-        let connection = self.pool.get().await.map_err(unavailable)?;
+        let connection = self
+            .pool
+            .get()
+            .await
+            .map_err(|error| no_connection(&self.pool, error))?;
         match connection.query_typed(statement, params).await {
             Err(error) if lost(&connection, &error) => {
                 tracing::debug!(%error, "idempotency: PostgreSQL connection lost; reconnecting");
@@ -1038,7 +1052,12 @@ impl PostgresStore {
         token: &LeaseToken,
         lease: Duration,
     ) -> Result<(BeginOutcome, Option<OpenTransaction>), StoreError> {
-        let transaction = OpenTransaction::on(self.pool.get_owned().await.map_err(unavailable)?);
+        let transaction = OpenTransaction::on(
+            self.pool
+                .get_owned()
+                .await
+                .map_err(|error| no_connection(&self.pool, error))?,
+        );
         let (mut transaction, (outcome, claimed_row)) = match self
             .claim_on(&transaction, key, fingerprint, token, lease)
             .await
@@ -1098,7 +1117,12 @@ impl PostgresStore {
     /// A transaction on a connection of its own, without any record (a keyless request to a
     /// transactional route); on a connection that turns out closed, once more on a live one.
     pub(crate) async fn open_transaction(&self) -> Result<OpenTransaction, StoreError> {
-        let transaction = OpenTransaction::on(self.pool.get_owned().await.map_err(unavailable)?);
+        let transaction = OpenTransaction::on(
+            self.pool
+                .get_owned()
+                .await
+                .map_err(|error| no_connection(&self.pool, error))?,
+        );
         match transaction.client().batch_execute("BEGIN").await {
             Ok(()) => Ok(transaction),
             Err(error) if lost(transaction.client(), &error) => {
@@ -1471,12 +1495,7 @@ fn lost(client: &tokio_postgres::Client, error: &tokio_postgres::Error) -> bool 
 
 /// [`lost`], for a step's [`StoreError`].
 fn lost_with(client: &tokio_postgres::Client, error: &StoreError) -> bool {
-    match error {
-        StoreError::Unavailable(source) => source
-            .downcast_ref::<tokio_postgres::Error>()
-            .map_or_else(|| client.is_closed(), |error| lost(client, error)),
-        _ => client.is_closed(),
-    }
+    PostgresError::of(error).map_or_else(|| client.is_closed(), |error| lost(client, error))
 }
 
 /// How long a connection whose session ended ([`lost`]) is given to see its socket closed.
@@ -1525,10 +1544,6 @@ fn migration_failed(error: tokio_postgres::Error, relation: &str) -> StoreError 
 /// [`PostgresStore::migrate`] for its own.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
-fn unavailable(error: impl std::error::Error + Send + Sync + 'static) -> StoreError {
-    StoreError::Unavailable(Box::new(error))
-}
-
 impl IdempotencyStore for PostgresStore {
     async fn begin(
         &self,
@@ -1551,7 +1566,7 @@ impl IdempotencyStore for PostgresStore {
         lease: Duration,
     ) -> Result<(BeginOutcome, Option<Duration>), StoreError> {
         again_while_unserializable(|| async {
-            let connection = self.pool.get().await.map_err(unavailable)?;
+            let connection = self.pool.get().await.map_err(|error| no_connection(&self.pool, error))?;
             let begun = match self
                 .begin_on(&connection, key, fingerprint, token, lease)
                 .await

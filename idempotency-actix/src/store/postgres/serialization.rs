@@ -15,6 +15,7 @@ use std::future::Future;
 
 use tokio_postgres::error::SqlState;
 
+use super::error::PostgresError;
 use crate::store::StoreError;
 
 /// How many times a step is tried while it fails to serialize: a new snapshot sees the row
@@ -24,12 +25,7 @@ const SERIALIZATION_ATTEMPTS: usize = 4;
 
 /// Whether `error` is PostgreSQL's serialization failure (SQLSTATE 40001).
 pub(super) fn failed_to_serialize(error: &StoreError) -> bool {
-    let StoreError::Unavailable(source) = error else {
-        return false;
-    };
-    source
-        .downcast_ref::<tokio_postgres::Error>()
-        .and_then(tokio_postgres::Error::code)
+    PostgresError::of(error).and_then(tokio_postgres::Error::code)
         == Some(&SqlState::T_R_SERIALIZATION_FAILURE)
 }
 
