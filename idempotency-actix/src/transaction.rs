@@ -53,7 +53,7 @@ use crate::store::{BeginOutcome, LeaseToken, StoreError};
 /// `transactional` on a handler that takes it is a compile error; anywhere else the
 /// extractor fails with a 500 and an error in the log that names the fix. A request without
 /// a key to a transactional route also gets a transaction (committed or rolled back the same
-/// way), without any record.
+/// way, and opened with the same settings as a claim's, below), without any record.
 ///
 /// The claim lasts as long as the database session. It turns off the server's
 /// `idle_in_transaction_session_timeout` and `transaction_timeout` for its transaction, so
@@ -370,7 +370,7 @@ impl Engine {
     {
         let opened = match self.postgres() {
             Ok(store) => {
-                self.bounded(StoreOperation::Begin, store.open_transaction())
+                self.bounded(StoreOperation::Begin, store.open_transaction(policy.lease))
                     .await
             }
             Err(error) => Err(error),

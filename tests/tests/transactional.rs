@@ -934,6 +934,30 @@ async fn a_duplicate_gets_409_while_the_handler_idles_past_the_databases_timeout
     assert_eq!((h.runs.get(), h.ledger_rows().await), (1, 1));
 }
 
+/// The transaction of a request without a key is left alone, as a claim's is, by a database
+/// that ends sessions idle in a transaction: its handler, away from the database past the
+/// timeout (calling a payment provider, say), answers 201 and its write commits. (The
+/// server ended the session: the write was rolled back and the client got 503, after the
+/// provider was called.)
+#[actix_web::test]
+async fn a_request_without_a_key_idles_past_the_databases_timeout_and_commits() {
+    let h = start_on(
+        4,
+        FailMode::Closed,
+        Some("idle_in_transaction_session_timeout = '1s'"),
+    )
+    .await;
+    let request = h.server.post("/ledger?hold=1");
+    let first = actix_rt::spawn(async move { Reply::read(request.send().await.unwrap()).await });
+    h.runs.wait_for(1).await;
+    // Past the timeout, the handler waiting at the gate and its transaction idle.
+    actix_rt::time::sleep(Duration::from_millis(1_500)).await;
+    h.gate.open();
+    let first = first.await.unwrap().unwrap();
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert_eq!((h.runs.get(), h.ledger_rows().await), (1, 1));
+}
+
 /// After the server ended the pool's sessions (a restart, a failover), the pool still holds
 /// the closed connections: a transactional claim, the transaction of a request without a key
 /// and a plain route's steps each pass over them to a live one and are served. (A

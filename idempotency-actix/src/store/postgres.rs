@@ -1116,14 +1116,22 @@ impl PostgresStore {
 
     /// A transaction on a connection of its own, without any record (a keyless request to a
     /// transactional route); on a connection that turns out closed, once more on a live one.
-    pub(crate) async fn open_transaction(&self) -> Result<OpenTransaction, StoreError> {
+    /// Opened as a claim's is ([`begin_watching_the_client`] for `lease`): the server's
+    /// limits on idle transactions would otherwise end it while its handler is away from the
+    /// database (its writes rolled back, the client answered 503 after the handler's calls
+    /// elsewhere were made), and a dead host's would hold its row locks for hours.
+    pub(crate) async fn open_transaction(
+        &self,
+        lease: Duration,
+    ) -> Result<OpenTransaction, StoreError> {
+        let begin = begin_watching_the_client(lease);
         let transaction = OpenTransaction::on(
             self.pool
                 .get_owned()
                 .await
                 .map_err(|error| no_connection(&self.pool, error))?,
         );
-        match transaction.client().batch_execute("BEGIN").await {
+        match transaction.client().batch_execute(&begin).await {
             Ok(()) => Ok(transaction),
             Err(error) if lost(transaction.client(), &error) => {
                 tracing::debug!(%error, "idempotency: PostgreSQL connection lost; reconnecting");
@@ -1132,7 +1140,7 @@ impl PostgresStore {
                 let transaction = OpenTransaction::on(self.live_connection().await?);
                 transaction
                     .client()
-                    .batch_execute("BEGIN")
+                    .batch_execute(&begin)
                     .await
                     .map_err(unavailable)?;
                 Ok(transaction)
@@ -1188,10 +1196,11 @@ impl PostgresStore {
 /// default.
 const MAX_KEEPALIVE_SECONDS: u64 = 32_767;
 
-/// `BEGIN`, with TCP keepalives on the database's side of the connection for as long as
-/// the transaction lasts (`SET LOCAL`): after `lease / 3` of silence the server probes the
-/// client every `lease / 6` and ends the session after 3 probes unanswered, rolling back
-/// its transaction and freeing the key it holds. A host that dies without closing its
+/// `BEGIN` of a transactional route's transaction (a claim's, or a keyless request's), with
+/// TCP keepalives on the database's side of the connection for as long as the transaction
+/// lasts (`SET LOCAL`): after `lease / 3` of silence the server probes the client every
+/// `lease / 6` and ends the session after 3 probes unanswered, rolling back its transaction
+/// and freeing the key (and the rows) it holds. A host that dies without closing its
 /// connections (power lost, network cut) frees its keys within about `5/6` of the lease,
 /// as a plain route's lease would expire, instead of the two hours and more of the
 /// operating system's default. A live client's kernel answers the probes however long its
