@@ -26,8 +26,9 @@ use crate::RunCounter;
 /// `release_delay`; its next `late_begins` fail as a store that times out does and reach
 /// `inner` only `late_by` later, on their own (a `begin` stuck in a connection's queue that
 /// lands after its request gave it up); its next `lost_releases` never reach `inner` and
-/// fail as a store that times out does (a process stopped before they were sent). Clones
-/// share the store and the counts.
+/// fail as a store that times out does (a process stopped before they were sent); each
+/// `abandon` reaches `inner` only after `abandon_delay`. Clones share the store and the
+/// counts.
 #[derive(Clone, Default)]
 pub struct FaultyStore {
     /// The store behind the faults.
@@ -62,6 +63,8 @@ pub struct FaultyStore {
     pub late_by: Duration,
     /// How many `release`s are still to be lost.
     pub lost_releases: Arc<AtomicU32>,
+    /// How long each `abandon` waits before it reaches `inner`.
+    pub abandon_delay: Duration,
 }
 
 /// Takes one from `left` unless it is 0: whether this call is to fail.
@@ -151,6 +154,7 @@ impl IdempotencyStore for FaultyStore {
         token: &LeaseToken,
         remember_for: Duration,
     ) -> Result<bool, StoreError> {
+        actix_rt::time::sleep(self.abandon_delay).await;
         self.inner.abandon(key, token, remember_for).await
     }
 }

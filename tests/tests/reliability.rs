@@ -466,6 +466,67 @@ async fn a_late_begin_on_a_route_with_a_ttl_shorter_than_its_lease_locks_nothing
     assert_eq!(runs.get(), 1);
 }
 
+/// The same where a retry completes the key before the first request's abandon lands: the
+/// abandon finds the completed record (ttl 1 s) and keeps it for the lease, as it would
+/// have kept the marker, so the late `begin` (2 s later) finds it, and a retry after that
+/// gets the replay. The record used to keep its 1 s, the late `begin` found the key free
+/// and locked it for a lease with no handler running: 409 for 30 s.
+#[actix_web::test]
+async fn a_late_begin_after_a_retry_completed_the_key_locks_nothing_on_a_short_ttl() {
+    let store = FaultyStore {
+        late_by: Duration::from_millis(2_000),
+        abandon_delay: Duration::from_millis(500),
+        ..FaultyStore::default()
+    };
+    store
+        .late_begins
+        .store(1, std::sync::atomic::Ordering::SeqCst);
+    let routes = GatedRoutes::default();
+    routes.gate.open();
+    let runs = routes.work_runs.clone();
+    let server = actix_test::start({
+        let store = store.clone();
+        move || {
+            let policy = IdempotencyPolicy::default()
+                .ttl(Duration::from_secs(1))
+                .lease(Duration::from_secs(30));
+            App::new()
+                .wrap(
+                    Idempotency::new(store.clone())
+                        .policy(policy)
+                        .scope(KeyScope::global()),
+                )
+                .configure(routes.configure())
+        }
+    });
+    let client = awc::Client::default();
+    let url = server.url("/work");
+    let first = post(&client, &url, "late");
+    let retry = async {
+        // Sent once the first `begin` has timed out, before its abandon lands.
+        store.begins.wait_for(1).await;
+        actix_rt::time::sleep(Duration::from_millis(50)).await;
+        post(&client, &url, "late").await
+    };
+    let (first, retry) = futures_util::future::join(first, retry).await;
+    assert_eq!(
+        first.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{:?}",
+        first.body
+    );
+    assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
+    assert!(!retry.replayed);
+    // The abandon lands (0.5 s), the record's own ttl ends (1 s), the late `begin` lands
+    // (2 s).
+    actix_rt::time::sleep(Duration::from_millis(2_500)).await;
+    let later = post(&client, &url, "late").await;
+    assert_eq!(later.status, StatusCode::CREATED, "{:?}", later.body);
+    assert!(later.replayed, "the record was not kept: {:?}", later.body);
+    assert_eq!(later.body, retry.body);
+    assert_eq!(runs.get(), 1);
+}
+
 /// The same on an app that fails open, for a retry that waited for its key's run: its next
 /// `begin` times out (and lands 3.5 s later), so it answers 409 and gives its token up in
 /// the background; the first request then fails (500) and releases the key, and the

@@ -491,6 +491,63 @@ async fn abandon_leaves_another_record_alone(store: impl IdempotencyStore, prefi
     );
 }
 
+/// A token abandoned on a completed record (a retry completed the key before the abandon
+/// landed) is kept out by that record for as long as its marker would have been kept: the
+/// record lives at least `remember_for` from the abandon, even past its own ttl, so the
+/// token's `begin`, should it land after that ttl, finds the replay instead of a free key
+/// it would lock for a lease.
+async fn a_completed_record_keeps_a_token_abandoned_on_it_out(
+    store: impl IdempotencyStore,
+    prefix: String,
+) {
+    let key = key(&prefix, "k");
+    let holder = acquire(&store, &key, b"a", LEASE).await;
+    let ttl = Duration::from_millis(600);
+    assert!(
+        store
+            .commit(&key, &print(b"a"), &holder, &response(b"a"), ttl)
+            .await
+            .unwrap()
+    );
+    let late = LeaseToken::generate();
+    assert!(store.abandon(&key, &late, LEASE).await.unwrap());
+    actix_rt::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(
+        store.begin(&key, &print(b"a"), &late, LEASE).await.unwrap(),
+        BeginOutcome::Completed(response(b"a"))
+    );
+    assert_eq!(
+        begin_new(&store, &key, b"a", LEASE).await,
+        BeginOutcome::Completed(response(b"a"))
+    );
+    // A record that outlives `remember_for` anyway keeps its own expiry.
+    let long = key_with_ttl(&store, &prefix, TTL).await;
+    assert!(
+        store
+            .abandon(&long, &LeaseToken::generate(), Duration::from_millis(100))
+            .await
+            .unwrap()
+    );
+    actix_rt::time::sleep(Duration::from_millis(300)).await;
+    assert!(matches!(
+        begin_new(&store, &long, b"a", LEASE).await,
+        BeginOutcome::Completed(_)
+    ));
+}
+
+/// A key `long` completed with `ttl`.
+async fn key_with_ttl(store: &impl IdempotencyStore, prefix: &str, ttl: Duration) -> StorageKey {
+    let long = key(prefix, "long");
+    let token = acquire(store, &long, b"a", LEASE).await;
+    assert!(
+        store
+            .commit(&long, &print(b"a"), &token, &response(b"a"), ttl)
+            .await
+            .unwrap()
+    );
+    long
+}
+
 async fn a_marker_remembers_every_token_abandoned_on_its_key(
     store: impl IdempotencyStore,
     prefix: String,
@@ -535,6 +592,7 @@ macro_rules! acceptance_suite {
                 abandoning_a_begin_that_landed_frees_the_key,
                 abandon_leaves_another_record_alone,
                 a_marker_remembers_every_token_abandoned_on_its_key,
+                a_completed_record_keeps_a_token_abandoned_on_it_out,
             );
         }
     };

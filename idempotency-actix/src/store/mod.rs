@@ -434,8 +434,10 @@ pub trait IdempotencyStore: 'static {
     /// nothing and never will: its in-flight record, if any, is gone, and the store keeps a
     /// marker for `remember_for` so that a `begin` of `token` landing later creates nothing
     /// (it answers [`BeginOutcome::Abandoned`]). The marker blocks no one: a `begin` with any
-    /// other token takes the key as if it were free. `true` too, writing nothing, when a
-    /// completed record is there: a late `begin` of `token` would only replay it. `false`
+    /// other token takes the key as if it were free. `true` too when a completed record is
+    /// there (a retry completed the key first), which the store then keeps for at least
+    /// `remember_for`, as it would the marker: a late `begin` of `token` finds it and only
+    /// replays it, even past the record's own ttl where that is shorter. `false`
     /// when another token's in-flight record is there: the caller tries again later, as a
     /// late `begin` of `token` can only land once that record is gone.
     ///

@@ -418,9 +418,11 @@ impl Statements {
             // $1 key, $2 token, $3 remember_for (ms), $4 lock id, $5 version. True when the
             // marker of the token is written (in place of its in-flight row, of an expired
             // row or of nothing; a marker there takes the token too, keeping the 15 latest
-            // before it) or a completed row is there. False when another token's in-flight
-            // row is there, or a transaction holds the key's advisory lock (the caller tries
-            // again).
+            // before it) or a completed row is there, which is then kept for at least
+            // `remember_for` (it stands for the marker: a late `begin` of the token must
+            // find it for as long). False when another token's in-flight row is there, or a
+            // transaction holds the key's advisory lock (the caller tries again). The two
+            // writes never meet: the upsert leaves a live completed row alone.
             abandon: format!(
                 "WITH lock AS MATERIALIZED (
                      SELECT pg_try_advisory_xact_lock($4) AS held
@@ -439,10 +441,15 @@ impl Statements {
                      WHERE r.expires_at <= clock_timestamp() OR r.state = 'a'
                         OR (r.state = 'i' AND r.token = EXCLUDED.token)
                      RETURNING 1
+                 ), kept AS (
+                     UPDATE {t}
+                     SET expires_at = greatest(expires_at,
+                                               clock_timestamp() + $3 * interval '1 millisecond')
+                     WHERE key = $1 AND state = 'c' AND expires_at > clock_timestamp()
+                       AND (SELECT held FROM lock)
+                     RETURNING 1
                  )
-                 SELECT EXISTS (SELECT 1 FROM marked)
-                     OR EXISTS (SELECT 1 FROM {t} WHERE key = $1 AND state = 'c'
-                                AND expires_at > clock_timestamp())"
+                 SELECT EXISTS (SELECT 1 FROM marked) OR EXISTS (SELECT 1 FROM kept)"
             ),
             // The completion inside a transactional route's transaction: $1 key, $2 token,
             // $3 response, $4 ttl (ms). Divides by zero unless exactly our in-flight row was

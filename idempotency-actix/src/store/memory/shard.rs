@@ -313,7 +313,8 @@ impl Shard {
     /// Abandons `token` (see [`IdempotencyStore::abandon`](crate::IdempotencyStore::abandon)):
     /// its in-flight record, an expired record or nothing is replaced by the marker of
     /// `token`, kept for `remember_for`; a marker there takes `token` too; a completed record
-    /// is left alone; `false` when another token's in-flight record is there. When even the
+    /// is kept for at least `remember_for`; `false` when another token's in-flight record is
+    /// there. When even the
     /// marker does not fit, the record is still removed: in this store a `begin` runs whole
     /// when first polled, so none can land late anyway.
     pub(super) fn abandon(
@@ -332,7 +333,10 @@ impl Shard {
                     let kept = earlier.len().min(REMEMBERED_TOKENS - 1);
                     tokens.extend_from_slice(&earlier[earlier.len() - kept..]);
                 }
-                EntryState::Completed(..) => return true,
+                EntryState::Completed(..) => {
+                    self.keep_completed(key, expiry(now, remember_for));
+                    return true;
+                }
                 EntryState::InFlight(_) => return false,
             }
         }
@@ -346,6 +350,21 @@ impl Shard {
         let state = EntryState::Abandoned(tokens);
         self.insert(key, no_fingerprint, state, expiry(now, remember_for), bytes);
         true
+    }
+
+    /// Keeps the completed record under `key` until `until` at least.
+    fn keep_completed(&mut self, key: HashedKey<'_>, until: Instant) {
+        let Some(record) = self
+            .records
+            .find_mut(key.hash, |record| record.is(key))
+            .filter(|record| record.expires_at < until)
+        else {
+            return;
+        };
+        if let Some(hash) = self.completed.remove(&record.expiry_key()) {
+            record.expires_at = until;
+            self.completed.insert(record.expiry_key(), hash);
+        }
     }
 
     pub(super) fn release(&mut self, key: HashedKey<'_>, token: &LeaseToken, now: Instant) -> bool {

@@ -9,7 +9,7 @@
 //! | `commit` (other servers) | `FCALL`: `GET`, compare with the in-flight record, then `SET key <completed record> PX ttl` | one short function |
 //! | `renew` | `FCALL`: `GET`, then `PEXPIRE` | one short function |
 //! | `release` | `FCALL`: `GET`, then `DEL` | one short function |
-//! | `abandon` | `FCALL`: `GET`, then `SET key <marker> PX remember_for` | one short function |
+//! | `abandon` | `FCALL`: `GET`, then `SET key <marker> PX remember_for` (or, on a completed record, `PEXPIRE key remember_for GT`) | one short function |
 //! | `begin` finding another token's marker | `FCALL`: `GET`, then `SET key <in-flight record> PX lease` if the marker is still there | one short function, a second round trip |
 //!
 //! `begin` needs no script: `SET … NX … GET` (Redis ≥ 7.0) creates the in-flight record or
@@ -82,7 +82,8 @@ impl Request {
 /// completes an in-flight record; `r4`: every function reads the record with `GET`; `r5`:
 /// `commit` is sent the whole completed record and compares the whole in-flight one; `r6`:
 /// `commit` answers 2 for a record its token completed earlier, and `rewrite`; `r7`: r6 as
-/// it ended, with `rewrite` flagged `allow-oom`, a flag some builds of r6 lacked), so
+/// it ended, with `rewrite` flagged `allow-oom`, a flag some builds of r6 lacked; `r8`:
+/// `abandon` keeps a completed record it finds for at least `remember_for`), so
 /// versions of this crate with another format or revision load their own library next to
 /// this one. Revisions of one format read and write the same records, so instances of
 /// two revisions share keys safely. A library already loaded under its name is never
@@ -91,7 +92,9 @@ impl Request {
 ///
 /// `abandon` replaces the token's in-flight record or nothing by the token's marker (state
 /// `a`, 97), adds the token to a marker that is there (keeping the earlier tokens, bounded
-/// by bytes), leaves a completed record alone (1), and answers 0 when another token's
+/// by bytes), keeps a completed record for at least `remember_for` (`PEXPIRE … GT`: the
+/// record stands for the marker, so a late `begin` of the token must find it as long as it
+/// would have found the marker; 1), and answers 0 when another token's
 /// in-flight record (or a state it does not know) is there. `claim` is how `begin` takes a
 /// key where it found another token's marker: it writes the in-flight record only if that
 /// marker (compared whole) is still there, or nothing is, and otherwise returns the record
@@ -129,13 +132,13 @@ impl Request {
 /// `SET … IFEQ` that finds its own lock can still have it counted by `WAIT`. A full server
 /// with `SET … IFEQ` refuses that `SET` (`OOM`, whatever its size), so there such a `begin`
 /// is refused (503, no handler run).
-pub(crate) const LIBRARY: &str = r"#!lua name=idempotency_actix_2_r7
+pub(crate) const LIBRARY: &str = r"#!lua name=idempotency_actix_2_r8
 
 local function holds(found, token_field)
   return found and string.sub(found, 35, 34 + #token_field) == token_field
 end
 
-redis.register_function('idempotency_actix_2_r7_commit', function(keys, args)
+redis.register_function('idempotency_actix_2_r8_commit', function(keys, args)
   local found = redis.call('GET', keys[1])
   if found == args[1] then
     redis.call('SET', keys[1], args[2], 'PX', args[3])
@@ -146,7 +149,7 @@ redis.register_function('idempotency_actix_2_r7_commit', function(keys, args)
 end)
 
 redis.register_function{
-  function_name = 'idempotency_actix_2_r7_rewrite',
+  function_name = 'idempotency_actix_2_r8_rewrite',
   flags = {'allow-oom'},
   callback = function(keys, args)
     if redis.call('GET', keys[1]) ~= args[1] then return 0 end
@@ -156,7 +159,7 @@ redis.register_function{
 }
 
 redis.register_function{
-  function_name = 'idempotency_actix_2_r7_renew',
+  function_name = 'idempotency_actix_2_r8_renew',
   flags = {'allow-oom'},
   callback = function(keys, args)
     local found = redis.call('GET', keys[1])
@@ -167,7 +170,7 @@ redis.register_function{
 }
 
 redis.register_function{
-  function_name = 'idempotency_actix_2_r7_release',
+  function_name = 'idempotency_actix_2_r8_release',
   flags = {'allow-oom'},
   callback = function(keys, args)
     local found = redis.call('GET', keys[1])
@@ -178,12 +181,15 @@ redis.register_function{
 }
 
 redis.register_function{
-  function_name = 'idempotency_actix_2_r7_abandon',
+  function_name = 'idempotency_actix_2_r8_abandon',
   flags = {'allow-oom'},
   callback = function(keys, args)
     local found = redis.call('GET', keys[1])
     local state = found and string.byte(found, 2)
-    if state == 99 then return 1 end
+    if state == 99 then
+      redis.call('PEXPIRE', keys[1], args[3], 'GT')
+      return 1
+    end
     local marker = args[2]
     if state == 97 then
       marker = marker .. string.sub(found, 35, 34 + tonumber(args[4]))
@@ -195,7 +201,7 @@ redis.register_function{
   end,
 }
 
-redis.register_function('idempotency_actix_2_r7_claim', function(keys, args)
+redis.register_function('idempotency_actix_2_r8_claim', function(keys, args)
   local found = redis.call('GET', keys[1])
   if found and found ~= args[1] then return found end
   redis.call('SET', keys[1], args[2], 'PX', args[3])
@@ -295,13 +301,13 @@ pub(crate) async fn probe_library(connection: &mut impl redis::aio::ConnectionLi
         probe.arg(function).arg(0);
         probe
     };
-    let read_only: redis::RedisResult<Value> = probe("FCALL_RO", "idempotency_actix_2_r7_commit")
+    let read_only: redis::RedisResult<Value> = probe("FCALL_RO", "idempotency_actix_2_r8_commit")
         .query_async(connection)
         .await;
     if matches!(&read_only, Err(error) if is_function_not_found(error)) {
         return Library::Missing;
     }
-    let call: redis::RedisResult<Value> = probe("FCALL", "idempotency_actix_2_r7_renew")
+    let call: redis::RedisResult<Value> = probe("FCALL", "idempotency_actix_2_r8_renew")
         .query_async(connection)
         .await;
     match call {
@@ -429,7 +435,7 @@ pub(crate) fn claim(
 /// whole) or nothing is; otherwise returns the record that is there.
 fn claim_over(key: &StorageKey, marker: Vec<u8>, record: Vec<u8>, expiry: Duration) -> Request {
     let bytes = marker.len() + record.len();
-    let call = function("idempotency_actix_2_r7_claim", key, 3, bytes)
+    let call = function("idempotency_actix_2_r8_claim", key, 3, bytes)
         .arg(marker)
         .arg(record)
         .number(record::millis(expiry))
@@ -483,7 +489,7 @@ pub(crate) fn commit(
         }
         CommitBy::Function => {
             let bytes = in_flight.len() + completed.len();
-            let call = function("idempotency_actix_2_r7_commit", key, 3, bytes)
+            let call = function("idempotency_actix_2_r8_commit", key, 3, bytes)
                 .arg(in_flight)
                 .arg(completed)
                 .number(record::millis(ttl))
@@ -606,7 +612,7 @@ pub(crate) fn rewrite(by: CommitBy, key: &StorageKey, record: &[u8]) -> Request 
             Request::Command(command)
         }
         CommitBy::Function => {
-            let call = function("idempotency_actix_2_r7_rewrite", key, 1, record.len())
+            let call = function("idempotency_actix_2_r8_rewrite", key, 1, record.len())
                 .arg(record)
                 .done();
             Request::Function(call)
@@ -665,7 +671,7 @@ pub(crate) fn is_syntax_error(error: &StoreError) -> bool {
 /// `renew`: extend the lease held by `token` to `lease` from now.
 pub(crate) fn renew(key: &StorageKey, token: &LeaseToken, lease: Duration) -> Request {
     let token = record::token_field(token);
-    let call = function("idempotency_actix_2_r7_renew", key, 2, token.len())
+    let call = function("idempotency_actix_2_r8_renew", key, 2, token.len())
         .arg(token)
         .number(record::millis(lease))
         .done();
@@ -675,18 +681,19 @@ pub(crate) fn renew(key: &StorageKey, token: &LeaseToken, lease: Duration) -> Re
 /// `release`: delete the in-flight record held by `token`.
 pub(crate) fn release(key: &StorageKey, token: &LeaseToken) -> Request {
     let token = record::token_field(token);
-    let call = function("idempotency_actix_2_r7_release", key, 1, token.len())
+    let call = function("idempotency_actix_2_r8_release", key, 1, token.len())
         .arg(token)
         .done();
     Request::Function(call)
 }
 
 /// `abandon`: leave the marker of `token` for `remember_for` in place of its in-flight
-/// record or nothing, or add `token` to the marker that is there.
+/// record or nothing, add `token` to the marker that is there, or keep a completed record
+/// that is there for at least `remember_for`.
 pub(crate) fn abandon(key: &StorageKey, token: &LeaseToken, remember_for: Duration) -> Request {
     let (field, marker) = (record::token_field(token), record::abandoned(token));
     let bytes = field.len() + marker.len();
-    let call = function("idempotency_actix_2_r7_abandon", key, 4, bytes)
+    let call = function("idempotency_actix_2_r8_abandon", key, 4, bytes)
         .arg(field)
         .arg(marker)
         .number(record::millis(remember_for))
@@ -760,10 +767,10 @@ mod tests {
     /// digest with it.
     #[test]
     fn the_library_s_code_is_pinned_to_its_name() {
-        assert!(LIBRARY.starts_with("#!lua name=idempotency_actix_2_r7\n"));
+        assert!(LIBRARY.starts_with("#!lua name=idempotency_actix_2_r8\n"));
         assert_eq!(
             blake3::hash(LIBRARY.as_bytes()).to_hex().as_str(),
-            "0a51d881fa693de18fb7f3f5b20ff6cf0b26e0088facfabbb6895e7752bb1b41",
+            "2d5129d510bb4becce62405bd109da0ce3564af2694fddac0db287e50e07a007",
             "the function library changed: give it a new revision (`_rN`) in its name and \
              its functions' names, then update this digest"
         );
