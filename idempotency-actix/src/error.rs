@@ -68,10 +68,51 @@ pub enum IdempotencyError {
     /// The key was used before with another request (method, path, query or body). 422.
     #[error("this idempotency key was already used with a different request")]
     FingerprintMismatch,
-    /// The store failed or timed out, and the middleware fails closed. 503 with
-    /// `Retry-After`; the client sees no detail of the store error.
+    /// The store failed or timed out before a keyed request's handler ran, and the
+    /// middleware fails closed: the request was not processed. 503 with `Retry-After`,
+    /// telling the client to retry later with the same key; the client sees no detail of the
+    /// store error.
     #[error("the idempotency store is unavailable: {source}")]
     StoreUnavailable {
+        /// What the store reported.
+        #[source]
+        source: StoreError,
+        /// What `Retry-After` advises.
+        retry_after: Duration,
+    },
+    /// A transactional route's transaction did not confirm its `COMMIT` (the store failed or
+    /// timed out while committing), so whether the handler's writes committed is unknown.
+    /// 503 with `Retry-After` in place of the handler's response, with the problem type of
+    /// [`StoreUnavailable`](Self::StoreUnavailable) (`store-unavailable`); the client sees no
+    /// detail of the store error.
+    ///
+    /// Where the request's record was to commit with those writes (`recorded`: a keyed
+    /// request that claimed its key), the client is told to retry with the same key, which
+    /// gets the replay if they committed and runs the request again if not. Otherwise (a
+    /// request without a key, or one whose claim failed on an app that fails open) nothing
+    /// records the outcome, and the client is told only that it is unknown and that a retry
+    /// may process the request again.
+    #[error(
+        "the commit of the request's transaction was not confirmed, so its outcome is unknown: {source}"
+    )]
+    CommitUnconfirmed {
+        /// What the store reported.
+        #[source]
+        source: StoreError,
+        /// What `Retry-After` advises.
+        retry_after: Duration,
+        /// Whether the request's record was committed together with the handler's writes,
+        /// so that a retry with the same key finds out what happened.
+        recorded: bool,
+    },
+    /// A transactional route's request that has no record (it has no key, or its claim
+    /// failed on an app that fails open) got no transaction: the store failed or timed out
+    /// before its handler ran, so the request was not processed. 503 with `Retry-After`,
+    /// with the problem type of [`StoreUnavailable`](Self::StoreUnavailable)
+    /// (`store-unavailable`), telling the client to retry later (no key is mentioned: the
+    /// request may have none); the client sees no detail of the store error.
+    #[error("no transaction could be opened for the request: {source}")]
+    TransactionUnavailable {
         /// What the store reported.
         #[source]
         source: StoreError,
@@ -132,7 +173,11 @@ impl IdempotencyError {
             Self::UpgradeRequested => ("upgrade-requested", "Connection upgrade with a key"),
             Self::InFlight { .. } => ("in-flight", "Request in progress"),
             Self::FingerprintMismatch => ("key-reused", "Idempotency-Key reused"),
-            Self::StoreUnavailable { .. } => ("store-unavailable", "Idempotency store unavailable"),
+            Self::StoreUnavailable { .. }
+            | Self::CommitUnconfirmed { .. }
+            | Self::TransactionUnavailable { .. } => {
+                ("store-unavailable", "Idempotency store unavailable")
+            }
             Self::Overloaded { .. } => ("overloaded", "Server busy"),
             Self::ShuttingDown { .. } => ("shutting-down", "Server stopping"),
             Self::HandlerPanicked => ("handler-panicked", "Internal server error"),
@@ -146,6 +191,17 @@ impl IdempotencyError {
             Self::StoreUnavailable { .. } => {
                 "the request was not processed because the idempotency store is unavailable; retry later with the same key".to_owned()
             }
+            Self::CommitUnconfirmed { recorded: true, .. } => {
+                "the idempotency store failed while the request was being committed, so its outcome is unknown; retry later with the same key: a completed request is replayed, an incomplete one runs again".to_owned()
+            }
+            Self::CommitUnconfirmed {
+                recorded: false, ..
+            } => {
+                "the idempotency store failed while the request was being committed, so its outcome is unknown; nothing records it, so a retry may process the request again".to_owned()
+            }
+            Self::TransactionUnavailable { .. } => {
+                "the request was not processed because the idempotency store is unavailable; retry later".to_owned()
+            }
             Self::NotConfigured => "the server is misconfigured".to_owned(),
             other => other.to_string(),
         }
@@ -155,6 +211,8 @@ impl IdempotencyError {
         match self {
             Self::InFlight { retry_after }
             | Self::StoreUnavailable { retry_after, .. }
+            | Self::CommitUnconfirmed { retry_after, .. }
+            | Self::TransactionUnavailable { retry_after, .. }
             | Self::Overloaded { retry_after }
             | Self::ShuttingDown { retry_after } => Some(*retry_after),
             _ => None,
@@ -173,9 +231,11 @@ impl ResponseError for IdempotencyError {
             Self::RequestBodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::InFlight { .. } => StatusCode::CONFLICT,
             Self::FingerprintMismatch => StatusCode::UNPROCESSABLE_ENTITY,
-            Self::StoreUnavailable { .. } | Self::Overloaded { .. } | Self::ShuttingDown { .. } => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            Self::StoreUnavailable { .. }
+            | Self::CommitUnconfirmed { .. }
+            | Self::TransactionUnavailable { .. }
+            | Self::Overloaded { .. }
+            | Self::ShuttingDown { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Self::HandlerPanicked | Self::NotConfigured => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }

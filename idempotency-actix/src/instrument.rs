@@ -165,7 +165,9 @@ impl Outcome {
             }
             IdempotencyError::InFlight { .. } => Self::Conflict,
             IdempotencyError::FingerprintMismatch => Self::Mismatch,
-            IdempotencyError::StoreUnavailable { .. } => Self::StoreError,
+            IdempotencyError::StoreUnavailable { .. }
+            | IdempotencyError::CommitUnconfirmed { .. }
+            | IdempotencyError::TransactionUnavailable { .. } => Self::StoreError,
             IdempotencyError::Overloaded { .. } => Self::Overloaded,
             IdempotencyError::ShuttingDown { .. } => Self::ShuttingDown,
             // A panic is the outcome of an executed request; a route layer without an

@@ -349,7 +349,13 @@ impl Engine {
                 // handler's writes are not known to have happened, so neither is its
                 // response sent. A retry with the key replays or runs again, whichever is true.
                 tracing::error!(%error, "idempotency: the transaction did not commit; answering 503");
-                Ok(self.unavailable(response.into_parts().0, error))
+                let retry_after = self.settings.retry_after;
+                let error = IdempotencyError::CommitUnconfirmed {
+                    source: error,
+                    retry_after,
+                    recorded: true,
+                };
+                Ok(refuse(response.into_parts().0, &error))
             }
         }
     }
@@ -379,7 +385,12 @@ impl Engine {
             Ok(transaction) => transaction,
             Err(error) => {
                 tracing::error!(%error, "idempotency: no transaction for a transactional route; answering 503");
-                return Ok(self.unavailable(req.into_parts().0, error));
+                let retry_after = self.settings.retry_after;
+                let error = IdempotencyError::TransactionUnavailable {
+                    source: error,
+                    retry_after,
+                };
+                return Ok(refuse(req.into_parts().0, &error));
             }
         };
         let slot = TransactionSlot::offer(&req, transaction);
@@ -415,8 +426,16 @@ impl Engine {
         {
             Ok(()) => Ok(with_handler_body(response)),
             Err(error) => {
+                // No record commits with the handler's writes: whether they happened is
+                // unknown, and a retry (with the same key or not) would run the handler again.
                 tracing::error!(%error, "idempotency: the transaction did not commit; answering 503");
-                Ok(self.unavailable(response.into_parts().0, error))
+                let retry_after = self.settings.retry_after;
+                let error = IdempotencyError::CommitUnconfirmed {
+                    source: error,
+                    retry_after,
+                    recorded: false,
+                };
+                Ok(refuse(response.into_parts().0, &error))
             }
         }
     }
@@ -434,17 +453,6 @@ impl Engine {
             // connection dies, and a dropped one is rolled back in the background.
             tracing::warn!(%error, "idempotency: rollback failed");
         }
-    }
-
-    fn unavailable<B>(&self, request: HttpRequest, source: StoreError) -> Response<B> {
-        let retry_after = self.settings.retry_after;
-        refuse(
-            request,
-            &IdempotencyError::StoreUnavailable {
-                source,
-                retry_after,
-            },
-        )
     }
 }
 

@@ -551,6 +551,83 @@ async fn a_transaction_that_cannot_commit_is_503_and_leaves_nothing() {
     assert_eq!((h.runs.get(), h.ledger_rows().await), (2, 1));
 }
 
+/// What a client is told when the commit fails (its outcome unknown, as after a connection
+/// that dies during `COMMIT`): with a key, to retry with it, as the record commits together
+/// with the handler's writes; without one, that the outcome is unknown and nothing records
+/// it. (Both were told "the request was not processed … retry later with the same key",
+/// which is false where the commit's outcome is unknown, and for a request without a key.
+/// And the request without a key, whose transaction a failed statement had aborted, got the
+/// handler's 201 although its insert was rolled back: PostgreSQL answers `COMMIT` of an
+/// aborted transaction with a rollback, not an error.)
+#[actix_web::test]
+async fn a_commit_that_fails_tells_the_client_its_outcome_is_unknown() {
+    let h = start(4).await;
+    let keyed = h.post("/ledger?poison=1", Some("k")).await;
+    assert_eq!(keyed.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        keyed.json()["type"],
+        "tag:idempotency-actix,2026:store-unavailable"
+    );
+    assert_eq!(
+        keyed.json()["detail"],
+        "the idempotency store failed while the request was being committed, so its outcome \
+         is unknown; retry later with the same key: a completed request is replayed, an \
+         incomplete one runs again"
+    );
+    let keyless = h.post("/ledger?poison=1", None).await;
+    assert_eq!(keyless.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(keyless.header("retry-after").is_some());
+    assert_eq!(
+        keyless.json()["type"],
+        "tag:idempotency-actix,2026:store-unavailable"
+    );
+    assert_eq!(
+        keyless.json()["detail"],
+        "the idempotency store failed while the request was being committed, so its outcome \
+         is unknown; nothing records it, so a retry may process the request again"
+    );
+    assert_eq!((h.runs.get(), h.ledger_rows().await), (2, 0));
+}
+
+/// A database that cannot be reached: a keyed request is told to retry with its key, one
+/// without a key (whose transaction could not be opened) to retry, with no key mentioned.
+/// (Both were told to "retry later with the same key".)
+#[actix_web::test]
+async fn an_unreachable_database_tells_a_request_without_a_key_to_retry_without_one() {
+    // Nothing listens on port 1: every connection is refused.
+    let store =
+        PostgresStore::new(PostgresStore::pool("postgres://postgres@127.0.0.1:1/none").unwrap());
+    let (runs, gate) = (RunCounter::default(), Gate::default());
+    let server = serve(store, FailMode::Closed, &runs, &gate);
+    let send = |key: Option<&str>| {
+        let mut request = server.post("/ledger");
+        if let Some(key) = key {
+            request = request.insert_header(("idempotency-key", key.to_owned()));
+        }
+        async move { Reply::read(request.send().await.unwrap()).await.unwrap() }
+    };
+    let keyed = send(Some("k")).await;
+    assert_eq!(keyed.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        keyed.json()["detail"],
+        "the request was not processed because the idempotency store is unavailable; retry \
+         later with the same key"
+    );
+    let keyless = send(None).await;
+    assert_eq!(keyless.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(keyless.header("retry-after").is_some());
+    assert_eq!(
+        keyless.json()["type"],
+        "tag:idempotency-actix,2026:store-unavailable"
+    );
+    assert_eq!(
+        keyless.json()["detail"],
+        "the request was not processed because the idempotency store is unavailable; retry \
+         later"
+    );
+    assert_eq!(runs.get(), 0);
+}
+
 #[actix_web::test]
 async fn a_duplicate_in_flight_gets_409_at_once_without_holding_a_connection() {
     // Two connections: the first request's transaction holds one for as long as it runs.

@@ -1278,9 +1278,22 @@ impl OpenTransaction {
             .expect("an open transaction keeps its connection until it ends")
     }
 
-    /// Commits (for a transaction that holds no record).
+    /// Commits (for a transaction that holds no record), or fails if it cannot.
+    ///
+    /// The server answers `COMMIT` of a transaction that a failed statement aborted (one
+    /// whose error the handler ignored) with a rollback and no error, so a statement that
+    /// fails in an aborted transaction is pipelined before it (one round trip): the
+    /// transaction then ends rolled back, and the caller learns that nothing committed.
     pub(crate) async fn commit(self) -> Result<(), StoreError> {
-        self.end("COMMIT").await
+        let client = self.client();
+        let (checked, committed) = futures_util::future::join(
+            client.batch_execute("SELECT 1"),
+            client.batch_execute("COMMIT"),
+        )
+        .await;
+        checked.and(committed).map_err(unavailable)?;
+        self.finished();
+        Ok(())
     }
 
     /// Rolls back.
