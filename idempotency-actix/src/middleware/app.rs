@@ -279,6 +279,11 @@ impl Idempotency {
     /// (503). The store's builder checks the share against prefixes of up to 64 bytes; a
     /// longer prefix may need a larger budget or fewer shards.
     ///
+    /// On a `PostgresStore` (given to `Idempotency::postgres` or [`Idempotency::new`]),
+    /// for a prefix over 2 628 bytes (its keys must fit an entry of the table's primary key
+    /// index) or with a NUL byte (which PostgreSQL's `text` cannot hold): every keyed
+    /// request would fail (503).
+    ///
     /// # Examples
     ///
     /// ```
@@ -305,6 +310,14 @@ impl Idempotency {
         self.settings.prefix = prefix.into();
         if let Some(memory) = self.store.as_any().downcast_ref::<MemoryStore>() {
             memory.check_key_prefix(&self.settings.prefix);
+        }
+        #[cfg(feature = "postgres")]
+        if let Some(postgres) = self
+            .store
+            .as_any()
+            .downcast_ref::<crate::store::PostgresStore>()
+        {
+            postgres.check_key_prefix(&self.settings.prefix);
         }
         self
     }

@@ -17,6 +17,7 @@ use crate::scope::StorageKey;
 
 mod error;
 mod isolation;
+mod key_prefix;
 mod renewals;
 mod serialization;
 mod table;
@@ -524,6 +525,12 @@ impl Statements {
 }
 
 impl PostgresStore {
+    /// Panics, saying why, unless this store can key records under `prefix` (see
+    /// [`Idempotency::key_prefix`](crate::Idempotency::key_prefix)).
+    pub(crate) fn check_key_prefix(&self, prefix: &str) {
+        key_prefix::check_key_prefix(prefix);
+    }
+
     /// A store on `pool`, in the table [`DEFAULT_TABLE`] (`idempotency_records`).
     ///
     /// # Examples

@@ -1,0 +1,117 @@
+//! A PostgreSQL store under a key prefix its table cannot key: the longest prefix it can
+//! (2 628 bytes, which the primary key's index holds with the 64-character digest) serves new
+//! keys, and one with a NUL byte (which `text` cannot hold) or one byte longer is refused
+//! when it is set, rather than leaving an app that answers 503 to every keyed request.
+//! Each test runs in a database of its own on the server at `DATABASE_URL` (default
+//! postgres://postgres@127.0.0.1:5432/postgres).
+
+#![allow(clippy::unwrap_used)]
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use actix_web::http::{Method, StatusCode};
+use actix_web::{App, HttpResponse, test, web};
+use idempotency_actix::{Idempotency, KeyScope, PostgresStore};
+use idempotency_actix_tests::{RunCounter, TestDatabase};
+
+/// The longest prefix the PostgreSQL store takes, in bytes.
+const LONGEST: usize = 2628;
+
+/// `len` printable ASCII characters that PostgreSQL cannot compress (a compressed key would
+/// fit the index where the worst case does not).
+fn incompressible(len: usize) -> String {
+    let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
+    (0..len)
+        .map(|_| {
+            // xorshift64: a fixed sequence that no compressor shortens.
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            char::from(b'!' + (state % 94) as u8)
+        })
+        .collect()
+}
+
+/// What a keyed `POST /orders` gets from an app on `idempotency`, and how many times its
+/// handler ran.
+async fn post_twice(idempotency: Idempotency) -> (StatusCode, StatusCode, bool, usize) {
+    let runs = RunCounter::default();
+    let counted = runs.clone();
+    let app = test::init_service(
+        App::new()
+            .wrap(
+                idempotency
+                    .scope(KeyScope::global())
+                    .protect_methods([Method::POST]),
+            )
+            .route(
+                "/orders",
+                web::post().to(move || {
+                    counted.record();
+                    async { HttpResponse::Created().body("made") }
+                }),
+            ),
+    )
+    .await;
+    let request = || {
+        test::TestRequest::post()
+            .uri("/orders")
+            .insert_header(("Idempotency-Key", "order-1"))
+            .to_request()
+    };
+    let first = test::call_service(&app, request()).await;
+    let first_status = first.status();
+    // The record is committed once the body has been read.
+    test::read_body(first).await;
+    let retry = test::call_service(&app, request()).await;
+    let replayed = retry.headers().contains_key("idempotent-replayed");
+    (first_status, retry.status(), replayed, runs.get())
+}
+
+/// Sets `prefix` on an app over `store`: refused with a message that contains `says`, or
+/// accepted, when the test fails with what a keyed request then got.
+async fn assert_refused(store: PostgresStore, prefix: String, says: &str) {
+    let set = catch_unwind(AssertUnwindSafe(|| {
+        Idempotency::postgres(store).key_prefix(prefix)
+    }));
+    match set {
+        Err(panic) => {
+            let message = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|&text| text.to_owned()))
+                .unwrap_or_default();
+            assert!(message.contains(says), "unclear message: {message}");
+        }
+        Ok(idempotency) => {
+            let (first, ..) = post_twice(idempotency).await;
+            panic!("the prefix was accepted; a new key then got {first}");
+        }
+    }
+}
+
+#[actix_web::test]
+async fn the_longest_key_prefix_serves_new_keys() {
+    let database = TestDatabase::create().await;
+    let idempotency =
+        Idempotency::postgres(database.store().await).key_prefix(incompressible(LONGEST));
+    let (first, retry, replayed, runs) = post_twice(idempotency).await;
+    assert_eq!(first, StatusCode::CREATED);
+    assert_eq!(retry, StatusCode::CREATED);
+    assert!(replayed, "the retry was not a replay");
+    assert_eq!(runs, 1);
+}
+
+#[actix_web::test]
+async fn a_key_prefix_longer_than_the_index_holds_is_refused_when_set() {
+    let database = TestDatabase::create().await;
+    let prefix = incompressible(LONGEST + 1);
+    assert_refused(database.store().await, prefix, "at most 2628 bytes").await;
+}
+
+#[actix_web::test]
+async fn a_key_prefix_with_a_nul_byte_is_refused_when_set() {
+    let database = TestDatabase::create().await;
+    let prefix = "shop\0:".to_owned();
+    assert_refused(database.store().await, prefix, "NUL").await;
+}
