@@ -66,6 +66,21 @@ use crate::store::{BeginOutcome, LeaseToken, StoreError};
 /// provider, an email) is not rolled back: such side effects belong on plain routes, whose
 /// record is committed before the handler runs.
 ///
+/// Change settings for the transaction only, with `SET LOCAL` (or
+/// `set_config(name, value, true)`). The transaction runs on a pooled connection, and what
+/// the handler changes for the session (`SET` without `LOCAL`, `SET ROLE`,
+/// `set_config(name, value, false)`) stays on it once the transaction commits: it applies to
+/// later requests' transactions and to the store's own statements on that connection (a role
+/// that may not write the record table fails them with a 503). A `SET LOCAL` lasts until the
+/// commit, so it also applies to the completion of the record, which runs in this transaction
+/// after the handler returns: a role set with `SET LOCAL ROLE` must be able to update the
+/// table. The middleware does not reset the connection (`RESET ALL` would also undo settings
+/// an app gives its pooled connections on purpose).
+///
+/// If the commit fails or goes unanswered, the client gets a 503 instead of the handler's
+/// response ([`IdempotencyError::CommitUnconfirmed`]): with a key, a retry is replayed if the
+/// writes committed and runs again if not.
+///
 /// # Examples
 ///
 /// ```no_run
