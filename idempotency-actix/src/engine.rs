@@ -1627,13 +1627,15 @@ fn claim_without_key(req: &ServiceRequest, engine: &Rc<Engine>) {
     claim(req, engine, claimed);
 }
 
-/// Methods that are idempotent by definition and never touched.
+/// The safe methods (RFC 9110 §9.2.1, and `QUERY` by the IETF draft "The HTTP QUERY
+/// Method"), as HTTP writes them: idempotent by definition, so never protected, whatever a
+/// route or `protect_methods` says. `#[idempotent]` refuses a route that has only these; its
+/// own list is checked against this one (`idempotency-macros/src/expand.rs`).
+pub const SAFE_METHODS: [&str; 5] = ["GET", "HEAD", "OPTIONS", "TRACE", "QUERY"];
+
+/// Whether `method` is one of the [`SAFE_METHODS`], never touched.
 pub(crate) fn is_safe_method(method: &actix_web::http::Method) -> bool {
-    use actix_web::http::Method;
-    matches!(
-        *method,
-        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE
-    )
+    SAFE_METHODS.contains(&method.as_str())
 }
 
 #[cfg(test)]

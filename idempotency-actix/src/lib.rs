@@ -84,7 +84,7 @@
 //! | the worker at its cap of keyed work (1024 in flight, 256 detached) | 503 problem with `Retry-After`; the handler does not run |
 //! | a new key while the process drains before it stops ([`Idempotency::drain`]) | 503 problem with `Retry-After` and `Connection: close`; the handler does not run (with [`FailMode::Open`], not even after a failed `begin`) |
 //! | store unreachable, failing, or slower than the store timeout (2 s) | 503 problem with `Retry-After` (fail closed); [`FailMode::Open`] runs the handler unprotected and logs a warning, but for a retry that waited (`wait_for_completion`) and so knows its key in flight: 409; after a `begin` that did not answer, the run holds that `begin`'s token (a duplicate meeting its record gets 409) and its response is committed after it goes out, so once the store answers a retry gets the replay |
-//! | `GET`, `HEAD`, `OPTIONS`, `TRACE`, or unprotected routes | untouched, no store traffic |
+//! | `GET`, `HEAD`, `OPTIONS`, `TRACE`, `QUERY`, or unprotected routes | untouched, no store traffic |
 //!
 //! Problems are RFC 9457 `application/problem+json` documents with `type`, `title`,
 //! `status` and `detail`; see [`IdempotencyError`].
@@ -294,9 +294,11 @@ pub use store::{RedisPool, RedisStore, ReplicatedWrites};
 pub use transaction::IdempotentTransaction;
 pub use workload::{DEFAULT_MAX_DETACHED, DEFAULT_MAX_IN_FLIGHT};
 
-/// What `#[idempotent]`'s generated code calls. Not public API: may change in any release.
+/// What `#[idempotent]`'s generated code calls, and what its tests check it against. Not
+/// public API: may change in any release.
 #[doc(hidden)]
 pub mod __private {
+    pub use crate::engine::SAFE_METHODS;
     pub use crate::middleware::IdempotentRoute;
     pub use crate::policy::IdempotencyPolicy;
     pub use crate::protected_route::ProtectedRoute;

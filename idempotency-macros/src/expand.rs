@@ -90,13 +90,15 @@ fn check_transaction(arguments: &Arguments, handler: &ItemFn) -> syn::Result<()>
     }
 }
 
-/// Methods the runtime never protects (idempotent by definition).
-pub(crate) const SAFE_METHODS: [&str; 4] = ["get", "head", "options", "trace"];
+/// Methods the runtime never protects (safe, so idempotent by definition), in lower case:
+/// the runtime's `SAFE_METHODS`, which a unit test checks this list against (a proc-macro
+/// crate cannot take a constant from the crate that depends on it).
+pub(crate) const SAFE_METHODS: [&str; 5] = ["get", "head", "options", "trace", "query"];
 
 /// The error for a handler whose every route is a safe method.
-const SAFE_ONLY_ERROR: &str = "#[idempotent] has no effect on GET, HEAD, OPTIONS and TRACE \
-     routes: they are idempotent by definition and never protected; put it on a POST, PUT, \
-     PATCH or DELETE route";
+const SAFE_ONLY_ERROR: &str = "#[idempotent] has no effect on GET, HEAD, OPTIONS, TRACE and \
+     QUERY routes: they are safe, idempotent by definition, and never protected; put it on a \
+     POST, PUT, PATCH or DELETE route";
 
 /// The name of `attr` (the last segment of its path) if it is named like an Actix route
 /// attribute (`route` or a method attribute).
@@ -467,6 +469,42 @@ mod tests {
             "{expanded}"
         );
         assert!(expanded.contains("async fn handler"), "{expanded}");
+    }
+
+    /// The methods the attribute refuses as safe are exactly those the runtime passes
+    /// through: `QUERY` was protected by both, where it should have been by neither.
+    #[test]
+    fn the_safe_methods_are_the_runtimes() {
+        let runtime: Vec<String> = idempotency_actix::__private::SAFE_METHODS
+            .iter()
+            .map(|method| method.to_ascii_lowercase())
+            .collect();
+        assert_eq!(super::SAFE_METHODS.as_slice(), runtime.as_slice());
+        for method in super::SAFE_METHODS {
+            assert!(
+                super::SAFE_ONLY_ERROR.contains(&method.to_ascii_uppercase()),
+                "{method}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_handler_with_only_a_query_route_is_refused() {
+        for route in [
+            quote!(#[query("/search")]),
+            quote!(#[route("/search", method = "QUERY", method = "GET")]),
+        ] {
+            let expanded = expand(
+                quote!(),
+                quote!(
+                    #route
+                    async fn search() -> HttpResponse {
+                        HttpResponse::Ok().finish()
+                    }
+                ),
+            );
+            assert!(expanded.contains("has no effect"), "{route}: {expanded}");
+        }
     }
 
     #[test]

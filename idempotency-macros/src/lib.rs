@@ -117,8 +117,10 @@ use proc_macro::TokenStream;
 ///   layer there refuses before the store is touched.
 /// - Routes inside `web::scope(..)`, or in a module under Actix's `#[scope(..)]`, are
 ///   protected the same way.
-/// - `GET`, `HEAD`, `OPTIONS` and `TRACE` requests pass through untouched, so a `#[routes]`
-///   handler may also answer `GET`.
+/// - `GET`, `HEAD`, `OPTIONS`, `TRACE` and `QUERY` requests pass through untouched, so a
+///   `#[routes]` handler may also answer `GET`. On a handler with only such methods
+///   (`#[query(..)]` included), `#[idempotent]` is a compile error rather than a silent
+///   no-op.
 /// - Without an `Idempotency` on the App or an enclosing scope, the route answers 500 and
 ///   logs that `.wrap(Idempotency::…)` is missing.
 /// - The code it adds names the runtime crate by its own name, `::idempotency_actix`. A

@@ -158,7 +158,8 @@ fn start(backend: Backend, test: &str, configure: fn(Idempotency) -> Idempotency
                     web::resource("/orders")
                         .wrap(IdempotentRoute::new())
                         .route(web::post().to(create))
-                        .route(web::get().to(plain)),
+                        .route(web::get().to(plain))
+                        .route(web::query().to(plain)),
                 )
                 .service(
                     web::resource("/required")
@@ -755,6 +756,32 @@ async fn safe_methods_and_untagged_routes_are_untouched(backend: Backend) {
     assert_eq!(h.runs.get(), 4);
 }
 
+/// `QUERY` (safe and idempotent by its IETF draft, like `GET`, but with a body) is never
+/// protected, on a tagged route and where the App's `protect_methods` names it: two keyed
+/// queries with different bodies both run, neither is replayed nor refused as a reused key.
+/// Both were protected like a `POST`: the second was a 422.
+async fn query_is_untouched_like_get(backend: Backend) {
+    type Configure = fn(Idempotency) -> Idempotency;
+    let configurations: [(&str, Configure); 2] = [
+        ("query-route", |i| i),
+        ("query-app", |i| {
+            i.protect_methods([Method::POST, Method::from_bytes(b"QUERY").unwrap()])
+        }),
+    ];
+    for (test, configure) in configurations {
+        let h = start(backend.clone(), test, configure);
+        let key = h.key("q");
+        for body in [r#"{"status":"open"}"#, r#"{"status":"paid"}"#] {
+            let query = Method::from_bytes(b"QUERY").unwrap();
+            let reply = h.send(query, "/orders", Some(&key), body).await;
+            assert_eq!(reply.status, StatusCode::OK, "{test}: {:?}", reply.body);
+            assert!(!reply.is_replay(), "{test}");
+            assert_eq!(reply.json()["method"], "QUERY", "{test}");
+        }
+        assert_eq!(h.runs.get(), 2, "{test}: both queries ran");
+    }
+}
+
 async fn protect_methods_covers_untagged_routes(backend: Backend) {
     let h = start(backend, "methods", |i| i.protect_methods([Method::POST]));
     let key = h.key("u");
@@ -864,6 +891,7 @@ every_backend!(
     a_body_sent_in_chunks_is_the_same_request,
     an_oversized_response_is_sent_whole_and_never_rerun,
     safe_methods_and_untagged_routes_are_untouched,
+    query_is_untouched_like_get,
     protect_methods_covers_untagged_routes,
     scopes_keep_principals_apart,
 );

@@ -28,8 +28,8 @@ use crate::workload::Workload;
 /// defaults. Routes tagged with [`#[idempotent]`](crate::idempotent) (or wrapped in
 /// [`IdempotentRoute`](crate::IdempotentRoute)) are protected with their own policy; untagged
 /// routes are protected only for the methods named with
-/// [`protect_methods`](Self::protect_methods) (none by default). `GET`, `HEAD`, `OPTIONS`
-/// and `TRACE` are never touched.
+/// [`protect_methods`](Self::protect_methods) (none by default). The safe methods, `GET`,
+/// `HEAD`, `OPTIONS`, `TRACE` and `QUERY`, are never touched.
 ///
 /// A request is processed once even when both this layer and a route layer apply: the
 /// outer one takes it, and the route's ttl and storage options still apply at commit.
@@ -224,7 +224,8 @@ impl Idempotency {
         Self::new(settings.shared())
     }
 
-    /// Also protects untagged routes for these methods (safe methods are ignored).
+    /// Also protects untagged routes for these methods (the safe methods, `GET`, `HEAD`,
+    /// `OPTIONS`, `TRACE` and `QUERY`, are ignored).
     ///
     /// This layer then takes such requests before routing, so it decides for every route
     /// under it: another `Idempotency` further in (on a scope) that would protect one of them

@@ -18,8 +18,8 @@ use crate::policy::IdempotencyPolicy;
 ///
 /// [`#[idempotent(...)]`](crate::idempotent) attaches this to a route for you. Use it directly
 /// for routes registered by hand. Without an `Idempotency` on the app (or an enclosing scope)
-/// it answers 500 and logs what is missing. Safe methods (`GET`, `HEAD`, `OPTIONS`, `TRACE`)
-/// pass through untouched.
+/// it answers 500 and logs what is missing. Safe methods (`GET`, `HEAD`, `OPTIONS`, `TRACE`,
+/// `QUERY`) pass through untouched.
 ///
 /// When an app-level [`Idempotency`](crate::Idempotency) also protects the route's method
 /// (`protect_methods`), the app layer takes the request before routing and processes it once,
