@@ -9,6 +9,7 @@ use actix_web::{HttpResponse, ResponseError};
 use serde::Serialize;
 
 use crate::key::KeyError;
+use crate::problem_type::ProblemType;
 use crate::store::StoreError;
 
 /// Why the middleware answered instead of the handler (or alongside it).
@@ -163,25 +164,24 @@ struct Problem<'a> {
 }
 
 impl IdempotencyError {
-    fn problem_type_and_title(&self) -> (&'static str, &'static str) {
+    /// The kind of problem, whose table gives the `type`, `title` and status.
+    fn problem_type(&self) -> ProblemType {
         match self {
-            Self::MissingKey => ("missing-key", "Idempotency-Key required"),
-            Self::InvalidKey(_) => ("invalid-key", "Invalid Idempotency-Key"),
-            Self::MissingScope => ("missing-scope", "Idempotency scope missing"),
-            Self::RequestBodyTooLarge { .. } => ("body-too-large", "Request body too large"),
-            Self::RequestBodyUnreadable(_) => ("body-unreadable", "Request body unreadable"),
-            Self::UpgradeRequested => ("upgrade-requested", "Connection upgrade with a key"),
-            Self::InFlight { .. } => ("in-flight", "Request in progress"),
-            Self::FingerprintMismatch => ("key-reused", "Idempotency-Key reused"),
+            Self::MissingKey => ProblemType::MissingKey,
+            Self::InvalidKey(_) => ProblemType::InvalidKey,
+            Self::MissingScope => ProblemType::MissingScope,
+            Self::RequestBodyTooLarge { .. } => ProblemType::BodyTooLarge,
+            Self::RequestBodyUnreadable(_) => ProblemType::BodyUnreadable,
+            Self::UpgradeRequested => ProblemType::UpgradeRequested,
+            Self::InFlight { .. } => ProblemType::InFlight,
+            Self::FingerprintMismatch => ProblemType::KeyReused,
             Self::StoreUnavailable { .. }
             | Self::CommitUnconfirmed { .. }
-            | Self::TransactionUnavailable { .. } => {
-                ("store-unavailable", "Idempotency store unavailable")
-            }
-            Self::Overloaded { .. } => ("overloaded", "Server busy"),
-            Self::ShuttingDown { .. } => ("shutting-down", "Server stopping"),
-            Self::HandlerPanicked => ("handler-panicked", "Internal server error"),
-            Self::NotConfigured => ("not-configured", "Internal server error"),
+            | Self::TransactionUnavailable { .. } => ProblemType::StoreUnavailable,
+            Self::Overloaded { .. } => ProblemType::Overloaded,
+            Self::ShuttingDown { .. } => ProblemType::ShuttingDown,
+            Self::HandlerPanicked => ProblemType::HandlerPanicked,
+            Self::NotConfigured => ProblemType::NotConfigured,
         }
     }
 
@@ -222,31 +222,16 @@ impl IdempotencyError {
 
 impl ResponseError for IdempotencyError {
     fn status_code(&self) -> StatusCode {
-        match self {
-            Self::MissingKey
-            | Self::InvalidKey(_)
-            | Self::MissingScope
-            | Self::RequestBodyUnreadable(_)
-            | Self::UpgradeRequested => StatusCode::BAD_REQUEST,
-            Self::RequestBodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::InFlight { .. } => StatusCode::CONFLICT,
-            Self::FingerprintMismatch => StatusCode::UNPROCESSABLE_ENTITY,
-            Self::StoreUnavailable { .. }
-            | Self::CommitUnconfirmed { .. }
-            | Self::TransactionUnavailable { .. }
-            | Self::Overloaded { .. }
-            | Self::ShuttingDown { .. } => StatusCode::SERVICE_UNAVAILABLE,
-            Self::HandlerPanicked | Self::NotConfigured => StatusCode::INTERNAL_SERVER_ERROR,
-        }
+        self.problem_type().status()
     }
 
     fn error_response(&self) -> HttpResponse {
         let status = self.status_code();
-        let (slug, title) = self.problem_type_and_title();
-        let problem_type = format!("tag:idempotency-actix,2026:{slug}");
+        let kind = self.problem_type();
+        let problem_type = kind.uri();
         let problem = Problem {
             r#type: &problem_type,
-            title,
+            title: kind.title(),
             status: status.as_u16(),
             detail: self.client_detail(),
         };

@@ -240,6 +240,7 @@ mod middleware;
 #[cfg(feature = "utoipa")]
 mod openapi;
 mod policy;
+mod problem_type;
 mod protected_route;
 mod record;
 mod rendered_error;

@@ -12,6 +12,7 @@ use utoipa::openapi::schema::{ObjectBuilder, SchemaType, Type};
 use utoipa::openapi::{Components, ContentBuilder, OpenApi, RefOr, Required, Schema};
 
 use crate::key::MAX_KEY_LENGTH;
+use crate::problem_type::ProblemType;
 use crate::protected_route::ProtectedRoute;
 
 /// The name of the RFC 9457 problem schema added to the spec's components.
@@ -71,9 +72,10 @@ pub const KEY_PATTERN: &str = concat!(
 ///   parameters) and the longest value that can hold a key of 255 characters (512: quoted,
 ///   every character escaped; parameters count against it);
 /// * the problem responses 400, 409 (with `Retry-After`), 413, 422, 500 (the handler
-///   panicked; its key was released) and 503 (with `Retry-After`),
-///   `application/problem+json` with the [`PROBLEM_SCHEMA`] schema (RFC
-///   9457: `type`, `title`, `status`, `detail`);
+///   panicked, its key released; or no `Idempotency` is configured) and 503 (with
+///   `Retry-After`), `application/problem+json` with the [`PROBLEM_SCHEMA`] schema (RFC
+///   9457: `type`, `title`, `status`, `detail`), each described with the `type` of every
+///   [`IdempotencyError`](crate::IdempotencyError) the middleware answers with that status;
 /// * the `Idempotent-Replayed` and `Idempotent-Body-Omitted` headers on the responses the
 ///   operation already documents (a replay repeats them).
 ///
@@ -359,7 +361,7 @@ pub fn document_operation(operation: &mut Operation, header: &str, required: boo
             .responses
             .responses
             .entry(problem.status.to_owned())
-            .or_insert_with(|| RefOr::T(Response::new(problem.description)));
+            .or_insert_with(|| RefOr::T(Response::new(problem.description())));
         if let RefOr::T(response) = response {
             add_problem(response, &problem);
         }
@@ -417,47 +419,66 @@ pub fn problem_schema() -> RefOr<Schema> {
         .into()
 }
 
-/// One problem response the middleware may answer.
+/// One status of problem response the middleware may answer.
 struct Problem {
     status: &'static str,
-    description: &'static str,
+    /// What it means, in words; [`Problem::description`] adds the problem types.
+    summary: &'static str,
     retry_after: bool,
+}
+
+impl Problem {
+    /// The summary, then the `type` of every problem the middleware answers with this
+    /// status, from the table of [`ProblemType`] that the responses are made from.
+    fn description(&self) -> String {
+        let types: Vec<String> = ProblemType::ALL
+            .iter()
+            .filter(|kind| kind.status().as_str() == self.status)
+            .map(|kind| format!("`{}`", kind.uri()))
+            .collect();
+        format!("{} Problem types: {}.", self.summary, types.join(", "))
+    }
 }
 
 const PROBLEMS: [Problem; 6] = [
     Problem {
         status: "400",
-        description: "The Idempotency-Key header is malformed or repeated, or missing where \
-                      the route requires it.",
+        summary: "The Idempotency-Key header is malformed or repeated, or missing where the \
+                  route requires it; or, for a request with a key: its scope (whose key it \
+                  is, e.g. a tenant header) is missing, its body could not be read, or it asks \
+                  to upgrade its connection (WebSocket) or open a tunnel (CONNECT), which \
+                  cannot be made idempotent.",
         retry_after: false,
     },
     Problem {
         status: "409",
-        description: "A request with this Idempotency-Key is still being processed; retry \
-                      after Retry-After seconds.",
+        summary: "A request with this Idempotency-Key is still being processed; retry \
+                  after Retry-After seconds.",
         retry_after: true,
     },
     Problem {
         status: "413",
-        description: "The body of a request with an Idempotency-Key is over the limit.",
+        summary: "The body of a request with an Idempotency-Key is over the limit.",
         retry_after: false,
     },
     Problem {
         status: "422",
-        description: "This Idempotency-Key was used before with a different request.",
+        summary: "This Idempotency-Key was used before with a different request.",
         retry_after: false,
     },
     Problem {
         status: "500",
-        description: "The handler panicked. The Idempotency-Key was released: a retry with \
-                      the same key runs the request again.",
+        summary: "The handler panicked: the Idempotency-Key was released, and a retry with \
+                  the same key runs the request again. Or the server's idempotency layer is \
+                  not configured (a deployment error; the handler did not run).",
         retry_after: false,
     },
     Problem {
         status: "503",
-        description: "The idempotency store is unavailable, or the server is busy or \
-                      stopping; the request was not processed. Retry after Retry-After \
-                      seconds with the same key.",
+        summary: "The idempotency store is unavailable, or the server is busy or \
+                  stopping; the request was not processed, or, where a transactional \
+                  route's commit failed, its outcome is unknown (the detail says which). \
+                  Retry after Retry-After seconds, with the same key if it had one.",
         retry_after: true,
     },
 ];
@@ -864,6 +885,103 @@ mod tests {
         assert_eq!(key_required(&app_default, "/orders"), Some(false));
         assert_eq!(key_required(&app_default, "/webhooks"), Some(false));
         assert_eq!(key_required(&app_default, "/payments"), Some(true));
+    }
+
+    /// One [`IdempotencyError`](crate::IdempotencyError) of each kind.
+    fn every_error() -> Vec<crate::IdempotencyError> {
+        use std::time::Duration;
+
+        use crate::IdempotencyError as E;
+
+        let retry_after = Duration::from_secs(1);
+        let errors = vec![
+            E::MissingKey,
+            E::InvalidKey(crate::KeyError::Empty),
+            E::MissingScope,
+            E::RequestBodyTooLarge { limit: 1 },
+            E::RequestBodyUnreadable(actix_web::error::PayloadError::Incomplete(None)),
+            E::UpgradeRequested,
+            E::InFlight { retry_after },
+            E::FingerprintMismatch,
+            E::StoreUnavailable {
+                source: crate::StoreError::Timeout(retry_after),
+                retry_after,
+            },
+            E::CommitUnconfirmed {
+                source: crate::StoreError::Timeout(retry_after),
+                retry_after,
+                recorded: true,
+            },
+            E::TransactionUnavailable {
+                source: crate::StoreError::Timeout(retry_after),
+                retry_after,
+            },
+            E::Overloaded { retry_after },
+            E::ShuttingDown { retry_after },
+            E::HandlerPanicked,
+            E::NotConfigured,
+        ];
+        // A new variant does not compile here until it is listed above.
+        for error in &errors {
+            match error {
+                E::MissingKey
+                | E::InvalidKey(_)
+                | E::MissingScope
+                | E::RequestBodyTooLarge { .. }
+                | E::RequestBodyUnreadable(_)
+                | E::UpgradeRequested
+                | E::InFlight { .. }
+                | E::FingerprintMismatch
+                | E::StoreUnavailable { .. }
+                | E::CommitUnconfirmed { .. }
+                | E::TransactionUnavailable { .. }
+                | E::Overloaded { .. }
+                | E::ShuttingDown { .. }
+                | E::HandlerPanicked
+                | E::NotConfigured => {}
+            }
+        }
+        errors
+    }
+
+    /// Every problem the middleware answers with is named, by its `type`, in the description
+    /// of its status, which has the problem content, and `Retry-After` where the problem
+    /// has it. The 400 named only the key's problems (not a missing scope, an unreadable
+    /// body or `upgrade-requested`), the 500 only the handler's panic (not `not-configured`).
+    #[test]
+    fn every_problem_is_documented_under_its_status() {
+        use actix_web::ResponseError;
+
+        let mut operation = Operation::new();
+        document_operation(&mut operation, "Idempotency-Key", false);
+        for error in every_error() {
+            let response = error.error_response();
+            let status = response.status();
+            let retry_after = response.headers().contains_key("retry-after");
+            let body = actix_web::body::MessageBody::try_into_bytes(response.into_body()).unwrap();
+            let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            let problem_type = problem["type"].as_str().unwrap();
+            let Some(RefOr::T(documented)) = operation.responses.responses.get(status.as_str())
+            else {
+                panic!("{problem_type}: no response documented for {status}");
+            };
+            assert!(
+                documented
+                    .description
+                    .contains(&format!("`{problem_type}`")),
+                "{problem_type} is not in the description of {status}: {:?}",
+                documented.description
+            );
+            assert!(
+                documented.content.contains_key("application/problem+json"),
+                "{status}"
+            );
+            assert_eq!(
+                documented.headers.contains_key("Retry-After"),
+                retry_after,
+                "{problem_type}: Retry-After"
+            );
+        }
     }
 
     #[test]
