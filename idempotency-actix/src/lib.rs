@@ -295,10 +295,37 @@ pub use store::{RedisPool, RedisStore, ReplicatedWrites};
 pub use transaction::IdempotentTransaction;
 pub use workload::{DEFAULT_MAX_DETACHED, DEFAULT_MAX_IN_FLIGHT};
 
+/// What `#[idempotent(transactional)]` makes of the route's policy: `.transactional()`, which
+/// only the `postgres` feature has. The attribute cannot see this crate's features, so the
+/// check is here.
+#[cfg(feature = "postgres")]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __transactional {
+    ($policy:expr) => {
+        $policy.transactional()
+    };
+}
+
+/// Without the `postgres` feature, a compile error that says so (rather than "no method
+/// named `transactional`").
+#[cfg(not(feature = "postgres"))]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __transactional {
+    ($policy:expr) => {
+        ::core::compile_error!(
+            "#[idempotent(transactional)] needs the `postgres` feature of idempotency-actix \
+             (features = [\"postgres\"] in Cargo.toml) and Idempotency::postgres(store)"
+        )
+    };
+}
+
 /// What `#[idempotent]`'s generated code calls, and what its tests check it against. Not
 /// public API: may change in any release.
 #[doc(hidden)]
 pub mod __private {
+    pub use crate::__transactional as transactional;
     pub use crate::engine::SAFE_METHODS;
     pub use crate::middleware::IdempotentRoute;
     pub use crate::policy::IdempotencyPolicy;

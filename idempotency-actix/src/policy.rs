@@ -465,7 +465,8 @@ impl IdempotencyPolicy {
     /// database belong on plain routes (see `IdempotentTransaction`).
     ///
     /// Only with the `postgres` feature: without it a transactional route does not compile
-    /// (it would have no store to run in, and no fail mode may run it unprotected).
+    /// (it would have no store to run in, and no fail mode may run it unprotected);
+    /// `#[idempotent(transactional)]` then says the feature is needed.
     ///
     /// # Examples
     ///

@@ -257,7 +257,8 @@ fn route_layer(arguments: &Arguments) -> TokenStream {
         policy.extend(quote!(.wait_for_completion(#bound)));
     }
     if *transactional {
-        policy.extend(quote!(.transactional()));
+        // Through the runtime crate, which knows whether it was built with `postgres`.
+        policy = quote!(#private::transactional!(#policy));
     }
     quote!(#private::IdempotentRoute::with_policy(#policy))
 }
