@@ -1,5 +1,6 @@
-//! The store's own connection (a pool from `RedisStore::pool` with a `redis://` URL) logs in
-//! and selects the database the URL names, and refuses to run handlers when it cannot.
+//! The store's own connection (a pool from `RedisStore::pool` with a `redis://` or Unix-socket
+//! URL) logs in and selects the database the URL names, and refuses to run handlers when it
+//! cannot.
 
 #![allow(clippy::unwrap_used)]
 
@@ -98,7 +99,8 @@ async fn a_wrong_password_answers_503_and_runs_no_handler() {
 }
 
 /// A `unix://` URL: the store connects over the server's Unix socket (with its own
-/// connection, as for `redis://`), and records and replays as over TCP.
+/// connection, as for `redis://`), logs in as the user the URL's `user` and `pass` name,
+/// selects its `db`, and records and replays as over TCP.
 #[cfg(unix)]
 #[actix_web::test]
 async fn a_unix_socket_url_keeps_records_on_that_server() {
@@ -107,13 +109,24 @@ async fn a_unix_socket_url_keeps_records_on_that_server() {
     std::fs::create_dir_all(&directory).unwrap();
     let socket = directory.join("redis.sock");
     let socket_arg = socket.to_str().unwrap();
-    let redis =
-        PrivateRedis::start_with_args(&["--unixsocket", socket_arg, "--unixsocketperm", "700"])
-            .await;
+    let redis = PrivateRedis::start_with_args(&[
+        "--unixsocket",
+        socket_arg,
+        "--unixsocketperm",
+        "700",
+        "--user",
+        "alice",
+        "on",
+        ">s3cret",
+        "~*",
+        "&*",
+        "+@all",
+    ])
+    .await;
     let prefix = unique_prefix("own-connection-unix");
     let runs = RunCounter::default();
     let server = start(
-        &format!("unix://{socket_arg}?db=2"),
+        &format!("unix://{socket_arg}?db=2&user=alice&pass=s3cret"),
         prefix.clone(),
         runs.clone(),
     );
@@ -142,8 +155,9 @@ async fn a_unix_socket_url_keeps_records_on_that_server() {
         clients
             .lines()
             .any(|client| client.contains(&format!(" addr={socket_arg}:"))
-                && client.contains(" db=2 ")),
-        "the store is connected over the socket, on db 2:\n{clients}"
+                && client.contains(" db=2 ")
+                && client.contains(" user=alice ")),
+        "the store is connected over the socket, as alice, on db 2:\n{clients}"
     );
     drop(redis);
     let _ = std::fs::remove_dir_all(&directory);

@@ -53,7 +53,10 @@ pub struct RecordSnapshot {
     /// In flight or completed.
     pub state: RecordState,
     /// How much longer the record is kept: the rest of the lease in flight, of the ttl once
-    /// completed. `None` when the store cannot tell.
+    /// completed, or longer where an abandoned token found the completed record (the store
+    /// then keeps it for at least the marker's lifetime, the route's lease where that is
+    /// longer than its ttl: [`IdempotencyStore::abandon`](crate::IdempotencyStore::abandon)).
+    /// `None` when the store cannot tell.
     pub expires_in: Option<Duration>,
     /// The stored status (completed records).
     pub status: Option<StatusCode>,

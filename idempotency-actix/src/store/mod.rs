@@ -271,7 +271,10 @@ pub trait IdempotencyStore: 'static {
     ) -> impl Future<Output = Result<BeginOutcome, StoreError>>;
 
     /// [`begin`](Self::begin), plus, when the record found is completed, how much longer the
-    /// store keeps it (`None`: unknown).
+    /// store keeps it at least (`None`: unknown). The PostgreSQL store reports the record's
+    /// expiry; the Redis stores what is left of the ttl it was committed with,
+    /// which is less (down to zero) once an [`abandon`](Self::abandon) kept the record
+    /// longer: a replay cache then keeps its copy for less, never longer than the record.
     ///
     /// The [`ReplayCache`](crate::ReplayCache) keeps a completed record in process no longer
     /// than that, so a store that knows it in the same round trip should override this. The

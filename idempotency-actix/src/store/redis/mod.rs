@@ -191,8 +191,9 @@ impl RedisStore {
     /// one out), 16 connections, and no connection made until the first request, so an app
     /// starts while Redis is still down and recovers by itself once it is up.
     ///
-    /// `url` is `redis://[user:password@]host:port[/db]` (the store's own connection),
-    /// `unix:///path/to/redis.sock?db=N` or `redis+unix://…`, or `rediss://` (TLS, which
+    /// `url` is `redis://[user:password@]host:port[/db]` or a Unix socket's
+    /// `unix:///path/to/redis.sock?db=N&user=U&pass=P` (or `redis+unix://…`), both served by
+    /// the store's own connection, or `rediss://` (TLS, which
     /// needs one of the `redis` crate's TLS features, `tokio-rustls-comp` or
     /// `tokio-native-tls-comp`, turned on by the app: this crate turns on none).
     ///
