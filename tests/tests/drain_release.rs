@@ -19,6 +19,36 @@ use actix_web::{App, HttpServer};
 use idempotency_actix::{Idempotency, IdempotencyPolicy, KeyScope};
 use idempotency_actix_tests::{FaultyStore, GatedRoutes, Reply, reset};
 
+/// One worker serving `routes` on `store` (a lease of 30 s), on a loopback port: its
+/// address, its handle and the task that runs it.
+fn start(
+    store: &FaultyStore,
+    routes: &GatedRoutes,
+) -> (
+    std::net::SocketAddr,
+    actix_web::dev::ServerHandle,
+    actix_rt::task::JoinHandle<std::io::Result<()>>,
+) {
+    let (store, routes) = (store.clone(), routes.clone());
+    let server = HttpServer::new(move || {
+        let policy = IdempotencyPolicy::default().lease(Duration::from_secs(30));
+        App::new()
+            .wrap(
+                Idempotency::new(store.clone())
+                    .policy(policy)
+                    .scope(KeyScope::global()),
+            )
+            .configure(routes.configure())
+    })
+    .workers(1)
+    .disable_signals()
+    .bind(("127.0.0.1", 0))
+    .unwrap();
+    let addr = server.addrs()[0];
+    let server = server.run();
+    (addr, server.handle(), actix_rt::spawn(server))
+}
+
 #[actix_rt::test]
 async fn a_key_given_back_while_draining_is_released_though_its_client_left() {
     // A release takes half a second to reach the store, as on a slow Redis.
@@ -28,22 +58,7 @@ async fn a_key_given_back_while_draining_is_released_though_its_client_left() {
     };
     let routes = GatedRoutes::default();
     let quick_runs = routes.quick_runs.clone();
-    let server = {
-        let store = store.clone();
-        HttpServer::new(move || {
-            App::new()
-                .wrap(Idempotency::new(store.clone()).scope(KeyScope::global()))
-                .configure(routes.configure())
-        })
-        .workers(1)
-        .disable_signals()
-        .bind(("127.0.0.1", 0))
-        .unwrap()
-    };
-    let addr = server.addrs()[0];
-    let server = server.run();
-    let handle = server.handle();
-    let server = actix_rt::spawn(server);
+    let (addr, handle, server) = start(&store, &routes);
 
     // Nothing is in progress yet: the drain starts and ends at once.
     assert_eq!(Idempotency::drain(Duration::from_secs(30)).await, 0);
@@ -93,27 +108,7 @@ async fn a_key_whose_release_is_lost_while_draining_is_locked_only_briefly() {
         .store(1, std::sync::atomic::Ordering::SeqCst);
     let routes = GatedRoutes::default();
     let quick_runs = routes.quick_runs.clone();
-    let server = {
-        let store = store.clone();
-        HttpServer::new(move || {
-            let policy = IdempotencyPolicy::default().lease(Duration::from_secs(30));
-            App::new()
-                .wrap(
-                    Idempotency::new(store.clone())
-                        .policy(policy)
-                        .scope(KeyScope::global()),
-                )
-                .configure(routes.configure())
-        })
-        .workers(1)
-        .disable_signals()
-        .bind(("127.0.0.1", 0))
-        .unwrap()
-    };
-    let addr = server.addrs()[0];
-    let server = server.run();
-    let handle = server.handle();
-    let server = actix_rt::spawn(server);
+    let (addr, handle, server) = start(&store, &routes);
     Idempotency::drain(Duration::from_secs(30)).await;
 
     let client = awc::Client::default();

@@ -63,27 +63,37 @@ async fn a_url_with_a_user_and_a_database_keeps_records_there() {
         keys_under(&mut connection, &prefix).await.is_empty(),
         "nothing in db 0"
     );
-    redis::cmd("SELECT")
-        .arg(3)
-        .exec_async(&mut connection)
-        .await
-        .unwrap();
-    assert_eq!(
-        keys_under(&mut connection, &prefix).await.len(),
-        1,
-        "the record is in db 3"
-    );
-    let clients: String = redis::cmd("CLIENT")
-        .arg("LIST")
-        .query_async(&mut connection)
-        .await
-        .unwrap();
+    let clients = records_and_clients_in(&mut connection, 3, &prefix).await;
     assert!(
         clients
             .lines()
             .any(|client| client.contains(" db=3 ") && client.contains(" user=alice ")),
         "the store is logged in as alice on db 3:\n{clients}"
     );
+}
+
+/// Selects database `db` on `connection`, checks that it holds the one record under
+/// `prefix`, and returns the server's `CLIENT LIST`.
+async fn records_and_clients_in(
+    connection: &mut redis::aio::MultiplexedConnection,
+    db: i64,
+    prefix: &str,
+) -> String {
+    redis::cmd("SELECT")
+        .arg(db)
+        .exec_async(connection)
+        .await
+        .unwrap();
+    assert_eq!(
+        keys_under(connection, prefix).await.len(),
+        1,
+        "the record is in db {db}"
+    );
+    redis::cmd("CLIENT")
+        .arg("LIST")
+        .query_async(connection)
+        .await
+        .unwrap()
 }
 
 #[actix_web::test]
@@ -136,21 +146,7 @@ async fn a_unix_socket_url_keeps_records_on_that_server() {
     assert_eq!(runs.get(), 1);
 
     let mut connection = redis.connection().await;
-    redis::cmd("SELECT")
-        .arg(2)
-        .exec_async(&mut connection)
-        .await
-        .unwrap();
-    assert_eq!(
-        keys_under(&mut connection, &prefix).await.len(),
-        1,
-        "the record is in db 2"
-    );
-    let clients: String = redis::cmd("CLIENT")
-        .arg("LIST")
-        .query_async(&mut connection)
-        .await
-        .unwrap();
+    let clients = records_and_clients_in(&mut connection, 2, &prefix).await;
     assert!(
         clients
             .lines()

@@ -418,17 +418,9 @@ async fn a_waiting_retry_does_not_fail_open_beside_the_first_request() {
     assert_eq!(runs.get(), 1);
 }
 
-/// A `begin` that timed out and lands later, after its request gave its token up (a store
-/// timeout; the marker of the abandoned token refuses it), on a route whose ttl (1 s) is
-/// shorter than its lease (30 s): landing 1.5 s later it finds the marker still there and
-/// writes nothing, so the retry runs the handler. It used to find the marker gone (kept
-/// for the ttl) and lock the key for a lease with no handler running: 409 for 30 s.
-#[actix_web::test]
-async fn a_late_begin_on_a_route_with_a_ttl_shorter_than_its_lease_locks_nothing() {
-    let store = FaultyStore {
-        late_by: Duration::from_millis(1_500),
-        ..FaultyStore::default()
-    };
+/// A server on `store` whose next `begin` lands late, with a route (`/work`, open) whose ttl
+/// (1 s) is shorter than its lease (30 s), failing closed; and the route's run counter.
+fn short_ttl_server_with_a_late_begin(store: &FaultyStore) -> (actix_test::TestServer, RunCounter) {
     store
         .late_begins
         .store(1, std::sync::atomic::Ordering::SeqCst);
@@ -450,6 +442,21 @@ async fn a_late_begin_on_a_route_with_a_ttl_shorter_than_its_lease_locks_nothing
                 .configure(routes.configure())
         }
     });
+    (server, runs)
+}
+
+/// A `begin` that timed out and lands later, after its request gave its token up (a store
+/// timeout; the marker of the abandoned token refuses it), on a route whose ttl (1 s) is
+/// shorter than its lease (30 s): landing 1.5 s later it finds the marker still there and
+/// writes nothing, so the retry runs the handler. It used to find the marker gone (kept
+/// for the ttl) and lock the key for a lease with no handler running: 409 for 30 s.
+#[actix_web::test]
+async fn a_late_begin_on_a_route_with_a_ttl_shorter_than_its_lease_locks_nothing() {
+    let store = FaultyStore {
+        late_by: Duration::from_millis(1_500),
+        ..FaultyStore::default()
+    };
+    let (server, runs) = short_ttl_server_with_a_late_begin(&store);
     let client = awc::Client::default();
     let url = server.url("/work");
     let first = post(&client, &url, "late").await;
@@ -478,27 +485,7 @@ async fn a_late_begin_after_a_retry_completed_the_key_locks_nothing_on_a_short_t
         abandon_delay: Duration::from_millis(500),
         ..FaultyStore::default()
     };
-    store
-        .late_begins
-        .store(1, std::sync::atomic::Ordering::SeqCst);
-    let routes = GatedRoutes::default();
-    routes.gate.open();
-    let runs = routes.work_runs.clone();
-    let server = actix_test::start({
-        let store = store.clone();
-        move || {
-            let policy = IdempotencyPolicy::default()
-                .ttl(Duration::from_secs(1))
-                .lease(Duration::from_secs(30));
-            App::new()
-                .wrap(
-                    Idempotency::new(store.clone())
-                        .policy(policy)
-                        .scope(KeyScope::global()),
-                )
-                .configure(routes.configure())
-        }
-    });
+    let (server, runs) = short_ttl_server_with_a_late_begin(&store);
     let client = awc::Client::default();
     let url = server.url("/work");
     let first = post(&client, &url, "late");
