@@ -1,14 +1,17 @@
 //! Live resharding: slots move between the primaries of a local Redis Cluster (this test
-//! binary's own) while requests flow. No key runs twice, no record is lost, and refusals
-//! (503) stay few.
+//! binary's own, each primary with a replica) while requests flow, with and without
+//! replicated writes. No key runs twice, no record is lost, and refusals (503) stay few.
 
 #![allow(clippy::unwrap_used)]
+// Each test holds its turn on the cluster for its whole run (see `one_at_a_time`).
+#![allow(clippy::await_holding_lock)]
 
 use std::cell::Cell;
 use std::collections::HashMap;
+use std::time::Duration;
 
 use actix_web::web::Bytes;
-use idempotency_actix::Idempotency;
+use idempotency_actix::{Idempotency, RedisClusterStore, ReplicatedWrites};
 use idempotency_actix_tests::cluster::RedisCluster;
 use idempotency_actix_tests::keyed_app::{KeyedApp, RunsByKey};
 use idempotency_actix_tests::unique_prefix;
@@ -21,6 +24,8 @@ const CLIENTS: usize = 8;
 const KEYS_PER_CLIENT: usize = 400;
 /// Slots moved: about 2/5 of a primary's, so many records move.
 const SLOTS: u16 = 2_000;
+/// All the slots of a cluster.
+const ALL_SLOTS: usize = 16_384;
 /// Attempts per key before the test gives up on it (each waits 50 ms after a refusal).
 const ATTEMPTS: usize = 40;
 
@@ -32,16 +37,49 @@ struct Traffic {
     during_move: usize,
 }
 
+/// Held by each test for its whole run: `redis-cli --cluster reshard` refuses to start
+/// while another move is under way, and each test counts where its own move put records.
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 #[actix_web::test]
 async fn slots_move_while_requests_flow() {
+    let _turn = one_at_a_time();
+    move_slots_under_traffic("resharding", |store| store).await;
+}
+
+/// Strict replicated writes: each lock and commit waits for the primary's replica, on
+/// the source primary and then, once its slot has moved, on the receiving one.
+#[actix_web::test]
+async fn slots_move_while_requests_flow_under_replicated_writes() {
+    let _turn = one_at_a_time();
+    move_slots_under_traffic("resharding-replicated", |store| {
+        store.replicated_writes(ReplicatedWrites::new(1, Duration::from_millis(500)))
+    })
+    .await;
+}
+
+/// Creates keys, then moves [`SLOTS`] slots from the primary that serves the most to the
+/// one that serves the fewest while clients create new keys and replay old ones, through
+/// the store that `configure` makes of a plain [`RedisClusterStore`]; then checks that
+/// every key ran once and replays its response.
+async fn move_slots_under_traffic(
+    test: &str,
+    configure: fn(RedisClusterStore) -> RedisClusterStore,
+) {
     let cluster = RedisCluster::shared();
-    let prefix = unique_prefix("resharding");
+    let prefix = unique_prefix(test);
     let runs = RunsByKey::default();
     let client = cluster.client();
     let app = {
         let prefix = prefix.clone();
         KeyedApp::start(
-            move || Idempotency::redis_cluster(client.clone()).key_prefix(prefix.clone()),
+            move || {
+                Idempotency::new(configure(RedisClusterStore::new(client.clone())))
+                    .key_prefix(prefix.clone())
+            },
             runs.clone(),
         )
     };
@@ -55,8 +93,12 @@ async fn slots_move_while_requests_flow() {
             .expect("created before the move");
         traffic.bodies.insert(key, created.reply.body);
     }
-    let primaries = cluster.primaries();
-    let (from, to) = (primaries[0].port, primaries[1].port);
+    // The other test of this binary may have moved slots already: take from the primary
+    // that serves the most, give to the one that serves the fewest.
+    let mut primaries = cluster.primaries();
+    primaries.sort_by_key(|primary| slot_count(&primary.slots));
+    let (from, to) = (primaries[primaries.len() - 1].port, primaries[0].port);
+    let slots_before = slot_count(&primaries[0].slots);
 
     let moving = Cell::new(true);
     let mover = async {
@@ -106,13 +148,14 @@ async fn slots_move_while_requests_flow() {
         traffic.during_move += client.during_move;
     }
 
-    // The receiving primary now serves a third of the slots plus the moved ones (about
-    // 45% of the keys); without the move it would hold about a third.
+    // The receiving primary now serves its slots plus the moved ones (12% of all), and
+    // holds about that share of the keys: more than its share before the move plus half
+    // the moved slots' only if the moved records reached it.
     let owners = cluster.count_keys_by_primary(&prefix);
     let received = owners.get(&to).copied().unwrap_or(0);
     assert!(
-        received * 100 > traffic.bodies.len() * 40,
-        "the moved slots' records are on the receiving primary: {owners:?}"
+        received * ALL_SLOTS > traffic.bodies.len() * (slots_before + usize::from(SLOTS) / 2),
+        "the moved slots' records are on the receiving primary {to}: {owners:?}"
     );
     assert!(
         traffic.during_move > 0,
@@ -133,10 +176,18 @@ async fn slots_move_while_requests_flow() {
     }
     assert_eq!(runs.total(), traffic.bodies.len(), "one run per key");
     eprintln!(
-        "resharding: {} keys, {} requests ({} while moving), {} refused",
+        "{test}: {} keys, {} requests ({} while moving), {} refused",
         traffic.bodies.len(),
         traffic.requests,
         traffic.during_move,
         traffic.unavailable
     );
+}
+
+/// How many slots `ranges` (inclusive) hold.
+fn slot_count(ranges: &[(u16, u16)]) -> usize {
+    ranges
+        .iter()
+        .map(|&(first, last)| usize::from(last - first) + 1)
+        .sum()
 }
