@@ -16,6 +16,7 @@ mod gated_routes;
 mod proxy;
 mod replica_sync;
 mod servers;
+mod temporary_directory;
 mod test_redis;
 
 pub use faulty_store::FaultyStore;
@@ -23,6 +24,7 @@ pub use flood::FloodServer;
 pub use gated_routes::GatedRoutes;
 pub use proxy::MovableAddress;
 pub use servers::{redis7_server, redis8_server, redis8_url, valkey_server, valkey_url};
+pub use temporary_directory::TemporaryDirectory;
 
 /// What to do when the test Redis does not answer, printed whenever a test cannot reach it
 /// (with `REDIS_URL` unset the tests start their own server, so this names the variable).

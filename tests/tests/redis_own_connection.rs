@@ -6,7 +6,9 @@
 
 use actix_web::{App, HttpResponse, web};
 use idempotency_actix::{Idempotency, IdempotentRoute, RedisStore};
-use idempotency_actix_tests::{PrivateRedis, RunCounter, keys_under, unique_prefix};
+use idempotency_actix_tests::{
+    PrivateRedis, RunCounter, TemporaryDirectory, keys_under, unique_prefix,
+};
 
 fn start(url: &str, prefix: String, runs: RunCounter) -> actix_test::TestServer {
     let pool = RedisStore::pool(url).unwrap();
@@ -114,10 +116,9 @@ async fn a_wrong_password_answers_503_and_runs_no_handler() {
 #[cfg(unix)]
 #[actix_web::test]
 async fn a_unix_socket_url_keeps_records_on_that_server() {
-    let directory =
-        std::env::temp_dir().join(format!("idempotency-own-connection-{}", std::process::id()));
-    std::fs::create_dir_all(&directory).unwrap();
-    let socket = directory.join("redis.sock");
+    // Declared first, so removed last: after the server has stopped.
+    let directory = TemporaryDirectory::new("own-connection");
+    let socket = directory.path().join("redis.sock");
     let socket_arg = socket.to_str().unwrap();
     let redis = PrivateRedis::start_with_args(&[
         "--unixsocket",
@@ -155,6 +156,4 @@ async fn a_unix_socket_url_keeps_records_on_that_server() {
                 && client.contains(" user=alice ")),
         "the store is connected over the socket, as alice, on db 2:\n{clients}"
     );
-    drop(redis);
-    let _ = std::fs::remove_dir_all(&directory);
 }

@@ -1074,13 +1074,32 @@ mod tests {
         })
     }
 
+    /// A directory for a test's socket, removed when dropped, even by a failing test.
+    #[cfg(unix)]
+    struct SocketDirectory(std::path::PathBuf);
+
+    #[cfg(unix)]
+    impl SocketDirectory {
+        fn new() -> Self {
+            let path =
+                std::env::temp_dir().join(format!("idempotency-direct-{}", std::process::id()));
+            std::fs::create_dir_all(&path).expect("a directory");
+            Self(path)
+        }
+    }
+
+    #[cfg(unix)]
+    impl Drop for SocketDirectory {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
     #[cfg(unix)]
     #[actix_web::test]
     async fn a_unix_socket_carries_the_commands_and_their_replies() {
-        let directory =
-            std::env::temp_dir().join(format!("idempotency-direct-{}", std::process::id()));
-        std::fs::create_dir_all(&directory).expect("a directory");
-        let path = directory.join("redis.sock");
+        let directory = SocketDirectory::new();
+        let path = directory.0.join("redis.sock");
         let _ = std::fs::remove_file(&path);
         let (a, b) = (get("a"), get("b"));
         let expect = a.get_packed_command().len() + b.get_packed_command().len();
@@ -1103,6 +1122,5 @@ mod tests {
             received,
             b"*2\r\n$3\r\nGET\r\n$1\r\na\r\n*2\r\n$3\r\nGET\r\n$1\r\nb\r\n"
         );
-        std::fs::remove_dir_all(&directory).expect("removed");
     }
 }
