@@ -225,10 +225,13 @@ impl StalledReplica {
         };
         // Two begins at once: the store keeps two spare connections for its replicated
         // writes.
-        let (first, second) =
-            futures_util::future::join(setup.begin("k1", 0), setup.begin("k2", 1)).await;
-        assert_eq!(first.unwrap(), BeginOutcome::Acquired);
-        assert_eq!(second.unwrap(), BeginOutcome::Acquired);
+        let (first, second) = futures_util::future::join(
+            setup.begin_acknowledged("k1", 0),
+            setup.begin_acknowledged("k2", 1),
+        )
+        .await;
+        assert_eq!(first, BeginOutcome::Acquired);
+        assert_eq!(second, BeginOutcome::Acquired);
 
         let mut stalled = setup._replica.connection().await;
         let stall = actix_rt::spawn(async move {
@@ -248,6 +251,22 @@ impl StalledReplica {
             b"",
             &IdempotencyKey::parse(name.as_bytes()).unwrap(),
         )
+    }
+
+    /// [`begin`](Self::begin), sent again while the replica does not acknowledge it within
+    /// the store's 300 ms `WAIT` (a resent `begin` finds its token's lock and has it counted
+    /// again): before the test's own stall, a loaded machine can hold the replica up for
+    /// that long (seen once in CI: `NotReplicated { step: "begin", acknowledged: 0 }`).
+    async fn begin_acknowledged(&self, name: &str, token: usize) -> BeginOutcome {
+        let mut last = None;
+        for _ in 0..10 {
+            match self.begin(name, token).await {
+                Ok(outcome) => return outcome,
+                Err(error) => last = Some(error),
+            }
+            actix_rt::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("the replica acknowledged no begin of {name} in 10 tries: {last:?}");
     }
 
     async fn begin(
