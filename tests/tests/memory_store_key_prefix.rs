@@ -6,51 +6,14 @@
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-use actix_web::http::{Method, StatusCode};
-use actix_web::{App, HttpResponse, test, web};
-use idempotency_actix::{Idempotency, KeyScope, MemoryStore};
-use idempotency_actix_tests::RunCounter;
+use actix_web::http::StatusCode;
+use idempotency_actix::{Idempotency, MemoryStore};
+use idempotency_actix_tests::post_twice;
 
 /// A one-shard store of 2 KiB: above the least budget the builder accepts (about 1.2 KB),
 /// so it is built, but its in-flight half holds no record under a prefix of 2 KiB.
 fn small_store() -> MemoryStore {
     MemoryStore::builder().max_bytes(2048).shards(1).build()
-}
-
-/// What a keyed `POST /orders` gets from an app on `idempotency`, and how many times its
-/// handler ran.
-async fn post_twice(idempotency: Idempotency) -> (StatusCode, StatusCode, bool, usize) {
-    let runs = RunCounter::default();
-    let counted = runs.clone();
-    let app = test::init_service(
-        App::new()
-            .wrap(
-                idempotency
-                    .scope(KeyScope::global())
-                    .protect_methods([Method::POST]),
-            )
-            .route(
-                "/orders",
-                web::post().to(move || {
-                    counted.record();
-                    async { HttpResponse::Created().body("made") }
-                }),
-            ),
-    )
-    .await;
-    let request = || {
-        test::TestRequest::post()
-            .uri("/orders")
-            .insert_header(("Idempotency-Key", "order-1"))
-            .to_request()
-    };
-    let first = test::call_service(&app, request()).await;
-    let first_status = first.status();
-    // The record is committed once the body has been read.
-    test::read_body(first).await;
-    let retry = test::call_service(&app, request()).await;
-    let replayed = retry.headers().contains_key("idempotent-replayed");
-    (first_status, retry.status(), replayed, runs.get())
 }
 
 #[actix_web::test]

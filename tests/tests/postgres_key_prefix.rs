@@ -9,10 +9,9 @@
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-use actix_web::http::{Method, StatusCode};
-use actix_web::{App, HttpResponse, test, web};
-use idempotency_actix::{Idempotency, KeyScope, PostgresStore};
-use idempotency_actix_tests::{RunCounter, TestDatabase};
+use actix_web::http::StatusCode;
+use idempotency_actix::{Idempotency, PostgresStore};
+use idempotency_actix_tests::{TestDatabase, post_twice};
 
 /// The longest prefix the PostgreSQL store takes, in bytes.
 const LONGEST: usize = 2628;
@@ -30,42 +29,6 @@ fn incompressible(len: usize) -> String {
             char::from(b'!' + (state % 94) as u8)
         })
         .collect()
-}
-
-/// What a keyed `POST /orders` gets from an app on `idempotency`, and how many times its
-/// handler ran.
-async fn post_twice(idempotency: Idempotency) -> (StatusCode, StatusCode, bool, usize) {
-    let runs = RunCounter::default();
-    let counted = runs.clone();
-    let app = test::init_service(
-        App::new()
-            .wrap(
-                idempotency
-                    .scope(KeyScope::global())
-                    .protect_methods([Method::POST]),
-            )
-            .route(
-                "/orders",
-                web::post().to(move || {
-                    counted.record();
-                    async { HttpResponse::Created().body("made") }
-                }),
-            ),
-    )
-    .await;
-    let request = || {
-        test::TestRequest::post()
-            .uri("/orders")
-            .insert_header(("Idempotency-Key", "order-1"))
-            .to_request()
-    };
-    let first = test::call_service(&app, request()).await;
-    let first_status = first.status();
-    // The record is committed once the body has been read.
-    test::read_body(first).await;
-    let retry = test::call_service(&app, request()).await;
-    let replayed = retry.headers().contains_key("idempotent-replayed");
-    (first_status, retry.status(), replayed, runs.get())
 }
 
 /// Sets `prefix` on an app over `store`: refused with a message that contains `says`, or
