@@ -69,7 +69,7 @@ pub enum Outcome {
     /// 400: the key's scope could not be determined.
     MissingScope,
     /// 400: the request body could not be read, or has no end (a keyed request that asks
-    /// for a WebSocket upgrade).
+    /// for a WebSocket upgrade, or a keyed `CONNECT` that declares no body).
     BodyUnreadable,
     /// 413: the request body is over the limit.
     TooLarge,

@@ -79,7 +79,7 @@
 //! | handler answers 204 or 304 | stored and replayed without a body or `Content-Length` |
 //! | handler answers >= 400 or panics | response returned (a panic becomes a 500 problem); key released, a retry runs again (`store_errors` stores error responses instead, every status >= 400: a transient 500 or 503 and an extractor's 400 are replayed for the ttl too; a panic always releases the key) |
 //! | keyed request body over the limit (1 MiB) | 413 problem; the handler does not run |
-//! | keyed request that asks for a WebSocket upgrade (`Upgrade: websocket`) | 400 problem at once; the handler does not run (its body has no end to fingerprint) |
+//! | keyed request that asks for a WebSocket upgrade (`Upgrade: websocket`), or a keyed `CONNECT` that declares no body | 400 problem at once; the handler does not run (its body has no end to fingerprint) |
 //! | response body over the stored limit (1 MiB) | sent whole; the record completes without a body, so a retry never re-runs; the replay has the stored status and headers, an empty body and `Idempotent-Body-Omitted: true` |
 //! | the worker at its cap of keyed work (1024 in flight, 256 detached) | 503 problem with `Retry-After`; the handler does not run |
 //! | a new key while the process drains before it stops ([`Idempotency::drain`]) | 503 problem with `Retry-After` and `Connection: close`; the handler does not run (with [`FailMode::Open`], not even after a failed `begin`) |
@@ -102,8 +102,9 @@
 //! * [`RedisStore`] (`Idempotency::redis(pool)`, Redis ≥ 7.0 or Valkey): takes a
 //!   [`RedisPool`] (`RedisStore::pool(url)`, or a bb8 pool of bb8-redis connections the app
 //!   built) and shares one multiplexed connection per worker: a light one of its own for a
-//!   `redis://` URL, redis-rs's otherwise. Two round trips for a new key, one for a replay, none for unprotected requests;
-//!   every record is one key and every command or function touches one key. The commit is
+//!   `redis://` or Unix-socket URL given to `RedisStore::pool`, redis-rs's otherwise. Two
+//!   round trips for a new key, one for a replay, none for unprotected requests; every
+//!   record is one key and every command or function touches one key. The commit is
 //!   one plain `SET … IFEQ` where the server has it (Valkey ≥ 8.1, Redis ≥ 8.4), else a
 //!   function.
 //! * `RedisClusterStore` (`Idempotency::redis_cluster(client)`, feature `redis-cluster`):

@@ -24,9 +24,13 @@ use crate::policy::IdempotencyPolicy;
 /// When an app-level [`Idempotency`](crate::Idempotency) also protects the route's method
 /// (`protect_methods`), the app layer takes the request before routing and processes it once,
 /// and this layer hands it the route's policy: `ttl`, `lease` (applied as soon as the route
-/// is reached), `required`, `store_errors`, `max_stored_body` and a `max_request_body`
-/// smaller than the app's all apply. Two things are decided before routing and stay the
-/// app's: a `max_request_body` larger than the app's, and `wait_for_completion`.
+/// is reached), `required`, `store_errors` (or `release_errors`), `max_stored_body` and a
+/// `max_request_body` smaller than the app's all apply. Three things are decided before
+/// routing and stay the app's: a `max_request_body` larger than the app's,
+/// `wait_for_completion`, and a keyless request under an app policy that requires a key
+/// (which `optional` cannot let through). A transactional route answers 500 there, as its
+/// record would be claimed outside its transaction. The same holds under an
+/// `IdempotentRoute` on an enclosing scope, which takes the request before this one.
 ///
 /// # Examples
 ///

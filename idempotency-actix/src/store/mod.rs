@@ -239,7 +239,8 @@ pub trait IdempotencyStore: 'static {
     ///
     /// Idempotent for its token: an in-flight record that already holds `token` (a retry
     /// after a lost reply) counts as acquired. The caller generates the token, so it can
-    /// release a record that a `begin` it gave up on (a timeout) created after all.
+    /// [`abandon`](Self::abandon) the token of a `begin` it gave up on (a timeout), which
+    /// may have created its record after all or may still land.
     ///
     /// # Examples
     ///
