@@ -27,8 +27,8 @@ use crate::RunCounter;
 /// `inner` only `late_by` later, on their own (a `begin` stuck in a connection's queue that
 /// lands after its request gave it up); its next `lost_releases` never reach `inner` and
 /// fail as a store that times out does (a process stopped before they were sent); each
-/// `abandon` reaches `inner` only after `abandon_delay`. Clones share the store and the
-/// counts.
+/// `abandon` reaches `inner` only after `abandon_delay` and is counted in `abandons` once it
+/// did. Clones share the store and the counts.
 #[derive(Clone, Default)]
 pub struct FaultyStore {
     /// The store behind the faults.
@@ -65,6 +65,8 @@ pub struct FaultyStore {
     pub lost_releases: Arc<AtomicU32>,
     /// How long each `abandon` waits before it reaches `inner`.
     pub abandon_delay: Duration,
+    /// The `abandon`s that reached `inner`, counted once they did.
+    pub abandons: RunCounter,
 }
 
 /// Takes one from `left` unless it is 0: whether this call is to fail.
@@ -155,6 +157,8 @@ impl IdempotencyStore for FaultyStore {
         remember_for: Duration,
     ) -> Result<bool, StoreError> {
         actix_rt::time::sleep(self.abandon_delay).await;
-        self.inner.abandon(key, token, remember_for).await
+        let abandoned = self.inner.abandon(key, token, remember_for).await;
+        self.abandons.record();
+        abandoned
     }
 }

@@ -581,6 +581,38 @@ async fn a_late_begin_of_a_retry_that_waited_locks_nothing_on_a_short_ttl() {
     assert_eq!(runs.get(), 2);
 }
 
+/// A `begin` that timed out (503) and lands late, after its token's abandon and after a
+/// retry took the key over the abandon's marker and failed (500: the key released): the
+/// release puts the marker back, so the late `begin` writes nothing and the next retry runs
+/// the handler. The release used to leave the key empty, the late `begin` locked it for a
+/// lease with no handler running, and that retry got 409 (for 30 s).
+#[actix_web::test]
+async fn a_late_begin_after_a_retry_took_the_key_and_failed_locks_nothing() {
+    let store = FaultyStore {
+        late_by: Duration::from_millis(1_500),
+        ..FaultyStore::default()
+    };
+    store
+        .late_begins
+        .store(1, std::sync::atomic::Ordering::SeqCst);
+    let (runs, gate) = (RunCounter::default(), Gate::default());
+    gate.open();
+    let server = charging(&store, &runs, &gate, |idempotency| idempotency);
+    let client = awc::Client::default();
+    let url = server.url("/charge");
+    let first = post(&client, &url, "k").await;
+    assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE);
+    store.abandons.wait_for(1).await;
+    let failed = post(&client, &url, "k").await;
+    assert_eq!(failed.status, StatusCode::INTERNAL_SERVER_ERROR);
+    // The late `begin` lands.
+    actix_rt::time::sleep(Duration::from_millis(2_000)).await;
+    let retry = post(&client, &url, "k").await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
+    assert_eq!(retry.body, "run 2");
+    assert_eq!(runs.get(), 2);
+}
+
 /// A faulty memory store whose first `begin` lands but does not answer (a store timeout).
 fn first_begin_lands_unanswered() -> FaultyStore {
     let store = FaultyStore::default();

@@ -72,6 +72,21 @@ async fn begin_new(
     store.begin(key, &print(body), &token, lease).await.unwrap()
 }
 
+/// Commits the response `body` of the request with `body` held by `token`, kept for `ttl`:
+/// whether the store wrote it.
+async fn commits(
+    store: &impl IdempotencyStore,
+    key: &StorageKey,
+    token: &LeaseToken,
+    body: &'static [u8],
+    ttl: Duration,
+) -> bool {
+    store
+        .commit(key, &print(body), token, &response(body), ttl)
+        .await
+        .unwrap()
+}
+
 async fn a_new_key_is_acquired_once(store: impl IdempotencyStore, prefix: String) {
     let key = key(&prefix, "k");
     acquire(&store, &key, b"a", LEASE).await;
@@ -566,6 +581,102 @@ async fn a_marker_remembers_every_token_abandoned_on_its_key(
     acquire(&store, &key, b"a", LEASE).await;
 }
 
+/// A key taken over another token's marker and then released (the handler failed) gets the
+/// marker back for the rest of its time: the abandoned token's `begin`, landing after the
+/// release (a retried command on another connection), creates nothing, while a retry with a
+/// new token takes the key at once. The key used to be left empty, and that late `begin`
+/// locked it for a lease with no handler running.
+async fn a_key_released_after_a_takeover_keeps_the_marker_s_tokens_out(
+    store: impl IdempotencyStore,
+    prefix: String,
+) {
+    let key = key(&prefix, "k");
+    let (late, earlier) = (LeaseToken::generate(), LeaseToken::generate());
+    assert!(store.abandon(&key, &earlier, TTL).await.unwrap());
+    assert!(store.abandon(&key, &late, TTL).await.unwrap());
+    let taker = acquire(&store, &key, b"a", LEASE).await;
+    assert!(store.renew(&key, &taker, LEASE).await.unwrap());
+    assert!(store.release(&key, &taker).await.unwrap());
+    for abandoned in [&late, &earlier] {
+        assert_eq!(
+            store
+                .begin(&key, &print(b"a"), abandoned, LEASE)
+                .await
+                .unwrap(),
+            BeginOutcome::Abandoned,
+            "a late `begin` took the key after the release"
+        );
+    }
+    // The retry runs at once, and completes the key as usual.
+    let retry = acquire(&store, &key, b"b", LEASE).await;
+    assert!(!store.release(&key, &taker).await.unwrap(), "released once");
+    assert!(commits(&store, &key, &retry, b"b", TTL).await);
+    assert_eq!(
+        store.begin(&key, &print(b"b"), &late, LEASE).await.unwrap(),
+        BeginOutcome::Completed(response(b"b"))
+    );
+}
+
+/// A token that took a key over another token's marker and is then abandoned itself (its
+/// `begin` landed, its reply did not) leaves a marker naming both tokens.
+async fn abandoning_a_takeover_keeps_the_marker_s_tokens(
+    store: impl IdempotencyStore,
+    prefix: String,
+) {
+    let key = key(&prefix, "k");
+    let first = LeaseToken::generate();
+    assert!(store.abandon(&key, &first, TTL).await.unwrap());
+    let taker = acquire(&store, &key, b"a", LEASE).await;
+    assert!(store.abandon(&key, &taker, TTL).await.unwrap());
+    for abandoned in [&first, &taker] {
+        assert_eq!(
+            store
+                .begin(&key, &print(b"a"), abandoned, LEASE)
+                .await
+                .unwrap(),
+            BeginOutcome::Abandoned
+        );
+    }
+    acquire(&store, &key, b"a", LEASE).await;
+}
+
+/// A key taken over another token's marker and completed with a ttl shorter than the
+/// marker's time is kept for the marker's time, as an abandon that finds a completed record
+/// keeps it: the abandoned token's `begin`, landing after the record's own ttl, finds the
+/// replay instead of a free key it would lock for a lease. So is a record written anew over
+/// a marker by a commit whose lease lapsed.
+async fn a_key_completed_after_a_takeover_keeps_the_marker_s_tokens_out(
+    store: impl IdempotencyStore,
+    prefix: String,
+) {
+    let ttl = Duration::from_millis(600);
+    let (taken, written_anew) = (key(&prefix, "taken"), key(&prefix, "anew"));
+    let (late, late_too) = (LeaseToken::generate(), LeaseToken::generate());
+    assert!(store.abandon(&taken, &late, LEASE).await.unwrap());
+    let taker = acquire(&store, &taken, b"a", LEASE).await;
+    assert!(commits(&store, &taken, &taker, b"a", ttl).await);
+    let lapsed = acquire(&store, &written_anew, b"a", Duration::from_millis(50)).await;
+    actix_rt::time::sleep(Duration::from_millis(120)).await;
+    assert!(
+        store
+            .abandon(&written_anew, &late_too, LEASE)
+            .await
+            .unwrap()
+    );
+    assert!(commits(&store, &written_anew, &lapsed, b"a", ttl).await);
+    actix_rt::time::sleep(Duration::from_millis(800)).await;
+    for (key, abandoned) in [(&taken, &late), (&written_anew, &late_too)] {
+        assert_eq!(
+            store
+                .begin(key, &print(b"a"), abandoned, LEASE)
+                .await
+                .unwrap(),
+            BeginOutcome::Completed(response(b"a")),
+            "the record was not kept for the marker's time"
+        );
+    }
+}
+
 /// One module per backend, each with every test of the suite (one list for all backends).
 macro_rules! acceptance_suite {
     ($backend:ident, $($make_store:tt)+) => {
@@ -593,6 +704,9 @@ macro_rules! acceptance_suite {
                 abandon_leaves_another_record_alone,
                 a_marker_remembers_every_token_abandoned_on_its_key,
                 a_completed_record_keeps_a_token_abandoned_on_it_out,
+                a_key_released_after_a_takeover_keeps_the_marker_s_tokens_out,
+                abandoning_a_takeover_keeps_the_marker_s_tokens,
+                a_key_completed_after_a_takeover_keeps_the_marker_s_tokens_out,
             );
         }
     };

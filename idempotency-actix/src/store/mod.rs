@@ -12,7 +12,8 @@
 //!    the token still holds the lease, or the key is free (fencing: a holder that lost its
 //!    lease never overwrites another request's record).
 //! 4. [`release`](IdempotencyStore::release): delete the in-flight record, only if the token
-//!    still holds it (after an error response, a panic, or a cancelled request).
+//!    still holds it (after an error response, a panic, or a cancelled request); one that
+//!    took the key over an abandoned token's marker puts that marker back.
 //! 5. [`abandon`](IdempotencyStore::abandon): give up a `begin` that never answered (it timed
 //!    out, or its request went away): whether that `begin` landed already, lands later or
 //!    never, the token holds nothing afterwards.
@@ -404,6 +405,12 @@ pub trait IdempotencyStore: 'static {
 
     /// Deletes the in-flight record; `false` if `token` no longer holds it.
     ///
+    /// A record that took the key over the marker of abandoned tokens (see
+    /// [`abandon`](Self::abandon)) leaves that marker in its place for the rest of the
+    /// marker's time instead: a `begin` of one of those tokens landing after the release
+    /// still creates nothing, while any other token's `begin` takes the key at once, as
+    /// after any release.
+    ///
     /// # Examples
     ///
     /// ```
@@ -438,7 +445,12 @@ pub trait IdempotencyStore: 'static {
     /// nothing and never will: its in-flight record, if any, is gone, and the store keeps a
     /// marker for `remember_for` so that a `begin` of `token` landing later creates nothing
     /// (it answers [`BeginOutcome::Abandoned`]). The marker blocks no one: a `begin` with any
-    /// other token takes the key as if it were free. `true` too when a completed record is
+    /// other token takes the key as if it were free, and the record it writes keeps the
+    /// marker's tokens out for the rest of the marker's time, whatever its request does next:
+    /// its [`release`](Self::release) puts the marker back, its
+    /// [`commit`](Self::commit) keeps the completed record at least as long (also where a
+    /// commit writes its record anew over a marker), its abandon adds them to its own
+    /// marker. `true` too when a completed record is
     /// there (a retry completed the key first), which the store then keeps for at least
     /// `remember_for`, as it would the marker: a late `begin` of `token` finds it and only
     /// replays it, even past the record's own ttl where that is shorter. `false`
@@ -471,6 +483,12 @@ pub trait IdempotencyStore: 'static {
     /// assert_eq!(store.begin(&key, &print, &token, lease).await?, BeginOutcome::Abandoned);
     /// let retry = LeaseToken::generate();
     /// assert_eq!(store.begin(&key, &print, &retry, lease).await?, BeginOutcome::Acquired);
+    /// // The retry's handler fails, its key is released: the marker is back, the next
+    /// // retry runs at once, and the abandoned `begin` still creates nothing.
+    /// assert!(store.release(&key, &retry).await?);
+    /// assert_eq!(store.begin(&key, &print, &token, lease).await?, BeginOutcome::Abandoned);
+    /// let next = LeaseToken::generate();
+    /// assert_eq!(store.begin(&key, &print, &next, lease).await?, BeginOutcome::Acquired);
     /// # Ok(())
     /// # }
     /// ```

@@ -89,7 +89,9 @@ pub const EXPIRY_BATCH: i64 = 1_000;
 /// `state` (`i` in flight, `c` completed, `a` the marker of abandoned tokens, see
 /// [`IdempotencyStore::abandon`]), `version` (the record format),
 /// `expires_at` (the lease while in flight, the TTL once completed; the database's clock
-/// decides) and `response` (the encoded [`StoredResponse`]). A row whose `expires_at` has
+/// decides) and `response` (the encoded [`StoredResponse`]; for an in-flight row that took
+/// the key over a marker, that marker, which its release puts back: see
+/// [`IdempotencyStore::release`]). A row whose `expires_at` has
 /// passed counts as absent: `begin` takes it over, and
 /// [`delete_expired`](Self::delete_expired) deletes such rows in bounded batches off the
 /// request path.
@@ -229,6 +231,27 @@ impl Statements {
         };
         let (lock_free_2, lock_free_3) = (lock_free(2), lock_free(3));
         let lock_timeout = MIGRATION_LOCK_TIMEOUT.as_millis();
+        // An in-flight row written over another token's marker carries that marker in its
+        // `response` (NULL in every other in-flight row, and read by no version for one):
+        // the marker's expiry in milliseconds since the epoch, a space, its tokens. Its
+        // release puts the marker back, its commit and abandon keep the marker's time.
+        let carried_expiry = |response: &str| {
+            format!(
+                "to_timestamp(split_part(convert_from({response}, 'UTF8'), ' ', 1)::bigint / 1000.0)"
+            )
+        };
+        let carried_tokens = |response: &str| {
+            format!(
+                "substr(convert_from({response}, 'UTF8'), strpos(convert_from({response}, 'UTF8'), ' ') + 1)"
+            )
+        };
+        // The new expiry of a record completed from an in-flight row: its ttl, or the
+        // marker's time where that is longer.
+        let completed_expiry = format!(
+            "greatest(clock_timestamp() + $4 * interval '1 millisecond',
+                      CASE WHEN response IS NOT NULL THEN {} END)",
+            carried_expiry("response")
+        );
         // The lock and the claim of both `begin`s, the claim returning `returning` of the
         // row it acquired.
         let lock_and_claim = |returning: &str| {
@@ -242,7 +265,12 @@ impl Statements {
                      ON CONFLICT (key) DO UPDATE
                      SET fingerprint = EXCLUDED.fingerprint, token = EXCLUDED.token, state = 'i',
                          version = EXCLUDED.version, expires_at = EXCLUDED.expires_at,
-                         response = NULL
+                         response = CASE
+                             WHEN r.state = 'a' AND r.expires_at > clock_timestamp()
+                             THEN convert_to((extract(epoch FROM r.expires_at) * 1000)::bigint
+                                             || ' ' || r.token, 'UTF8')
+                             WHEN r.state = 'i' AND r.token = EXCLUDED.token THEN r.response
+                         END
                      WHERE r.expires_at <= clock_timestamp()
                         OR (r.state = 'i' AND r.token = EXCLUDED.token)
                         OR (r.state = 'a'
@@ -255,8 +283,7 @@ impl Statements {
         let complete = |row: &str| {
             format!(
                 "WITH done AS (
-                     UPDATE {t} SET state = 'c', response = $3,
-                         expires_at = clock_timestamp() + $4 * interval '1 millisecond'
+                     UPDATE {t} SET state = 'c', response = $3, expires_at = {completed_expiry}
                      WHERE {row} AND token = $2 AND state = 'i'
                      RETURNING 1
                  )
@@ -364,11 +391,11 @@ impl Statements {
                  RETURNING true"
             ),
             // $1 key, $2 token, $3 response, $4 ttl (ms). True when this commit completed
-            // the record or an earlier one with the same token did (idempotent).
+            // the record or an earlier one with the same token did (idempotent). A record
+            // that took the key over a marker is kept for the marker's time at least.
             commit: format!(
                 "WITH done AS (
-                     UPDATE {t} SET state = 'c', response = $3,
-                         expires_at = clock_timestamp() + $4 * interval '1 millisecond'
+                     UPDATE {t} SET state = 'c', response = $3, expires_at = {completed_expiry}
                      WHERE key = $1 AND token = $2 AND state = 'i'
                        AND expires_at > clock_timestamp()
                      RETURNING 1
@@ -380,7 +407,8 @@ impl Statements {
             // After a `commit` that answered false: $1 key, $2 token, $3 response, $4 ttl
             // (ms), $5 fingerprint, $6 lock id, $7 version. Writes the completed record where
             // the key is free: no row (it was deleted), an expired one (the in-flight row's
-            // lease lapsed), or another token's marker; true also when a resend finds it
+            // lease lapsed), or another token's marker (then kept for the marker's time at
+            // least); true also when a resend finds it
             // completed by this token. Only under the key's advisory lock,
             // which a transactional claim holds; the second column says whether the lock was
             // free, so that a moment's holder is told from a key taken. A statement of its
@@ -398,7 +426,9 @@ impl Statements {
                      ON CONFLICT (key) DO UPDATE
                      SET fingerprint = EXCLUDED.fingerprint, token = EXCLUDED.token, state = 'c',
                          version = EXCLUDED.version, response = EXCLUDED.response,
-                         expires_at = EXCLUDED.expires_at
+                         expires_at = greatest(EXCLUDED.expires_at,
+                             CASE WHEN r.state = 'a' AND r.expires_at > clock_timestamp()
+                                  THEN r.expires_at END)
                      WHERE r.expires_at <= clock_timestamp()
                         OR (r.state = 'a'
                             AND NOT EXCLUDED.token = ANY (string_to_array(r.token, ' ')))
@@ -410,18 +440,34 @@ impl Statements {
                         lock.held
                  FROM lock"
             ),
-            // $1 key, $2 token.
+            // $1 key, $2 token. An in-flight row that carries the marker it took the key over
+            // becomes that marker again, until its expiry (one already passed is an expired
+            // row, which counts as absent); any other is deleted.
             release: format!(
-                "DELETE FROM {t}
-                 WHERE key = $1 AND token = $2 AND state = 'i' AND expires_at > clock_timestamp()
-                 RETURNING true"
+                "WITH marked AS (
+                     UPDATE {t} SET state = 'a', fingerprint = ''::bytea,
+                         token = {tokens}, expires_at = {expiry}, response = NULL
+                     WHERE key = $1 AND token = $2 AND state = 'i'
+                       AND expires_at > clock_timestamp() AND response IS NOT NULL
+                     RETURNING true
+                 ), deleted AS (
+                     DELETE FROM {t}
+                     WHERE key = $1 AND token = $2 AND state = 'i'
+                       AND expires_at > clock_timestamp() AND response IS NULL
+                     RETURNING true
+                 )
+                 SELECT * FROM marked UNION ALL SELECT * FROM deleted",
+                tokens = carried_tokens("response"),
+                expiry = carried_expiry("response"),
             ),
             // $1 key, $2 token, $3 remember_for (ms), $4 lock id, $5 version. True when the
             // marker of the token is written (in place of its in-flight row, of an expired
             // row or of nothing; a marker there takes the token too, keeping the 15 latest
-            // before it) or a completed row is there, which is then kept for at least
-            // `remember_for` (it stands for the marker: a late `begin` of the token must
-            // find it for as long). False when another token's in-flight row is there, or a
+            // before it; in place of its in-flight row that took the key over a marker, that
+            // marker's tokens too, kept for the rest of its time at least) or a completed row
+            // is there, which is then kept for at least `remember_for` (it stands for the
+            // marker: a late `begin` of the token must find it for as long). False when
+            // another token's in-flight row is there, or a
             // transaction holds the key's advisory lock (the caller tries again). The two
             // writes never meet: the upsert leaves a live completed row alone.
             abandon: format!(
@@ -436,9 +482,14 @@ impl Statements {
                      SET fingerprint = EXCLUDED.fingerprint,
                          token = CASE WHEN r.state = 'a' AND r.expires_at > clock_timestamp()
                                       THEN right(r.token || ' ' || EXCLUDED.token, 527)
+                                      WHEN r.state = 'i' AND r.response IS NOT NULL
+                                      THEN right({tokens} || ' ' || EXCLUDED.token, 527)
                                       ELSE EXCLUDED.token END,
                          state = 'a', version = EXCLUDED.version,
-                         expires_at = EXCLUDED.expires_at, response = NULL
+                         expires_at = greatest(EXCLUDED.expires_at,
+                             CASE WHEN r.state = 'i' AND r.response IS NOT NULL
+                                  THEN {expiry} END),
+                         response = NULL
                      WHERE r.expires_at <= clock_timestamp() OR r.state = 'a'
                         OR (r.state = 'i' AND r.token = EXCLUDED.token)
                      RETURNING 1
@@ -450,7 +501,9 @@ impl Statements {
                        AND (SELECT held FROM lock)
                      RETURNING 1
                  )
-                 SELECT EXISTS (SELECT 1 FROM marked) OR EXISTS (SELECT 1 FROM kept)"
+                 SELECT EXISTS (SELECT 1 FROM marked) OR EXISTS (SELECT 1 FROM kept)",
+                tokens = carried_tokens("r.response"),
+                expiry = carried_expiry("r.response"),
             ),
             // The completion inside a transactional route's transaction: $1 key, $2 token,
             // $3 response, $4 ttl (ms). Divides by zero unless exactly our in-flight row was

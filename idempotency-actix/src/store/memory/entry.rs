@@ -27,13 +27,24 @@ pub(super) struct Entry {
 }
 
 pub(super) enum EntryState {
-    InFlight(LeaseToken),
+    /// Held by a token; with the marker it took the key over, if it did, which its release
+    /// puts back (see [`TakenOver`]).
+    InFlight(LeaseToken, Option<Box<TakenOver>>),
     Completed(LeaseToken, Bytes),
     /// The marker of abandoned tokens (latest last, at most
     /// [`REMEMBERED_TOKENS`](super::shard::REMEMBERED_TOKENS)): a `begin` of one of them
     /// creates nothing, any other token's `begin` replaces the marker. Indexed, evicted and
     /// reclaimed as completed records are.
     Abandoned(Vec<LeaseToken>),
+}
+
+/// The marker of abandoned tokens that an in-flight record took the key over: its tokens
+/// and its expiry. The record keeps them out for the rest of the marker's time, whatever
+/// its holder does: its release puts the marker back, its commit keeps the completed record
+/// at least as long, its abandon adds them to its own marker.
+pub(super) struct TakenOver {
+    pub(super) tokens: Vec<LeaseToken>,
+    pub(super) expires_at: Instant,
 }
 
 impl Entry {
@@ -52,12 +63,12 @@ impl Entry {
 
     /// Whether the entry is in flight (indexed and budgeted as such).
     pub(super) fn is_in_flight(&self) -> bool {
-        matches!(self.state, EntryState::InFlight(_))
+        matches!(self.state, EntryState::InFlight(..))
     }
 
     /// Whether `token` holds this entry's lease.
     pub(super) fn is_held_by(&self, token: &LeaseToken) -> bool {
-        matches!(&self.state, EntryState::InFlight(holder) if holder == token)
+        matches!(&self.state, EntryState::InFlight(holder, _) if holder == token)
     }
 }
 
@@ -92,11 +103,28 @@ pub(super) fn in_flight_bytes(key: &str, token: &LeaseToken) -> usize {
 
 /// The bytes the marker of `tokens` under `key` is charged.
 pub(super) fn marker_bytes(key: &str, tokens: &[LeaseToken]) -> usize {
-    let tokens: usize = tokens
+    ENTRY_OVERHEAD + key.len() + ALLOCATION_OVERHEAD + tokens_bytes(tokens)
+}
+
+/// The bytes an in-flight record under `key` held by `token` is charged when it took the
+/// key over the marker of `tokens`, which it carries.
+pub(super) fn in_flight_over_marker_bytes(
+    key: &str,
+    token: &LeaseToken,
+    tokens: &[LeaseToken],
+) -> usize {
+    in_flight_bytes(key, token)
+        + size_of::<TakenOver>()
+        + 2 * ALLOCATION_OVERHEAD
+        + tokens_bytes(tokens)
+}
+
+/// The bytes a list of abandoned tokens is charged.
+fn tokens_bytes(tokens: &[LeaseToken]) -> usize {
+    tokens
         .iter()
         .map(|token| size_of::<LeaseToken>() + ALLOCATION_OVERHEAD + token.as_str().len())
-        .sum();
-    ENTRY_OVERHEAD + key.len() + ALLOCATION_OVERHEAD + tokens
+        .sum()
 }
 
 /// The bytes a completed record under `key` is charged: the in-flight cost plus its

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use actix_web::web::Bytes;
 use hashbrown::HashTable;
 
-use super::entry::{self, Entry, EntryState, ExpiryKey};
+use super::entry::{self, Entry, EntryState, ExpiryKey, TakenOver};
 use super::shard_report::{ShardReport, Trimmed};
 use crate::fingerprint::Fingerprint;
 use crate::record::StoredResponse;
@@ -111,30 +111,38 @@ impl Shard {
         if let Some(record) = self.get(key) {
             if record.is_live(now) {
                 return Ok(match &record.state {
-                    EntryState::InFlight(holder) if holder == token => {
+                    EntryState::InFlight(holder, _) if holder == token => {
                         Begun::Decided(BeginOutcome::Acquired)
                     }
                     EntryState::Abandoned(abandoned) if abandoned.contains(token) => {
                         Begun::Decided(BeginOutcome::Abandoned)
                     }
-                    // Another token's marker blocks no one: the key is taken as if free.
-                    EntryState::Abandoned(_) => {
+                    // Another token's marker blocks no one: the key is taken as if free, and
+                    // the in-flight record carries the marker for the rest of its time.
+                    EntryState::Abandoned(abandoned) => {
+                        let taken_over = TakenOver {
+                            tokens: abandoned.clone(),
+                            expires_at: record.expires_at,
+                        };
                         self.remove(key);
-                        return self.create(key, fingerprint, token, lease, now);
+                        return self.create(key, fingerprint, token, lease, now, Some(taken_over));
                     }
                     _ if record.fingerprint != *fingerprint => {
                         Begun::Decided(BeginOutcome::FingerprintMismatch)
                     }
-                    EntryState::InFlight(_) => Begun::Decided(BeginOutcome::InFlight),
+                    EntryState::InFlight(..) => Begun::Decided(BeginOutcome::InFlight),
                     EntryState::Completed(_, stored) => Begun::Completed(stored.clone()),
                 });
             }
             self.remove(key);
         }
-        self.create(key, fingerprint, token, lease, now)
+        self.create(key, fingerprint, token, lease, now, None)
     }
 
-    /// Creates the in-flight record of `token` under `key`, where there is none.
+    /// Creates the in-flight record of `token` under `key`, where there is none; carrying
+    /// the marker it took the key over, if any. A shard whose in-flight half has room for
+    /// the record but not for the marker it carries takes the key without it (as earlier
+    /// versions did) rather than refuse it.
     fn create(
         &mut self,
         key: HashedKey<'_>,
@@ -142,16 +150,26 @@ impl Shard {
         token: &LeaseToken,
         lease: Duration,
         now: Instant,
+        taken_over: Option<TakenOver>,
     ) -> Result<Begun, Full> {
-        let bytes = entry::in_flight_bytes(key.key, token);
         // In-flight records may take half the budget: the other half is room for them to
         // complete, so a shard full of them can always commit.
         self.reclaim_expired_in_flight(now);
-        if self.in_flight_bytes + bytes > self.max_bytes / 2 {
+        let fits = |bytes: usize| self.in_flight_bytes + bytes <= self.max_bytes / 2;
+        let (bytes, taken_over) = match taken_over {
+            Some(taken) => {
+                match entry::in_flight_over_marker_bytes(key.key, token, &taken.tokens) {
+                    bytes if fits(bytes) => (bytes, Some(Box::new(taken))),
+                    _ => (entry::in_flight_bytes(key.key, token), None),
+                }
+            }
+            None => (entry::in_flight_bytes(key.key, token), None),
+        };
+        if !fits(bytes) {
             return Err(Full);
         }
         self.make_room(bytes, now)?;
-        let state = EntryState::InFlight(*token);
+        let state = EntryState::InFlight(*token, taken_over);
         self.insert(key, *fingerprint, state, expiry(now, lease), bytes);
         Ok(Begun::Decided(BeginOutcome::Acquired))
     }
@@ -194,11 +212,7 @@ impl Shard {
         now: Instant,
     ) -> bool {
         self.reclaim_expired(now);
-        let Some(record) = self
-            .records
-            .find_mut(key.hash, |record| record.is(key))
-            .filter(|record| record.is_live(now) && record.is_held_by(token))
-        else {
+        let Some(record) = held_mut(&mut self.records, key, token, now) else {
             return false;
         };
         if let Some(hash) = self.in_flight.remove(&record.expiry_key()) {
@@ -232,24 +246,33 @@ impl Shard {
         now: Instant,
     ) -> Result<bool, Full> {
         self.reclaim_expired(now);
-        let held_bytes = match self.get(key).filter(|record| record.is_live(now)) {
-            None => None,
+        // The record's bytes where `token` holds it, and the expiry of a marker the key was
+        // taken over.
+        let (held_bytes, marker_expiry) = match self.get(key).filter(|record| record.is_live(now)) {
+            None => (None, None),
             Some(record) => match &record.state {
                 // Committing twice with one token succeeds without writing again.
                 EntryState::Completed(committer, _) => return Ok(committer == token),
-                EntryState::InFlight(holder) if holder != token => return Ok(false),
+                EntryState::InFlight(holder, _) if holder != token => return Ok(false),
                 EntryState::Abandoned(abandoned) if abandoned.contains(token) => {
                     return Ok(false);
                 }
-                EntryState::Abandoned(_) => None,
-                EntryState::InFlight(_) => Some(record.bytes),
+                EntryState::Abandoned(_) => (None, Some(record.expires_at)),
+                EntryState::InFlight(_, taken_over) => (
+                    Some(record.bytes),
+                    taken_over.as_ref().map(|taken| taken.expires_at),
+                ),
             },
         };
+        // Over a marker, the completed record keeps the marker's tokens out for the rest of
+        // its time, as an abandon keeps a completed record it finds.
+        let expires_at =
+            marker_expiry.map_or(expiry(now, ttl), |marker| marker.max(expiry(now, ttl)));
         let Some(in_flight_bytes) = held_bytes else {
             self.remove(key);
             let (stored, bytes) = self.fit(key, token, response, 0, now)?;
             let state = EntryState::Completed(*token, stored);
-            self.insert(key, *fingerprint, state, expiry(now, ttl), bytes);
+            self.insert(key, *fingerprint, state, expires_at, bytes);
             self.report.written_anew = true;
             return Ok(true);
         };
@@ -261,11 +284,13 @@ impl Shard {
             return Ok(false);
         };
         record.state = EntryState::Completed(*token, stored);
-        record.expires_at = expiry(now, ttl);
+        record.expires_at = expires_at;
         record.bytes = bytes;
         self.completed.insert(record.expiry_key(), hash);
         self.in_flight_bytes -= in_flight_bytes;
-        self.used_bytes += bytes - in_flight_bytes;
+        // The completed record can be the smaller one: an in-flight record that carries a
+        // marker (see `TakenOver`) completed with a short response.
+        self.used_bytes = self.used_bytes + bytes - in_flight_bytes;
         Ok(true)
     }
 
@@ -286,7 +311,7 @@ impl Shard {
         // costs one allocation to make and one to free when it is evicted.
         let stored = Bytes::from(response.encode());
         let bytes = entry::completed_bytes(key.key, token, stored.len());
-        if self.make_room(bytes - replaced, now).is_ok() {
+        if self.make_room(bytes.saturating_sub(replaced), now).is_ok() {
             return Ok((stored, bytes));
         }
         let without_body = StoredResponse {
@@ -295,7 +320,7 @@ impl Shard {
         };
         let stored = Bytes::from(without_body.encode());
         let bytes = entry::completed_bytes(key.key, token, stored.len());
-        if self.make_room(bytes - replaced, now).is_ok() {
+        if self.make_room(bytes.saturating_sub(replaced), now).is_ok() {
             self.report.trimmed = Some(Trimmed::Body);
             return Ok((stored, bytes));
         }
@@ -305,18 +330,19 @@ impl Shard {
         let status_only = StoredResponse::new(response.status, Vec::new(), None);
         let stored = Bytes::from(status_only.encode());
         let bytes = entry::completed_bytes(key.key, token, stored.len());
-        self.make_room(bytes - replaced, now)?;
+        self.make_room(bytes.saturating_sub(replaced), now)?;
         self.report.trimmed = Some(Trimmed::Headers);
         Ok((stored, bytes))
     }
 
     /// Abandons `token` (see [`IdempotencyStore::abandon`](crate::IdempotencyStore::abandon)):
     /// its in-flight record, an expired record or nothing is replaced by the marker of
-    /// `token`, kept for `remember_for`; a marker there takes `token` too; a completed record
-    /// is kept for at least `remember_for`; `false` when another token's in-flight record is
-    /// there. When even the
-    /// marker does not fit, the record is still removed: in this store a `begin` runs whole
-    /// when first polled, so none can land late anyway.
+    /// `token`, kept for `remember_for`; a marker there takes `token` too, as does the marker
+    /// the token's in-flight record took the key over (kept for the rest of its time at
+    /// least); a completed record is kept for at least `remember_for`; `false` when another
+    /// token's in-flight record is there. When even the marker does not fit, the record is
+    /// still removed: in this store a `begin` runs whole when first polled, so none can land
+    /// late anyway.
     pub(super) fn abandon(
         &mut self,
         key: HashedKey<'_>,
@@ -326,30 +352,46 @@ impl Shard {
     ) -> bool {
         self.reclaim_expired(now);
         let mut tokens = Vec::new();
+        let mut expires_at = expiry(now, remember_for);
         if let Some(record) = self.get(key).filter(|record| record.is_live(now)) {
             match &record.state {
-                EntryState::InFlight(holder) if holder == token => {}
-                EntryState::Abandoned(earlier) => {
-                    let kept = earlier.len().min(REMEMBERED_TOKENS - 1);
-                    tokens.extend_from_slice(&earlier[earlier.len() - kept..]);
+                EntryState::InFlight(holder, taken_over) if holder == token => {
+                    if let Some(taken) = taken_over {
+                        tokens.extend_from_slice(latest(&taken.tokens));
+                        expires_at = expires_at.max(taken.expires_at);
+                    }
                 }
+                EntryState::Abandoned(earlier) => tokens.extend_from_slice(latest(earlier)),
                 EntryState::Completed(..) => {
-                    self.keep_completed(key, expiry(now, remember_for));
+                    self.keep_completed(key, expires_at);
                     return true;
                 }
-                EntryState::InFlight(_) => return false,
+                EntryState::InFlight(..) => return false,
             }
         }
         tokens.push(*token);
         self.remove(key);
+        self.mark(key, tokens, expires_at, now);
+        true
+    }
+
+    /// Writes the marker of `tokens` under `key`, where there is no record, until
+    /// `expires_at`; nothing where even that does not fit (in this store a `begin` runs
+    /// whole when first polled, so none lands late anyway).
+    fn mark(
+        &mut self,
+        key: HashedKey<'_>,
+        tokens: Vec<LeaseToken>,
+        expires_at: Instant,
+        now: Instant,
+    ) {
         let bytes = entry::marker_bytes(key.key, &tokens);
         if self.make_room(bytes, now).is_err() {
-            return true;
+            return;
         }
         let no_fingerprint = Fingerprint::from_bytes([0; 32]);
         let state = EntryState::Abandoned(tokens);
-        self.insert(key, no_fingerprint, state, expiry(now, remember_for), bytes);
-        true
+        self.insert(key, no_fingerprint, state, expires_at, bytes);
     }
 
     /// Keeps the completed record under `key` until `until` at least.
@@ -367,15 +409,22 @@ impl Shard {
         }
     }
 
+    /// Deletes the in-flight record held by `token`; one that took the key over a marker
+    /// leaves that marker in its place for the rest of the marker's time.
     pub(super) fn release(&mut self, key: HashedKey<'_>, token: &LeaseToken, now: Instant) -> bool {
         self.reclaim_expired(now);
-        let held = self
-            .get(key)
-            .is_some_and(|record| record.is_live(now) && record.is_held_by(token));
-        if held {
-            self.remove(key);
+        let Some(record) = held_mut(&mut self.records, key, token, now) else {
+            return false;
+        };
+        let taken_over = match &mut record.state {
+            EntryState::InFlight(_, taken_over) => taken_over.take(),
+            _ => None,
+        };
+        self.remove(key);
+        if let Some(taken) = taken_over.filter(|taken| taken.expires_at > now) {
+            self.mark(key, taken.tokens, taken.expires_at, now);
         }
-        held
+        true
     }
 
     /// The live record under `key`, for inspection.
@@ -388,7 +437,7 @@ impl Shard {
         let record = self.get(key).filter(|record| record.is_live(now))?;
         let expires_in = record.expires_at - now;
         match &record.state {
-            EntryState::InFlight(_) => Some((Found::InFlight, expires_in)),
+            EntryState::InFlight(..) => Some((Found::InFlight, expires_in)),
             EntryState::Completed(_, stored) => {
                 Some((Found::Completed(stored.clone()), expires_in))
             }
@@ -537,6 +586,24 @@ impl Shard {
         self.next_seq += 1;
         self.next_seq
     }
+}
+
+/// The live in-flight record under `key` in `records` held by `token`, if any.
+fn held_mut<'a>(
+    records: &'a mut HashTable<Entry>,
+    key: HashedKey<'_>,
+    token: &LeaseToken,
+    now: Instant,
+) -> Option<&'a mut Entry> {
+    records
+        .find_mut(key.hash, |record| record.is(key))
+        .filter(|record| record.is_live(now) && record.is_held_by(token))
+}
+
+/// The latest of the abandoned tokens `earlier` (latest last) that a marker keeps beside one
+/// more.
+fn latest(earlier: &[LeaseToken]) -> &[LeaseToken] {
+    &earlier[earlier.len() - earlier.len().min(REMEMBERED_TOKENS - 1)..]
 }
 
 /// Takes the first entry of `index` if it expired at `now` or before.

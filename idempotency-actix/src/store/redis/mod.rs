@@ -51,7 +51,7 @@ use self::steps::Steps;
 /// error, writing nothing, and the store commits by function until its connection is opened
 /// anew, as after a server's upgrade). `renew`,
 /// `release`, and `commit` elsewhere, are each one `FCALL` of a short Lua function fenced by
-/// the lease token (the library `idempotency_actix_2_r8`, which the store loads with
+/// the lease token (the library `idempotency_actix_2_r9`, which the store loads with
 /// `FUNCTION LOAD` when it opens a connection, and again if a server lacks it later). A
 /// Redis user that may not load it needs someone who may to load it first: until then a
 /// connection that finds it missing is not used, and keyed requests get 503 before any

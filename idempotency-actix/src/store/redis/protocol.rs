@@ -8,9 +8,9 @@
 //! | `commit` (Valkey ≥ 8.1, Redis ≥ 8.4) | `SET key <completed record> IFEQ <in-flight record> PX ttl` | one plain command |
 //! | `commit` (other servers) | `FCALL`: `GET`, compare with the in-flight record, then `SET key <completed record> PX ttl` | one short function |
 //! | `renew` | `FCALL`: `GET`, then `PEXPIRE` | one short function |
-//! | `release` | `FCALL`: `GET`, then `DEL` | one short function |
+//! | `release` | `FCALL`: `GET`, then `DEL` (or, for a key taken over a marker, `SET key <marker> PXAT <its expiry>`) | one short function |
 //! | `abandon` | `FCALL`: `GET`, then `SET key <marker> PX remember_for` (or, on a completed record, `PEXPIRE key remember_for GT`) | one short function |
-//! | `begin` finding another token's marker | `FCALL`: `GET`, then `SET key <in-flight record> PX lease` if the marker is still there | one short function, a second round trip |
+//! | `begin` finding another token's marker | `FCALL`: `GET`, then `SET key <in-flight record, the marker's expiry and the marker> PX lease` if the marker is still there | one short function, a second round trip |
 //!
 //! `begin` needs no script: `SET … NX … GET` (Redis ≥ 7.0) creates the in-flight record or
 //! returns the record that is there, and the caller decides from it (its own token: a retry
@@ -83,7 +83,8 @@ impl Request {
 /// `commit` is sent the whole completed record and compares the whole in-flight one; `r6`:
 /// `commit` answers 2 for a record its token completed earlier, and `rewrite`; `r7`: r6 as
 /// it ended, with `rewrite` flagged `allow-oom`, a flag some builds of r6 lacked; `r8`:
-/// `abandon` keeps a completed record it finds for at least `remember_for`), so
+/// `abandon` keeps a completed record it finds for at least `remember_for`; `r9`: a record
+/// written over a marker keeps the marker's tokens out for the marker's time, see below), so
 /// versions of this crate with another format or revision load their own library next to
 /// this one. Revisions of one format read and write the same records, so instances of
 /// two revisions share keys safely. A library already loaded under its name is never
@@ -100,6 +101,23 @@ impl Request {
 /// marker (compared whole) is still there, or nothing is, and otherwise returns the record
 /// that is there, as `SET … GET` would.
 ///
+/// A key taken over a marker keeps the marker's tokens out for the rest of the marker's
+/// time, whatever its holder does next: `claim` writes the in-flight record followed by the
+/// marker's expiry (`PEXPIRETIME`, 8 bytes, Unix time in milliseconds, big-endian) and the
+/// marker itself (see `record`); `release` puts that marker back until its expiry
+/// (`SET … PXAT`, which writes nothing once it has passed) instead of deleting the key, so
+/// that an abandoned `begin` landing after the release (another connection, a retried
+/// command) still creates nothing; `abandon` of the holder's own token adds the marker's
+/// tokens to its marker and keeps it at least until that expiry; `commit` completes the
+/// record and keeps it at least until that expiry (`PEXPIREAT … GT`), as `abandon` keeps a
+/// completed record. `claim` writing a completed record (a commit written anew over a
+/// marker) keeps it for the marker's time the same way. `renew` extends the lease alone.
+/// Only `claim` writes such a record, so a key taken over a marker by an instance of an
+/// earlier revision is left empty by its release, as before. `PEXPIRETIME` and
+/// `PEXPIREAT` are called only on these paths and only where the user may (`redis.pcall`):
+/// a user granted what earlier revisions called alone (README, "The Redis user's rights")
+/// gets their behaviour there, never a failed step.
+///
 /// Under `maxmemory` Redis refuses a function that may grow memory once it is full; renew
 /// (`PEXPIRE`) and release (`DEL`) never do, so they are flagged `allow-oom` and keep working:
 /// a request whose commit is refused keeps its key locked by renewing it until memory frees.
@@ -108,8 +126,8 @@ impl Request {
 /// Lua strings are 1-based: the token field (length byte, then the token) starts at byte
 /// `TOKEN_OFFSET + 1` = 35 and the state is byte 2 (`i` = 105, `c` = 99). Each function
 /// reads the record with `GET`: the record a fenced step expects is an in-flight record,
-/// which is its header alone, so only a step that finds a completed record reads a stored
-/// body. `GET` rather than `GETRANGE` of the header: Lua formats a number argument of
+/// which is its header alone (and a marker, for one that took the key over it), so only a
+/// step that finds a completed record reads a stored body. `GET` rather than `GETRANGE` of the header: Lua formats a number argument of
 /// `redis.call` with `printf`, which made the range cost more than the record (r4 measured
 /// about 1 µs less per `commit` inside Redis than r3, with `redis-benchmark` and
 /// `INFO commandstats`).
@@ -124,7 +142,10 @@ impl Request {
 /// is the one its `begin` wrote (same format, fingerprint and token), as no one else
 /// writes `token`. Only when it differs does `commit` look further, for the record its own
 /// earlier `commit` completed (a retry after a lost reply), and answers 2 then: it wrote
-/// nothing, which replicated writes must know (see [`rewrite`]).
+/// nothing, which replicated writes must know (see [`rewrite`]). A record that took the key
+/// over a marker is longer than the one the client sends: it is completed where it starts
+/// with that one, a comparison made only after the first failed, so the commit of a key
+/// taken the usual way runs as before.
 ///
 /// `rewrite` writes a record over itself, its expiry kept, if the key holds exactly that
 /// record: the function form of [`rewrite`]'s `SET … IFEQ … KEEPTTL`. The same bytes take no
@@ -132,24 +153,48 @@ impl Request {
 /// `SET … IFEQ` that finds its own lock can still have it counted by `WAIT`. A full server
 /// with `SET … IFEQ` refuses that `SET` (`OOM`, whatever its size), so there such a `begin`
 /// is refused (503, no handler run).
-pub(crate) const LIBRARY: &str = r"#!lua name=idempotency_actix_2_r8
+pub(crate) const LIBRARY: &str = r"#!lua name=idempotency_actix_2_r9
 
 local function holds(found, token_field)
   return found and string.sub(found, 35, 34 + #token_field) == token_field
 end
 
-redis.register_function('idempotency_actix_2_r8_commit', function(keys, args)
+-- The reply of a command the user may not be granted (an ACL made for an earlier
+-- revision), or nil where it was refused.
+local function granted(...)
+  local reply = redis.pcall(...)
+  if type(reply) == 'table' and reply.err then return nil end
+  return reply
+end
+
+-- The marker an in-flight record whose header is `header` bytes took the key over, and
+-- the marker's expiry (Unix time in milliseconds); nil for a record that took a free key.
+local function taken_over(found, header)
+  if #found <= header + 8 then return nil end
+  return string.sub(found, header + 9), (struct.unpack('>I8', found, header + 1))
+end
+
+redis.register_function('idempotency_actix_2_r9_commit', function(keys, args)
   local found = redis.call('GET', keys[1])
   if found == args[1] then
     redis.call('SET', keys[1], args[2], 'PX', args[3])
     return 1
+  end
+  if not found then return 0 end
+  if string.sub(found, 1, #args[1]) == args[1] then
+    local marker, expiry = taken_over(found, #args[1])
+    if marker then
+      redis.call('SET', keys[1], args[2], 'PX', args[3])
+      granted('PEXPIREAT', keys[1], expiry, 'GT')
+      return 1
+    end
   end
   if holds(found, string.sub(args[1], 35)) and string.byte(found, 2) == 99 then return 2 end
   return 0
 end)
 
 redis.register_function{
-  function_name = 'idempotency_actix_2_r8_rewrite',
+  function_name = 'idempotency_actix_2_r9_rewrite',
   flags = {'allow-oom'},
   callback = function(keys, args)
     if redis.call('GET', keys[1]) ~= args[1] then return 0 end
@@ -159,7 +204,7 @@ redis.register_function{
 }
 
 redis.register_function{
-  function_name = 'idempotency_actix_2_r8_renew',
+  function_name = 'idempotency_actix_2_r9_renew',
   flags = {'allow-oom'},
   callback = function(keys, args)
     local found = redis.call('GET', keys[1])
@@ -170,18 +215,23 @@ redis.register_function{
 }
 
 redis.register_function{
-  function_name = 'idempotency_actix_2_r8_release',
+  function_name = 'idempotency_actix_2_r9_release',
   flags = {'allow-oom'},
   callback = function(keys, args)
     local found = redis.call('GET', keys[1])
     if not holds(found, args[1]) or string.byte(found, 2) ~= 105 then return 0 end
-    redis.call('DEL', keys[1])
+    local marker, expiry = taken_over(found, 34 + #args[1])
+    if marker then
+      redis.call('SET', keys[1], marker, 'PXAT', expiry)
+    else
+      redis.call('DEL', keys[1])
+    end
     return 1
   end,
 }
 
 redis.register_function{
-  function_name = 'idempotency_actix_2_r8_abandon',
+  function_name = 'idempotency_actix_2_r9_abandon',
   flags = {'allow-oom'},
   callback = function(keys, args)
     local found = redis.call('GET', keys[1])
@@ -190,21 +240,34 @@ redis.register_function{
       redis.call('PEXPIRE', keys[1], args[3], 'GT')
       return 1
     end
-    local marker = args[2]
-    if state == 97 then
-      marker = marker .. string.sub(found, 35, 34 + tonumber(args[4]))
-    elseif found and (state ~= 105 or not holds(found, args[1])) then
+    local earlier, expiry = found, nil
+    if state == 105 and holds(found, args[1]) then
+      earlier, expiry = taken_over(found, 34 + #args[1])
+    elseif found and state ~= 97 then
       return 0
     end
+    local marker = args[2]
+    if earlier then
+      marker = marker .. string.sub(earlier, 35, 34 + tonumber(args[4]))
+    end
     redis.call('SET', keys[1], marker, 'PX', args[3])
+    if expiry then granted('PEXPIREAT', keys[1], expiry, 'GT') end
     return 1
   end,
 }
 
-redis.register_function('idempotency_actix_2_r8_claim', function(keys, args)
+redis.register_function('idempotency_actix_2_r9_claim', function(keys, args)
   local found = redis.call('GET', keys[1])
   if found and found ~= args[1] then return found end
-  redis.call('SET', keys[1], args[2], 'PX', args[3])
+  local expiry = found and granted('PEXPIRETIME', keys[1])
+  if not expiry or expiry <= 0 then
+    redis.call('SET', keys[1], args[2], 'PX', args[3])
+  elseif string.byte(args[2], 2) == 105 then
+    redis.call('SET', keys[1], args[2] .. struct.pack('>I8', expiry) .. found, 'PX', args[3])
+  else
+    redis.call('SET', keys[1], args[2], 'PX', args[3])
+    granted('PEXPIREAT', keys[1], expiry, 'GT')
+  end
   return false
 end)
 ";
@@ -301,13 +364,13 @@ pub(crate) async fn probe_library(connection: &mut impl redis::aio::ConnectionLi
         probe.arg(function).arg(0);
         probe
     };
-    let read_only: redis::RedisResult<Value> = probe("FCALL_RO", "idempotency_actix_2_r8_commit")
+    let read_only: redis::RedisResult<Value> = probe("FCALL_RO", "idempotency_actix_2_r9_commit")
         .query_async(connection)
         .await;
     if matches!(&read_only, Err(error) if is_function_not_found(error)) {
         return Library::Missing;
     }
-    let call: redis::RedisResult<Value> = probe("FCALL", "idempotency_actix_2_r8_renew")
+    let call: redis::RedisResult<Value> = probe("FCALL", "idempotency_actix_2_r9_renew")
         .query_async(connection)
         .await;
     match call {
@@ -435,7 +498,7 @@ pub(crate) fn claim(
 /// whole) or nothing is; otherwise returns the record that is there.
 fn claim_over(key: &StorageKey, marker: Vec<u8>, record: Vec<u8>, expiry: Duration) -> Request {
     let bytes = marker.len() + record.len();
-    let call = function("idempotency_actix_2_r8_claim", key, 3, bytes)
+    let call = function("idempotency_actix_2_r9_claim", key, 3, bytes)
         .arg(marker)
         .arg(record)
         .number(record::millis(expiry))
@@ -489,7 +552,7 @@ pub(crate) fn commit(
         }
         CommitBy::Function => {
             let bytes = in_flight.len() + completed.len();
-            let call = function("idempotency_actix_2_r8_commit", key, 3, bytes)
+            let call = function("idempotency_actix_2_r9_commit", key, 3, bytes)
                 .arg(in_flight)
                 .arg(completed)
                 .number(record::millis(ttl))
@@ -525,6 +588,10 @@ pub(crate) enum Unwritten {
     /// replica took over, and answered once before learning it), and this read by the one
     /// that does. The commit is sent again; nothing is lost.
     StillHeld,
+    /// This token's own in-flight record, written over another token's marker, which it
+    /// carries (see [`LIBRARY`]): `SET … IFEQ` compares the whole record, so it writes
+    /// nothing there; the library's `commit` completes it.
+    HeldOverMarker,
     /// Another request's record (or one this version cannot read): left alone.
     Taken,
 }
@@ -546,8 +613,12 @@ pub(crate) fn unwritten(
     }
     // Exactly what the commit compared with: the token with another fingerprint is not
     // the record its `begin` wrote, and a commit for it writes nothing, by design.
-    if found == record::in_flight(fingerprint, token) {
+    let in_flight = record::in_flight(fingerprint, token);
+    if found == in_flight {
         return Ok(Unwritten::StillHeld);
+    }
+    if record::took_over_a_marker(&found, &in_flight) {
+        return Ok(Unwritten::HeldOverMarker);
     }
     Ok(match Found::read(&found) {
         Ok(Found::Abandoned { tokens }) if !record::remembers(tokens, token) => {
@@ -612,7 +683,7 @@ pub(crate) fn rewrite(by: CommitBy, key: &StorageKey, record: &[u8]) -> Request 
             Request::Command(command)
         }
         CommitBy::Function => {
-            let call = function("idempotency_actix_2_r8_rewrite", key, 1, record.len())
+            let call = function("idempotency_actix_2_r9_rewrite", key, 1, record.len())
                 .arg(record)
                 .done();
             Request::Function(call)
@@ -671,7 +742,7 @@ pub(crate) fn is_syntax_error(error: &StoreError) -> bool {
 /// `renew`: extend the lease held by `token` to `lease` from now.
 pub(crate) fn renew(key: &StorageKey, token: &LeaseToken, lease: Duration) -> Request {
     let token = record::token_field(token);
-    let call = function("idempotency_actix_2_r8_renew", key, 2, token.len())
+    let call = function("idempotency_actix_2_r9_renew", key, 2, token.len())
         .arg(token)
         .number(record::millis(lease))
         .done();
@@ -681,7 +752,7 @@ pub(crate) fn renew(key: &StorageKey, token: &LeaseToken, lease: Duration) -> Re
 /// `release`: delete the in-flight record held by `token`.
 pub(crate) fn release(key: &StorageKey, token: &LeaseToken) -> Request {
     let token = record::token_field(token);
-    let call = function("idempotency_actix_2_r8_release", key, 1, token.len())
+    let call = function("idempotency_actix_2_r9_release", key, 1, token.len())
         .arg(token)
         .done();
     Request::Function(call)
@@ -693,7 +764,7 @@ pub(crate) fn release(key: &StorageKey, token: &LeaseToken) -> Request {
 pub(crate) fn abandon(key: &StorageKey, token: &LeaseToken, remember_for: Duration) -> Request {
     let (field, marker) = (record::token_field(token), record::abandoned(token));
     let bytes = field.len() + marker.len();
-    let call = function("idempotency_actix_2_r8_abandon", key, 4, bytes)
+    let call = function("idempotency_actix_2_r9_abandon", key, 4, bytes)
         .arg(field)
         .arg(marker)
         .number(record::millis(remember_for))
@@ -753,6 +824,19 @@ mod tests {
 
     use super::*;
 
+    /// The in-flight record of `holder` as the library's `claim` writes it over the marker
+    /// of `abandoned`: the record, the marker's expiry, the marker.
+    fn taken_over_marker(
+        print: &Fingerprint,
+        holder: &LeaseToken,
+        abandoned: &LeaseToken,
+    ) -> Vec<u8> {
+        let mut record = record::in_flight(print, holder);
+        record.extend_from_slice(&1_796_552_482_663_u64.to_be_bytes());
+        record.extend_from_slice(&record::abandoned(abandoned));
+        record
+    }
+
     fn outcome(reply: Value, print: u8, token: &LeaseToken) -> BeginOutcome {
         match begin_outcome(reply, &Fingerprint::from_bytes([print; 32]), token).unwrap() {
             Begun::Decided(outcome, _) => outcome,
@@ -767,10 +851,10 @@ mod tests {
     /// digest with it.
     #[test]
     fn the_library_s_code_is_pinned_to_its_name() {
-        assert!(LIBRARY.starts_with("#!lua name=idempotency_actix_2_r8\n"));
+        assert!(LIBRARY.starts_with("#!lua name=idempotency_actix_2_r9\n"));
         assert_eq!(
             blake3::hash(LIBRARY.as_bytes()).to_hex().as_str(),
-            "2d5129d510bb4becce62405bd109da0ce3564af2694fddac0db287e50e07a007",
+            "19f6159403ebc04e5a0549f590a86fdbddc8083c78e3b6201bbca087cf4c4843",
             "the function library changed: give it a new revision (`_rN`) in its name and \
              its functions' names, then update this digest"
         );
@@ -788,6 +872,16 @@ mod tests {
             BeginOutcome::Acquired
         );
         assert_eq!(outcome(bulk(&in_flight), 1, &mine), BeginOutcome::InFlight);
+        let over_marker = taken_over_marker(&Fingerprint::from_bytes([1; 32]), &theirs, &mine);
+        assert_eq!(
+            outcome(bulk(&over_marker), 1, &theirs),
+            BeginOutcome::Acquired
+        );
+        assert_eq!(
+            outcome(bulk(&over_marker), 1, &mine),
+            BeginOutcome::InFlight,
+            "the marker it carries is not the key's"
+        );
         assert_eq!(
             outcome(bulk(&in_flight), 2, &mine),
             BeginOutcome::FingerprintMismatch
@@ -880,6 +974,15 @@ mod tests {
             Unwritten::Taken,
             "our own marker"
         );
+        assert_eq!(
+            found(taken_over_marker(&print, &mine, &theirs)),
+            Unwritten::HeldOverMarker,
+            "our own lock, written over a marker, which it carries"
+        );
+        assert_eq!(
+            found(taken_over_marker(&print, &theirs, &mine)),
+            Unwritten::Taken
+        );
         assert_eq!(found(vec![2, b'?']), Unwritten::Taken, "unreadable");
 
         assert_eq!(recreated(Value::Nil, &print, &mine).unwrap(), None);
@@ -920,6 +1023,7 @@ mod tests {
             record::completed(&in_flight, &response, Duration::from_secs(60)),
             record::completed(&record::in_flight(&print, &mine), &response, Duration::ZERO),
             record::abandoned(&theirs),
+            taken_over_marker(&print, &theirs, &mine),
         ];
         let mutated = (
             proptest::sample::select(valid),

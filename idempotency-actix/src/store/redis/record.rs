@@ -18,6 +18,14 @@
 //! followed by the token fields (length, then bytes) of up to
 //! [`REMEMBERED_TOKENS`]` - 1` tokens abandoned on the key before it, latest first.
 //!
+//! An in-flight record written over another token's marker (the library's `claim`) carries
+//! that marker after its token, for its release to put back:
+//!
+//! ```text
+//! u64  the marker's expiry   Unix time in milliseconds (the server's clock)
+//!      the marker, whole
+//! ```
+//!
 //! The header up to the token is the same in every format, present and future: any version
 //! can tell an in-flight record from a completed one, compare its fingerprint and check a
 //! token, so instances of two versions sharing Redis never take each other's keys. Only
@@ -92,6 +100,12 @@ pub(super) fn completed(in_flight: &[u8], response: &StoredResponse, ttl: Durati
     record.extend_from_slice(&expires_at.to_be_bytes());
     response.encode_into(&mut record);
     record
+}
+
+/// Whether `found` is the record `in_flight` written over another token's marker, which it
+/// carries after its token (see the module's docs). Never panics, whatever the bytes.
+pub(super) fn took_over_a_marker(found: &[u8], in_flight: &[u8]) -> bool {
+    found.len() > in_flight.len() + 8 && found.starts_with(in_flight)
 }
 
 /// A record as `begin` finds it.

@@ -243,6 +243,11 @@ impl<T: Transport> Steps<'_, T> {
         let completed = match protocol::unwritten(reply.value, fingerprint, token)? {
             Unwritten::Taken => return Ok(false),
             Unwritten::StillHeld => return Err(answered_elsewhere()),
+            Unwritten::HeldOverMarker => {
+                return self
+                    .commit_over_marker(key, fingerprint, token, response, ttl)
+                    .await;
+            }
             Unwritten::CompletedEarlier(completed) => completed,
             Unwritten::Free(mut marker) => {
                 let mut claims = 1;
@@ -267,7 +272,9 @@ impl<T: Transport> Steps<'_, T> {
                             marker = found;
                             claims += 1;
                         }
-                        Some(Unwritten::StillHeld) => return Err(answered_elsewhere()),
+                        Some(Unwritten::StillHeld | Unwritten::HeldOverMarker) => {
+                            return Err(answered_elsewhere());
+                        }
                         // Another request took the key meanwhile.
                         Some(_) => return Ok(false),
                     }
@@ -278,6 +285,37 @@ impl<T: Transport> Steps<'_, T> {
             return Ok(true);
         }
         self.rewritten_for_replicas(key, &completed, "commit").await
+    }
+
+    /// Completes this token's in-flight record that took the key over a marker (see
+    /// [`Unwritten::HeldOverMarker`]), by the library's `commit`, which keeps the record for
+    /// the marker's time. A rare round trip more, after a commit by `SET … IFEQ`: only for a
+    /// key taken over a marker. Where even that writes nothing, the commit was answered by
+    /// a node that no longer serves the key (see [`AnsweredElsewhere`]), or an earlier send
+    /// of it completed the record under replicated writes: an error, so that the commit is
+    /// sent again, which reads the record it finds and waits for its replicas.
+    async fn commit_over_marker(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        token: &LeaseToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let by = CommitBy::Function;
+        let commit = protocol::commit(by, key, fingerprint, token, response, ttl);
+        let reply = self
+            .transport
+            .send(&Exchange::new(commit, self.replication))
+            .await?;
+        match protocol::committed(by, reply.value)? {
+            Committed::Written => {
+                reply.replication.check("commit")?;
+                Ok(true)
+            }
+            Committed::CompletedEarlier if self.replication.is_none() => Ok(true),
+            Committed::CompletedEarlier | Committed::Unwritten => Err(answered_elsewhere()),
+        }
     }
 
     pub(crate) async fn release(
