@@ -246,6 +246,7 @@ where
                     if let Err(error) = lock.renew().await {
                         tracing::warn!(%error, "idempotency: could not apply the route's lease; retried at the next renewal tick");
                     }
+                    lock.lease_changed();
                     service.call(req).await.map(with_handler_body)
                 }))
             }
