@@ -386,7 +386,8 @@ impl Engine {
                 warn_if_renewals_can_outlast(policy.lease, self.settings.store_timeout);
                 instrument::decided(&req.extensions(), Outcome::Executed);
                 req.set_payload(Payload::from(body));
-                // Held by the run, which may outlive this future (its client left).
+                // Held by the run, which may outlive this future (its client left), and by
+                // a streamed body until its record is complete.
                 let in_flight = LockHeld::enter(&req.extensions());
                 let lock = Rc::new(HeldLock {
                     storage_key: storage_key.clone(),
@@ -410,9 +411,9 @@ impl Engine {
                 let engine = Rc::clone(&self);
                 let held = Rc::clone(&lock);
                 let run = RunToCompletion::new(move || async move {
-                    let _in_flight = in_flight;
                     #[cfg(feature = "postgres")]
                     if let Some(transaction) = transaction {
+                        let _in_flight = in_flight;
                         // Boxed: its future is several times the size of the rest, and this
                         // run's future is moved whole into its box for every new key.
                         return Box::pin(engine.run_and_commit_transaction(
@@ -426,7 +427,7 @@ impl Engine {
                     }
                     #[cfg(not(feature = "postgres"))]
                     let _ = transaction; // never one without the feature
-                    let ran = engine.run_and_commit(policy, lock, req, service, slot);
+                    let ran = engine.run_and_commit(policy, lock, req, service, slot, in_flight);
                     match AssertUnwindSafe(ran).catch_unwind().await {
                         Ok(handled) => handled,
                         // A panic outside the handler's own catch (a response body's `size`,
@@ -867,6 +868,7 @@ impl Engine {
         req: ServiceRequest,
         service: Rc<S>,
         slot: Option<Rc<WorkSlot>>,
+        in_flight: LockHeld,
     ) -> Result<Response<B>, actix_web::Error>
     where
         S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = actix_web::Error>
@@ -925,8 +927,9 @@ impl Engine {
                 ttl,
                 limit,
             } => {
-                // The lease is renewed until the record is complete: the body may take
-                // longer than the lease.
+                // The lease is renewed, and the request counted in flight, until the record
+                // is complete: the body may take longer than the lease, and a duplicate
+                // meanwhile gets 409.
                 let renewals = AbortOnDrop(actix_rt::spawn({
                     let lock = Rc::clone(&lock);
                     async move { keep_renewing(&lock).await }
@@ -941,7 +944,7 @@ impl Engine {
                         lock.committing.set(true);
                         let stored = StoredResponse { body, ..stored };
                         engine.commit(&lock, stored, ttl, held.as_ref()).await;
-                        drop((renewals, held));
+                        drop((renewals, held, in_flight));
                     })
                 });
                 let size = framed_size(response.response().head(), body.size());

@@ -6,7 +6,7 @@
 //! |---|---|---|---|
 //! | `idempotency_requests_total` | counter | `route`, `outcome` | protected requests, one per request, by what became of it |
 //! | `idempotency_store_operation_duration_seconds` | histogram | `operation`, `result` | how long each store operation took (bounded by the store timeout) |
-//! | `idempotency_requests_in_flight` | gauge | `route` | requests running their handler under a lock right now |
+//! | `idempotency_requests_in_flight` | gauge | `route` | requests running their handler under a lock right now (a streamed response until its record is complete) |
 //! | `idempotency_background_retries_total` | counter | `operation` | store operations retried off the request path |
 //! | `idempotency_evictions_total` | counter | `source` | records evicted to stay within a byte bound |
 //!

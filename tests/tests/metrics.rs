@@ -637,3 +637,70 @@ async fn a_waiting_retry_whose_client_leaves_abandons_nothing() {
     );
     assert_eq!(runs.get(), 1);
 }
+
+/// A streamed response holds its key until its record is complete, at the end of the stream:
+/// a duplicate meanwhile gets 409. The in-flight gauge counted it only until the head went
+/// out, and showed 0 while the stream still ran under its lock.
+#[actix_web::test]
+async fn a_streamed_response_holds_the_in_flight_gauge_until_its_record_is_complete() {
+    use actix_web::web::Bytes;
+    use futures_util::StreamExt;
+
+    let _turn = one_at_a_time();
+    snapshotter();
+    let route = "/m/streamed";
+    let (runs, gate) = (RunCounter::default(), Gate::default());
+    let server =
+        actix_test::start({
+            let (runs, gate) = (runs.clone(), gate.clone());
+            move || {
+                let (runs, gate) = (runs.clone(), gate.clone());
+                App::new()
+                    .wrap(Idempotency::new(MemoryStore::new()))
+                    .service(web::resource(route).wrap(IdempotentRoute::new()).route(
+                        web::post().to(move || {
+                            runs.record();
+                            let gate = gate.clone();
+                            let last = futures_util::stream::once(async move {
+                                gate.wait().await;
+                                Bytes::from_static(b"last")
+                            });
+                            let chunks = futures_util::stream::iter([Bytes::from_static(b"first")])
+                                .chain(last)
+                                .map(Ok::<_, actix_web::Error>);
+                            async move { HttpResponse::Ok().streaming(chunks) }
+                        }),
+                    ))
+            }
+        });
+    let mut response = server
+        .post(route)
+        .insert_header(("idempotency-key", "streamed"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let first = actix_rt::time::timeout(Duration::from_secs(10), response.next())
+        .await
+        .expect("no first chunk")
+        .unwrap()
+        .unwrap();
+    assert_eq!(first, "first");
+    let duplicate = send(&server, route, Some("streamed"), "").await;
+    assert_eq!(duplicate.status, StatusCode::CONFLICT, "the key is held");
+    assert_eq!(
+        gauge("idempotency_requests_in_flight", route),
+        Some(1.0),
+        "the stream runs under its lock"
+    );
+
+    gate.open();
+    let rest = actix_rt::time::timeout(Duration::from_secs(10), response.body())
+        .await
+        .expect("the stream did not end")
+        .unwrap();
+    assert_eq!(rest, "last");
+    assert_eq!(gauge("idempotency_requests_in_flight", route), Some(0.0));
+    assert!(send(&server, route, Some("streamed"), "").await.is_replay());
+    assert_eq!(runs.get(), 1);
+}
