@@ -357,6 +357,11 @@ impl Engine {
             // by a lock no handler runs under (in the background if that does not land).
             // (Armed meanwhile: should the client leave, the guard abandons it then.)
             Err(_) if !runs_under_token => {
+                // What the request comes to is known now: a client that leaves while the
+                // abandon is on its way is counted by it, not as gone.
+                if let Some(outcome) = self.outcome_of_failed_begin(draining) {
+                    instrument::decided(&req.extensions(), outcome);
+                }
                 let (lease, remember_for) = (pending.lease, pending.remember_for);
                 pending.armed.set(true);
                 self.abandon_token(storage_key, *token, lease, remember_for)
@@ -372,6 +377,9 @@ impl Engine {
             // counted, so a drain that starts meanwhile either is seen here or waits for it.
             Ok(BeginOutcome::Acquired) if work_in_progress::draining() => {
                 tracing::debug!("idempotency: draining before the process stops; answering 503");
+                // Decided before the key is given back: a client that leaves meanwhile is
+                // counted as refused, not as gone.
+                instrument::decided(&req.extensions(), Outcome::ShuttingDown);
                 match transaction {
                     // Its claim lives in the transaction: rolled back as it is dropped, at
                     // the end of this arm.
@@ -559,6 +567,18 @@ impl Engine {
                     ))
                 }
             },
+        }
+    }
+
+    /// What a request whose `begin` failed (and whose token is abandoned before it goes on)
+    /// comes to, as the `Err` arm of [`protect`](Self::protect) decides it: a 503 failing
+    /// closed, or while draining; failing open (a transactional route, run without a
+    /// record), nothing yet, as its handler has not run.
+    fn outcome_of_failed_begin(&self, draining: bool) -> Option<Outcome> {
+        match self.settings.fail_mode {
+            FailMode::Closed => Some(Outcome::StoreError),
+            FailMode::Open if draining => Some(Outcome::ShuttingDown),
+            FailMode::Open => None,
         }
     }
 

@@ -6,6 +6,9 @@
 //! And a process that stops before such a release lands: the key stays locked only for a
 //! short lease, not the route's.
 //!
+//! And a client that leaves while that release is on its way is counted by what it was
+//! refused with, `shutting_down`, not as `client_gone`.
+//!
 //! Tests in a binary of their own: a drain is for the whole process and for good (each
 //! test drains; neither minds the other's).
 
@@ -18,6 +21,40 @@ use actix_web::http::StatusCode;
 use actix_web::{App, HttpServer};
 use idempotency_actix::{Idempotency, IdempotencyPolicy, KeyScope};
 use idempotency_actix_tests::{FaultyStore, GatedRoutes, Reply, reset};
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+
+/// This binary's recorder, installed by the first test that asks for it.
+fn snapshotter() -> &'static Snapshotter {
+    static SNAPSHOTTER: std::sync::OnceLock<Snapshotter> = std::sync::OnceLock::new();
+    SNAPSHOTTER.get_or_init(|| {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        recorder.install().unwrap();
+        snapshotter
+    })
+}
+
+/// `idempotency_requests_total{route="/quick"}` by outcome, counted since the last call.
+fn quick_outcomes() -> Vec<(String, u64)> {
+    let mut outcomes = Vec::new();
+    for (key, _, _, value) in snapshotter().snapshot().into_vec() {
+        let (_, key) = key.into_parts();
+        let label = |name: &str| {
+            key.labels()
+                .find(|label| label.key() == name)
+                .map(|label| label.value().to_owned())
+        };
+        if let (DebugValue::Counter(count), Some(outcome)) = (value, label("outcome"))
+            && key.name() == "idempotency_requests_total"
+            && label("route").as_deref() == Some("/quick")
+            && count > 0
+        {
+            outcomes.push((outcome, count));
+        }
+    }
+    outcomes.sort();
+    outcomes
+}
 
 /// One worker serving `routes` on `store` (a lease of 30 s), on a loopback port: its
 /// address, its handle and the task that runs it.
@@ -59,6 +96,7 @@ async fn a_key_given_back_while_draining_is_released_though_its_client_left() {
     let routes = GatedRoutes::default();
     let quick_runs = routes.quick_runs.clone();
     let (addr, handle, server) = start(&store, &routes);
+    snapshotter();
 
     // Nothing is in progress yet: the drain starts and ends at once.
     assert_eq!(Idempotency::drain(Duration::from_secs(30)).await, 0);
@@ -91,6 +129,13 @@ async fn a_key_given_back_while_draining_is_released_though_its_client_left() {
         "tag:idempotency-actix,2026:shutting-down"
     );
     assert_eq!(quick_runs.get(), 0, "a handler ran while draining");
+    // The other test of this binary sends requests to `/quick` too, but none of its
+    // clients leaves.
+    let outcomes = quick_outcomes();
+    assert!(
+        !outcomes.iter().any(|(outcome, _)| outcome == "client_gone"),
+        "the request whose client left is counted as refused: {outcomes:?}"
+    );
 
     handle.stop(true).await;
     server.await.unwrap().unwrap();

@@ -548,6 +548,31 @@ async fn a_run_whose_client_left_is_counted_and_holds_the_in_flight_gauge() {
     assert_eq!(runs.get(), 1);
 }
 
+/// Sends a keyed `POST route` (body `{}`) on a connection of its own, and resets the
+/// connection once `left` has passed, as a client that gives up does.
+async fn leave_after(server: &actix_test::TestServer, route: &str, key: &str, left: Duration) {
+    let mut socket = std::net::TcpStream::connect(server.addr()).unwrap();
+    let request = format!(
+        "POST {route} HTTP/1.1\r\nHost: test\r\nIdempotency-Key: {key}\r\n\
+         Content-Length: 2\r\n\r\n{{}}"
+    );
+    std::io::Write::write_all(&mut socket, request.as_bytes()).unwrap();
+    actix_rt::time::sleep(left).await;
+    reset(socket);
+}
+
+/// The outcomes counted for `route` (see [`outcomes_of`]) once any is, within 5 s.
+async fn first_counted(route: &str) -> Vec<(String, u64)> {
+    for _ in 0..500 {
+        let outcomes = outcomes_of(route);
+        if !outcomes.is_empty() {
+            return outcomes;
+        }
+        actix_rt::time::sleep(Duration::from_millis(10)).await;
+    }
+    Vec::new()
+}
+
 /// A client that leaves while its request's `begin` is on its way to the store: nothing was
 /// decided for the request, and it went uncounted (every protected request is counted once);
 /// it is counted as `client_gone`, and its handler never runs.
@@ -562,25 +587,13 @@ async fn a_request_whose_client_leaves_before_its_begin_answers_is_counted_as_go
             ..Default::default()
         })
     });
-    let mut socket = std::net::TcpStream::connect(server.addr()).unwrap();
-    std::io::Write::write_all(
-        &mut socket,
-        b"POST /m/gone-early HTTP/1.1\r\nHost: test\r\nIdempotency-Key: early\r\n\
-          Content-Length: 2\r\n\r\n{}",
-    )
-    .unwrap();
     // Its `begin` waits 800 ms before it reaches the store; the client resets before.
-    actix_rt::time::sleep(Duration::from_millis(200)).await;
-    reset(socket);
-    let mut gone = 0;
-    for _ in 0..500 {
-        gone = requests(route, Outcome::ClientGone);
-        if gone == 1 {
-            break;
-        }
-        actix_rt::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(gone, 1, "counted once, as gone: {:?}", outcomes_of(route));
+    leave_after(&server, route, "early", Duration::from_millis(200)).await;
+    assert_eq!(
+        first_counted(route).await,
+        vec![("client_gone".to_owned(), 1)],
+        "counted once, as gone"
+    );
     actix_rt::time::sleep(Duration::from_millis(1_000)).await;
     assert_eq!(
         outcomes_of(route),
@@ -703,4 +716,28 @@ async fn a_streamed_response_holds_the_in_flight_gauge_until_its_record_is_compl
     assert_eq!(gauge("idempotency_requests_in_flight", route), Some(0.0));
     assert!(send(&server, route, Some("streamed"), "").await.is_replay());
     assert_eq!(runs.get(), 1);
+}
+
+/// A `begin` the store answers with an error (fail closed): its token is abandoned before the
+/// 503 goes out, and a client that left meanwhile was counted as `client_gone`, though the
+/// request was refused for the store's failure; `store_error` missed it.
+#[actix_web::test]
+async fn a_store_error_whose_client_leaves_during_the_abandon_is_counted_as_a_store_error() {
+    let _turn = one_at_a_time();
+    snapshotter();
+    let route = "/m/store-error-left";
+    let (server, runs, _gate) = start_gated(route, || {
+        Idempotency::new(idempotency_actix_tests::FaultyStore {
+            unavailable_begins: std::sync::Arc::new(1.into()),
+            abandon_delay: Duration::from_millis(800),
+            ..Default::default()
+        })
+    });
+    // Its `begin` fails at once; the abandon of its token takes 800 ms to reach the store.
+    leave_after(&server, route, "left", Duration::from_millis(200)).await;
+    assert_eq!(
+        first_counted(route).await,
+        vec![("store_error".to_owned(), 1)]
+    );
+    assert_eq!(runs.get(), 0);
 }
