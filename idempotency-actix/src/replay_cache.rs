@@ -36,7 +36,10 @@ use crate::store::BeginOutcome;
 /// stores that report the remaining TTL of what `begin` finds
 /// ([`IdempotencyStore::begin_with_remaining_ttl`](crate::IdempotencyStore::begin_with_remaining_ttl)):
 /// the Redis, Redis Cluster and PostgreSQL stores. The in-process `MemoryStore` gains
-/// nothing from it and reports none, so nothing of it is cached.
+/// nothing from it and reports none, so nothing of it is cached. A transactional route
+/// (`#[idempotent(transactional)]`) claims its key inside a transaction of its own, which
+/// reads the record from the table: its replays are neither answered from the cache nor
+/// cached.
 ///
 /// # Examples
 ///

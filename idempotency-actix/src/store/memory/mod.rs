@@ -170,8 +170,9 @@ impl MemoryStore {
         }
     }
 
-    /// How many records (in flight, completed, or expired and not yet reclaimed) the store
-    /// holds.
+    /// How many entries the store holds: records in flight or completed, markers of
+    /// abandoned tokens ([`IdempotencyStore::abandon`], which inspection does not count as
+    /// records), and entries expired and not yet reclaimed.
     ///
     /// # Examples
     ///
@@ -192,6 +193,10 @@ impl MemoryStore {
     /// assert_eq!(store.len(), 0);
     /// store.begin(&key, &print, &LeaseToken::generate(), lease).await?;
     /// assert_eq!(store.len(), 1);
+    /// // The marker of an abandoned token is an entry too, though no record.
+    /// let other = StorageKey::new("doc:", b"", &IdempotencyKey::parse(b"other")?);
+    /// store.abandon(&other, &LeaseToken::generate(), lease).await?;
+    /// assert_eq!(store.len(), 2);
     /// # Ok(())
     /// # }
     /// ```
@@ -199,7 +204,7 @@ impl MemoryStore {
         self.shards().map(|shard| shard.len()).sum()
     }
 
-    /// Whether the store holds no record.
+    /// Whether the store holds no entry (see [`len`](Self::len)).
     ///
     /// # Examples
     ///
