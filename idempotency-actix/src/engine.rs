@@ -26,6 +26,7 @@ use crate::error::IdempotencyError;
 use crate::fingerprint::{Fingerprint, FingerprintParts};
 use crate::instrument::{self, LockHeld, Outcome, RequestRecord, StoreOperation, StoreTimer};
 use crate::key::IdempotencyKey;
+use crate::log_interval::LogInterval;
 use crate::lost_record::{self, NoticedBy};
 use crate::policy::{IdempotencyPolicy, Policy};
 use crate::record::StoredResponse;
@@ -114,6 +115,9 @@ pub(crate) struct Engine {
     pub(crate) settings: Settings,
     /// This worker's keyed work, against `settings.limits`.
     pub(crate) workload: Rc<Workload>,
+    /// The failed `begin`s' log lines, at most one per 10 s (every new key fails while the
+    /// store is down or full of keys in flight); the metrics count each.
+    pub(crate) store_failures: LogInterval,
 }
 
 /// Request extension: the engine of the nearest `Idempotency` above, for route layers, and
@@ -484,12 +488,16 @@ impl Engine {
                 // Draining, no handler runs for a new key, not even unprotected: one whose
                 // client leaves is cut short, and the retry is for another instance.
                 FailMode::Open if draining => {
-                    tracing::warn!(%error, "idempotency store failed while the process drains; answering 503 (shutting-down) instead of failing open");
+                    if let Some(unlogged) = self.store_failures.admit(Instant::now()) {
+                        tracing::warn!(%error, unlogged, "idempotency store failed while the process drains; answering 503 (shutting-down) instead of failing open");
+                    }
                     let retry_after = self.settings.retry_after;
                     Ok(self.refuse(req, IdempotencyError::ShuttingDown { retry_after }))
                 }
                 FailMode::Open => {
-                    tracing::warn!(%error, "idempotency store failed; running the handler unprotected (fail-open)");
+                    if let Some(unlogged) = self.store_failures.admit(Instant::now()) {
+                        tracing::warn!(%error, unlogged, "idempotency store failed; running the handler unprotected (fail-open)");
+                    }
                     instrument::decided(&req.extensions(), Outcome::FailOpen);
                     req.set_payload(Payload::from(body));
                     #[cfg(feature = "postgres")]
@@ -556,7 +564,9 @@ impl Engine {
                     }
                 }
                 FailMode::Closed => {
-                    tracing::error!(%error, "idempotency store failed; answering 503 (fail-closed)");
+                    if let Some(unlogged) = self.store_failures.admit(Instant::now()) {
+                        tracing::error!(%error, unlogged, "idempotency store failed; answering 503 (fail-closed)");
+                    }
                     let retry_after = self.settings.retry_after;
                     Ok(self.refuse(
                         req,

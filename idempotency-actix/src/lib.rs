@@ -234,6 +234,7 @@ mod gathered_hasher;
 mod inspect;
 mod instrument;
 mod key;
+mod log_interval;
 mod lost_record;
 #[cfg(feature = "metrics")]
 mod metric_handles;

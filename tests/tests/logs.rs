@@ -144,6 +144,52 @@ async fn fail_open_runs_the_handler_and_warns() {
     );
 }
 
+/// A store that is down fails every new key's `begin`: each is answered (503 failing
+/// closed, the handler unprotected failing open) and counted in the metrics, but the log
+/// says so once per 10 s per worker, with how many it left out since, rather than a line per
+/// request that a flood of keys would turn into a flood of lines.
+#[actix_web::test]
+async fn a_store_that_is_down_is_logged_once_per_interval_not_per_request() {
+    log();
+    for (mode, route, status, level) in [
+        (
+            FailMode::Closed,
+            "/down-closed",
+            StatusCode::SERVICE_UNAVAILABLE,
+            "ERROR",
+        ),
+        (FailMode::Open, "/down-open", StatusCode::CREATED, "WARN"),
+    ] {
+        let server = actix_test::start_with(actix_test::config().workers(1), move || {
+            // Nothing listens on port 1: the store fails at once.
+            let pool = RedisStore::pool("redis://127.0.0.1:1").unwrap();
+            App::new()
+                .wrap(
+                    Idempotency::redis(pool)
+                        .on_store_error(mode)
+                        .scope(KeyScope::global()),
+                )
+                .service(
+                    web::resource(route)
+                        .wrap(IdempotentRoute::new())
+                        .route(web::post().to(create)),
+                )
+        });
+        for n in 0..12 {
+            assert_eq!(post(&server, route, &format!("down-{n}")).await, status);
+        }
+        let span = format!("idempotency{{http.route=\"{route}\"}}");
+        let logged = logged();
+        let lines: Vec<&str> = logged
+            .lines()
+            .filter(|line| line.contains(&span) && line.contains("idempotency store failed"))
+            .collect();
+        assert_eq!(lines.len(), 1, "{mode:?}: {lines:#?}");
+        assert!(lines[0].contains(level), "{mode:?}: {}", lines[0]);
+        assert!(lines[0].contains("unlogged=0"), "{mode:?}: {}", lines[0]);
+    }
+}
+
 /// A fail-open run after a `begin` that landed but did not answer has its response committed
 /// in the background, which is logged at INFO. The README says events name the storage key at
 /// DEBUG level only: that event named it, so a log at INFO carried one per such run.

@@ -15,6 +15,7 @@ use actix_web::http::header::HeaderName;
 use super::{IdempotencyFuture, answer, pass_through, process, refuse_claimed_further_out};
 use crate::engine::{Engine, EngineHandle, FailMode, Response, Settings, is_safe_method};
 use crate::fingerprint::FingerprintParts;
+use crate::log_interval::LogInterval;
 use crate::policy::{IdempotencyPolicy, checked};
 use crate::replay::ReplayedHeaders;
 use crate::replay_cache::ReplayCache;
@@ -763,6 +764,7 @@ where
                 store: Rc::clone(&self.store),
                 settings: self.settings.clone(),
                 workload: Workload::new(self.settings.limits),
+                store_failures: LogInterval::new(),
             }),
             methods: Rc::from(self.methods.as_slice()),
         }))

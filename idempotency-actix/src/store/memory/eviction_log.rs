@@ -1,19 +1,17 @@
 //! [`EvictionLog`]: counts evictions and warns about them at most once per interval.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-/// The shortest time between two eviction warnings of one store.
-const WARNING_INTERVAL: Duration = Duration::from_secs(10);
+use crate::log_interval::LogInterval;
 
 /// The eviction counter of one store and the rate limit of its warning.
 pub(super) struct EvictionLog {
     total: AtomicU64,
     /// The total at the last warning: the next one says how many were evicted since.
     reported: AtomicU64,
-    /// When the next warning may be logged, in milliseconds since `started`.
-    next_warning_at_ms: AtomicU64,
-    started: Instant,
+    /// At most one warning per `LOG_INTERVAL`.
+    warnings: LogInterval,
 }
 
 impl EvictionLog {
@@ -21,8 +19,7 @@ impl EvictionLog {
         Self {
             total: AtomicU64::new(0),
             reported: AtomicU64::new(0),
-            next_warning_at_ms: AtomicU64::new(0),
-            started: Instant::now(),
+            warnings: LogInterval::new(),
         }
     }
 
@@ -39,16 +36,7 @@ impl EvictionLog {
         }
         crate::instrument::record_evictions(crate::EvictionSource::MemoryStore, evicted);
         let total = self.total.fetch_add(evicted, Ordering::Relaxed) + evicted;
-        let now_ms = u64::try_from(now.saturating_duration_since(self.started).as_millis())
-            .unwrap_or(u64::MAX);
-        let due = self.next_warning_at_ms.load(Ordering::Relaxed);
-        let next = now_ms.saturating_add(WARNING_INTERVAL.as_millis() as u64);
-        if now_ms < due
-            || self
-                .next_warning_at_ms
-                .compare_exchange(due, next, Ordering::Relaxed, Ordering::Relaxed)
-                .is_err()
-        {
+        if self.warnings.admit(now).is_none() {
             return;
         }
         let since_last = total.saturating_sub(self.reported.swap(total, Ordering::Relaxed));
