@@ -319,31 +319,25 @@ impl RedisCluster {
     }
 
     /// Stops the node on `port` with SIGSTOP (a process that hangs: its sockets stay open
-    /// and what is sent to it queues) until [`resume`](Self::resume).
+    /// and what is sent to it queues) until [`resume`](Self::resume); returns once it is
+    /// stopped.
     pub fn pause(&self, port: u16) {
-        self.signal(port, "-STOP");
+        crate::pause_process(self.pid(port), &format!("node {port}"));
     }
 
     /// Wakes the node on `port` that [`pause`](Self::pause) stopped (SIGCONT): it runs what
     /// queued meanwhile before it learns what the cluster decided without it.
     pub fn resume(&self, port: u16) {
-        self.signal(port, "-CONT");
+        crate::signal_process(self.pid(port), "-CONT", &format!("node {port}"));
     }
 
-    fn signal(&self, port: u16, signal: &str) {
-        let pid = self
-            .lock_nodes()
+    fn pid(&self, port: u16) -> u32 {
+        self.lock_nodes()
             .iter()
             .find(|node| node.port == port && node.alive)
             .unwrap_or_else(|| panic!("no running node on port {port}"))
             .child
             .id()
-            .to_string();
-        let status = Command::new("kill")
-            .args([signal, &pid])
-            .status()
-            .expect("kill runs");
-        assert!(status.success(), "kill {signal} {pid} (node {port})");
     }
 
     /// The port of a replica of the primary on `primary`, as the first live node sees it.

@@ -348,6 +348,37 @@ impl PrivateRedis {
         let _ = self.child.wait();
     }
 
+    /// Stops its process (SIGSTOP) until [`resume`](Self::resume), and returns once it is
+    /// stopped: a server that hangs with its sockets open. What is sent to it queues; it
+    /// answers nothing and, as a replica, applies and acknowledges nothing. The stall lasts
+    /// until the test ends it, however slowly a loaded machine runs the test meanwhile (a
+    /// `DEBUG SLEEP` of some length can end before the test has done what needed the
+    /// server stalled).
+    ///
+    /// # Panics
+    ///
+    /// When `kill` fails, or the process is not seen stopped within 10 s.
+    pub fn pause(&self) {
+        pause_process(
+            self.child.id(),
+            &format!("redis-server on port {}", self.port),
+        );
+    }
+
+    /// Wakes it after [`pause`](Self::pause) (SIGCONT): it goes on with what queued
+    /// meanwhile.
+    ///
+    /// # Panics
+    ///
+    /// When `kill` fails.
+    pub fn resume(&self) {
+        signal_process(
+            self.child.id(),
+            "-CONT",
+            &format!("redis-server on port {}", self.port),
+        );
+    }
+
     /// Starts it again on the same port, empty, and waits until it answers.
     pub async fn restart(&mut self) {
         self.stop();
@@ -481,6 +512,43 @@ pub(crate) fn info_names_process(info: &str, pid: u32) -> bool {
     let pid = pid.to_string();
     info.lines()
         .any(|line| line.strip_prefix("process_id:").map(str::trim) == Some(pid.as_str()))
+}
+
+/// Stops process `pid` (SIGSTOP) and waits until it is stopped (`ps` shows state `T`):
+/// `kill` only leaves the signal pending, and until the process is taken off the CPU it
+/// may still act on what it had read (a replica acknowledge what it had applied).
+/// `what` names it in a panic.
+pub(crate) fn pause_process(pid: u32, what: &str) {
+    signal_process(pid, "-STOP", what);
+    let started = std::time::Instant::now();
+    loop {
+        let state = std::process::Command::new("ps")
+            .args(["-o", "stat=", "-p", &pid.to_string()])
+            .output()
+            .expect("ps runs");
+        if String::from_utf8_lossy(&state.stdout)
+            .trim_start()
+            .starts_with('T')
+        {
+            return;
+        }
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(10),
+            "{what} (pid {pid}) not stopped 10 s after SIGSTOP: ps says {:?}",
+            String::from_utf8_lossy(&state.stdout)
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+/// Sends `signal` (`kill`'s argument: `-STOP`, `-CONT`) to process `pid`, which `what`
+/// names in a panic.
+pub(crate) fn signal_process(pid: u32, signal: &str, what: &str) {
+    let status = std::process::Command::new("kill")
+        .args([signal, &pid.to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(status.success(), "kill {signal} {pid} ({what})");
 }
 
 /// How many free ports a private server is tried on before a test gives up.
