@@ -35,14 +35,26 @@ fn app(primary: &PrivateRedis, writes: ReplicatedWrites, runs: &RunsByKey) -> (K
     (app, prefix)
 }
 
+/// The `WAIT` timeout where the replica is down or missing: each write waits all of it.
 const WAIT: Duration = Duration::from_millis(200);
+
+/// The `WAIT` timeout where a test needs the replica, up, to acknowledge its writes: `WAIT`
+/// answers as soon as it does, but a loaded machine (two busy loops on the two cores beside
+/// the file's tests) kept it from acknowledging the first key within 200 ms in 3 of 35
+/// runs (a 503, the store rightly reporting the lock not replicated). Well below the store
+/// timeout (2 s), as `ReplicatedWrites` asks.
+const WAIT_FOR_THE_REPLICA: Duration = Duration::from_secs(1);
 
 #[actix_web::test]
 async fn with_the_replica_up_the_record_is_on_it_when_the_response_arrives() {
     let primary = PrivateRedis::start().await;
     let replica = PrivateRedis::start_replica_of(&primary).await;
     let runs = RunsByKey::default();
-    let (app, prefix) = app(&primary, ReplicatedWrites::new(1, WAIT), &runs);
+    let (app, prefix) = app(
+        &primary,
+        ReplicatedWrites::new(1, WAIT_FOR_THE_REPLICA),
+        &runs,
+    );
 
     for n in 0..20 {
         let key = format!("k{n}");
@@ -88,7 +100,11 @@ async fn strict_refuses_new_keys_while_the_replica_is_down_and_replays_go_on() {
     let primary = PrivateRedis::start().await;
     let mut replica = PrivateRedis::start_replica_of(&primary).await;
     let runs = RunsByKey::default();
-    let (app, _prefix) = app(&primary, ReplicatedWrites::new(1, WAIT), &runs);
+    let (app, _prefix) = app(
+        &primary,
+        ReplicatedWrites::new(1, WAIT_FOR_THE_REPLICA),
+        &runs,
+    );
     let done = app.post("done").await.unwrap();
     assert_eq!(done.status, StatusCode::CREATED, "{done:?}");
 
