@@ -10,6 +10,8 @@
 
 use std::time::{Duration, Instant};
 
+use redis::aio::MultiplexedConnection;
+
 use crate::PrivateRedis;
 
 /// How long a replica may take to catch up, with room for a loaded machine (it acknowledges
@@ -25,16 +27,17 @@ const CATCH_UP_WITHIN: Duration = Duration::from_secs(20);
 ///
 /// When it has not caught up within 20 s, with what both last said.
 pub(crate) async fn wait_until_in_sync(primary: &PrivateRedis, replica: &PrivateRedis) {
+    let (mut primary, mut replica) = (Asked::new(primary).await, Asked::new(replica).await);
     let _: i64 = redis::cmd("PUBLISH")
         .arg("idempotency-actix-tests:replica-sync")
         .arg("")
-        .query_async(&mut primary.connection().await)
+        .query_async(&mut primary.connection)
         .await
-        .unwrap_or_else(|error| panic!("PUBLISH on port {}: {error}", primary.port()));
-    let target = Seen::now(primary, replica).await.primary_offset;
+        .unwrap_or_else(|error| panic!("PUBLISH on port {}: {error}", primary.port));
+    let target = Seen::now(&mut primary, &mut replica).await.primary_offset;
     let started = Instant::now();
     loop {
-        let seen = Seen::now(primary, replica).await;
+        let seen = Seen::now(&mut primary, &mut replica).await;
         if seen.in_sync(target) {
             return;
         }
@@ -42,11 +45,47 @@ pub(crate) async fn wait_until_in_sync(primary: &PrivateRedis, replica: &Private
             started.elapsed() < CATCH_UP_WITHIN,
             "the replica on port {} had not caught up with its primary on port {} (offset \
              {target}) after {:?}: {seen:?}",
-            replica.port(),
-            primary.port(),
+            replica.port,
+            primary.port,
             started.elapsed()
         );
         actix_rt::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A server [`wait_until_in_sync`] asks, on a connection of its own that waits for each
+/// reply as long as the whole catch-up may take. redis-rs gives up on a reply after 500 ms
+/// by default, which a loaded machine can exceed (the server, or this test's thread, kept
+/// off the CPU): the wait then failed on the `INFO replication` it had asked for (seen once
+/// under the whole suite), where the answer was only late.
+struct Asked {
+    port: u16,
+    connection: MultiplexedConnection,
+}
+
+impl Asked {
+    async fn new(server: &PrivateRedis) -> Self {
+        let config = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(CATCH_UP_WITHIN))
+            .set_response_timeout(Some(CATCH_UP_WITHIN));
+        let connection = redis::Client::open(server.url())
+            .expect("valid URL")
+            .get_multiplexed_async_connection_with_config(&config)
+            .await
+            .unwrap_or_else(|error| panic!("connecting to port {}: {error}", server.port()));
+        Self {
+            port: server.port(),
+            connection,
+        }
+    }
+
+    /// Its `INFO replication`.
+    async fn replication_info(&mut self) -> String {
+        redis::cmd("INFO")
+            .arg("replication")
+            .query_async(&mut self.connection)
+            .await
+            .unwrap_or_else(|error| panic!("INFO replication on port {}: {error}", self.port))
     }
 }
 
@@ -64,10 +103,10 @@ struct Seen {
 }
 
 impl Seen {
-    async fn now(primary: &PrivateRedis, replica: &PrivateRedis) -> Self {
-        let on_primary = replication_info(primary).await;
-        let on_replica = replication_info(replica).await;
-        let port = format!("port={}", replica.port());
+    async fn now(primary: &mut Asked, replica: &mut Asked) -> Self {
+        let on_primary = primary.replication_info().await;
+        let on_replica = replica.replication_info().await;
+        let port = format!("port={}", replica.port);
         Self {
             primary_offset: field(&on_primary, "master_repl_offset")
                 .and_then(|offset| offset.parse().ok())
@@ -97,15 +136,6 @@ impl Seen {
             && listed("state") == Some("online")
             && acknowledged >= Some(target)
     }
-}
-
-/// `INFO replication` of `server`.
-async fn replication_info(server: &PrivateRedis) -> String {
-    redis::cmd("INFO")
-        .arg("replication")
-        .query_async(&mut server.connection().await)
-        .await
-        .unwrap_or_else(|error| panic!("INFO replication on port {}: {error}", server.port()))
 }
 
 /// The value of `name` in `info` (`name:value` lines).
