@@ -1522,8 +1522,25 @@ impl HeldLock {
     /// Extends the lease to its current length, bounded by the store timeout.
     /// The lease is counted from when the renewal was sent: the store extends it as of some
     /// moment of the round trip, no earlier.
-    pub(crate) async fn renew(&self) -> Result<bool, StoreError> {
-        let lease = self.lease.get();
+    async fn renew(&self) -> Result<bool, StoreError> {
+        self.renew_to(self.lease.get()).await
+    }
+
+    /// Changes the lease to a route layer's `lease`: renews it to that length, and only
+    /// then has the renewals go by it (woken by [`lease_changed`](Self::lease_changed)),
+    /// whether the renewal landed or not (one that did not is then due at once). Changed
+    /// before that renewal answered, the lease looked changed but not applied to the
+    /// renewals, which sent a renewal of their own at once: two renewals per request on
+    /// such a route.
+    pub(crate) async fn change_lease(&self, lease: Duration) -> Result<bool, StoreError> {
+        let renewed = self.renew_to(lease).await;
+        self.lease.set(lease);
+        self.lease_changed();
+        renewed
+    }
+
+    /// Extends the lease to `lease`, as [`renew`](Self::renew) does.
+    async fn renew_to(&self, lease: Duration) -> Result<bool, StoreError> {
         let sent = Instant::now();
         let renewal = self.store.renew(&self.storage_key, &self.token, lease);
         let renewed = within(StoreOperation::Renew, self.store_timeout, renewal).await;
@@ -1554,7 +1571,7 @@ impl HeldLock {
     /// Tells the renewals that a route layer changed the lease and tried to apply it: they
     /// sleep until the next renewal is due by the lease they knew, which a shorter one
     /// would not last.
-    pub(crate) fn lease_changed(&self) {
+    fn lease_changed(&self) {
         self.lease_changes
             .set(self.lease_changes.get().wrapping_add(1));
         if let Some(renewals) = self.renewals_asleep.take() {

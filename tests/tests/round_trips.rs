@@ -6,10 +6,11 @@
 #![allow(clippy::unwrap_used)]
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use actix_web::http::Method;
 use actix_web::{App, HttpResponse, web};
-use idempotency_actix::{Idempotency, IdempotentRoute, RedisPool, RedisStore};
+use idempotency_actix::{Idempotency, IdempotencyPolicy, IdempotentRoute, RedisPool, RedisStore};
 use idempotency_actix_tests::PrivateRedis;
 
 async fn create() -> HttpResponse {
@@ -151,6 +152,36 @@ async fn round_trips_on(redis: PrivateRedis, new_key: &[(&str, u64)]) {
     );
     let unprotected = redis.take_command_counts().await;
     assert_eq!(unprotected, counts(&[]), "unprotected: no traffic");
+}
+
+/// A route whose layer sets a lease of its own (10 s) under an App layer that claims every
+/// `POST` with its own (30 s): a new key costs one renewal more, the route layer's, which
+/// applies its lease before the handler runs (one FCALL: `GET`, then `PEXPIRE`), and no
+/// other. The lease renewals, which sleep until a renewal is due, took the lease changed but
+/// not yet applied (the route layer's renewal on its way) for a failed renewal and sent one
+/// of their own at once: two renewals per new key on such a route.
+#[actix_web::test]
+async fn a_route_s_own_lease_costs_one_renewal() {
+    let redis = PrivateRedis::start_valkey(&[]).await;
+    let pool = RedisStore::pool(&redis.url()).unwrap();
+    let server = actix_test::start(move || {
+        App::new()
+            .wrap(Idempotency::redis(pool.clone()).protect_methods([Method::POST]))
+            .service(
+                web::resource("/orders")
+                    .wrap(IdempotentRoute::with_policy(
+                        IdempotencyPolicy::default().lease(Duration::from_secs(10)),
+                    ))
+                    .route(web::post().to(create)),
+            )
+    });
+    assert_eq!(post(&server, Method::POST, Some("warm-up")).await, 201);
+    redis.take_command_counts().await;
+
+    assert_eq!(post(&server, Method::POST, Some("new")).await, 201);
+    let mut expected = counts(&NEW_KEY_BY_CONDITIONAL_SET);
+    expected.extend(counts(&[("fcall", 1), ("get", 1), ("pexpire", 1)]));
+    assert_eq!(redis.take_command_counts().await, expected, "new key");
 }
 
 #[actix_web::test]
