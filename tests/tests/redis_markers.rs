@@ -235,3 +235,101 @@ async fn a_commit_written_anew_over_a_marker_that_changed_meanwhile_is_stored() 
         "a retry replays the stored response: {replayed:?}"
     );
 }
+
+/// A Redis user granted what README ("The Redis user's rights") asks at least, without
+/// `PEXPIRETIME` and `PEXPIREAT`, or with `PEXPIRETIME` alone: a key taken over an abandoned
+/// token's marker is begun, committed, released and abandoned with no failed step, the
+/// library calling those two commands only where the user may (`redis.pcall`).
+async fn keys_are_taken_over_markers_without_the_expiry_commands(redis: PrivateRedis) {
+    // README's grant, for every key.
+    const GRANTED: [&str; 12] = [
+        "on",
+        "nopass",
+        "~*",
+        "resetchannels",
+        "-@all",
+        "+set",
+        "+get",
+        "+fcall",
+        "+fcall_ro",
+        "+ping",
+        "+pexpire",
+        "+del",
+    ];
+    let mut admin = redis.connection().await;
+    let print = Fingerprint::compute(&Method::POST, "/orders", "", b"{}", []);
+    let prefix = unique_prefix("narrow-user");
+    for (user, rights) in [
+        ("readme", &["+function|load"][..]),
+        ("pexpiretime", &["+function|load", "+pexpiretime"][..]),
+    ] {
+        let _: () = redis::cmd("ACL")
+            .arg("SETUSER")
+            .arg(user)
+            .arg(&GRANTED[..])
+            .arg(rights)
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+        let url = format!("redis://{user}:any@127.0.0.1:{}", redis.port());
+        let store = RedisStore::new(RedisStore::pool(&url).unwrap());
+        let key = |name: &str| {
+            let name = format!("{user}-{name}");
+            StorageKey::new(
+                &prefix,
+                b"",
+                &IdempotencyKey::parse(name.as_bytes()).unwrap(),
+            )
+        };
+        let taken_over = |name: &str| {
+            let (store, key) = (&store, key(name));
+            async move {
+                let (abandoned, taker) = (LeaseToken::generate(), LeaseToken::generate());
+                assert!(store.abandon(&key, &abandoned, LONG).await.unwrap());
+                let begun = store.begin(&key, &print, &taker, LONG).await.unwrap();
+                assert_eq!(begun, BeginOutcome::Acquired, "{user}");
+                (key, abandoned, taker)
+            }
+        };
+        let (released, _, taker) = taken_over("released").await;
+        assert!(store.release(&released, &taker).await.unwrap(), "{user}");
+        let (completed, abandoned, taker) = taken_over("completed").await;
+        let response = StoredResponse::new(StatusCode::CREATED, Vec::new(), None);
+        assert!(
+            store
+                .commit(&completed, &print, &taker, &response, LONG)
+                .await
+                .unwrap()
+        );
+        assert_eq!(
+            store
+                .begin(&completed, &print, &abandoned, LONG)
+                .await
+                .unwrap(),
+            BeginOutcome::Completed(response),
+            "{user}"
+        );
+        let (given_up, _, taker) = taken_over("abandoned").await;
+        assert!(
+            store.abandon(&given_up, &taker, LONG).await.unwrap(),
+            "{user}"
+        );
+        assert_eq!(
+            store.begin(&given_up, &print, &taker, LONG).await.unwrap(),
+            BeginOutcome::Abandoned,
+            "{user}"
+        );
+    }
+}
+
+#[actix_web::test]
+async fn keys_are_taken_over_markers_without_the_expiry_commands_on_redis_7() {
+    keys_are_taken_over_markers_without_the_expiry_commands(PrivateRedis::start_redis7(&[]).await)
+        .await;
+}
+
+#[actix_web::test]
+async fn keys_are_taken_over_markers_without_the_expiry_commands_on_valkey() {
+    keys_are_taken_over_markers_without_the_expiry_commands(PrivateRedis::start_valkey(&[]).await)
+        .await;
+}

@@ -222,6 +222,17 @@ enum Server {
 
 impl StalledReplica {
     async fn start(test: &str, tokens: usize, server: Server) -> Self {
+        Self::start_over_a_marker(test, tokens, server, false).await
+    }
+
+    /// [`start`](Self::start), where `over_a_marker` has `k1` taken over another token's
+    /// marker: a token abandoned there first, whose marker the lock of `tokens[0]` carries.
+    async fn start_over_a_marker(
+        test: &str,
+        tokens: usize,
+        server: Server,
+        over_a_marker: bool,
+    ) -> Self {
         let primary = match server {
             Server::Valkey | Server::ValkeyByFunction => PrivateRedis::start_valkey(&[]).await,
             Server::Redis7 => PrivateRedis::start_redis7(&[]).await,
@@ -241,6 +252,17 @@ impl StalledReplica {
             _primary: primary,
             replica,
         };
+        if over_a_marker {
+            let abandoned = LeaseToken::generate();
+            let key = setup.key("k1");
+            assert!(
+                setup
+                    .store
+                    .abandon(&key, &abandoned, setup.lease)
+                    .await
+                    .unwrap()
+            );
+        }
         // Two begins at once: the store keeps two spare connections for its replicated
         // writes.
         let (first, second) = futures_util::future::join(
@@ -283,6 +305,25 @@ impl StalledReplica {
         panic!("the replica acknowledged no begin of {name} in 10 tries: {last:?}");
     }
 
+    /// Commits a 201 `paid`, kept for 60 s, at `name` for `tokens[token]`.
+    async fn commit(
+        &self,
+        name: &str,
+        token: usize,
+    ) -> Result<bool, idempotency_actix::StoreError> {
+        let response = StoredResponse::new(
+            StatusCode::CREATED,
+            Vec::new(),
+            Some(Bytes::from_static(b"paid")),
+        );
+        let ttl = Duration::from_secs(60);
+        let paid = self.key(name);
+        let token = &self.tokens[token];
+        self.store
+            .commit(&paid, &self.print, token, &response, ttl)
+            .await
+    }
+
     async fn begin(
         &self,
         name: &str,
@@ -310,6 +351,26 @@ async fn eventually<F: std::future::Future<Output = bool>>(mut attempt: impl FnM
     false
 }
 
+/// A commit of a lock that took its key over another token's marker on a server with
+/// `SET … IFEQ`, which writes nothing over such a lock: the library's `commit` completes it,
+/// and that write waits for the replica as any commit does: not reported replicated while the
+/// replica stalls, and reported once it has caught up. (Without `IFEQ` the commit is that
+/// function from the start, as for any key.)
+async fn a_commit_over_a_marker_is_not_replicated_until_the_replica_has_it(server: Server) {
+    let setup = StalledReplica::start_over_a_marker("commit-over-marker", 2, server, true).await;
+    let commit = || setup.commit("k1", 0);
+    let committed = commit().await;
+    assert!(
+        committed.is_err(),
+        "reported replicated while the replica stalled: {committed:?}"
+    );
+    setup.wake();
+    assert!(
+        eventually(|| async { commit().await.is_ok_and(|held| held) }).await,
+        "the retries never saw the record replicated"
+    );
+}
+
 /// A commit retried after its replicas fell short, on a connection that wrote nothing: the
 /// retry finds the record completed and writes nothing, so the record is written over
 /// itself (`SET … IFEQ`, or the library's `rewrite`) for the `WAIT` behind it to count. (On
@@ -317,18 +378,7 @@ async fn eventually<F: std::future::Future<Output = bool>>(mut attempt: impl FnM
 /// nothing passed at once: helper review, shown by `Server::ValkeyByFunction`.)
 async fn a_retried_commit_is_not_replicated_until_the_replica_has_it(server: Server) {
     let setup = StalledReplica::start("retried-commit", 3, server).await;
-    let response = StoredResponse::new(
-        StatusCode::CREATED,
-        Vec::new(),
-        Some(Bytes::from_static(b"paid")),
-    );
-    let ttl = Duration::from_secs(60);
-    let paid = setup.key("k1");
-    let commit = || {
-        setup
-            .store
-            .commit(&paid, &setup.print, &setup.tokens[0], &response, ttl)
-    };
+    let commit = || setup.commit("k1", 0);
     assert!(
         commit().await.is_err(),
         "the replica has not acknowledged the commit"
@@ -410,4 +460,9 @@ async fn without_ifeq_a_resent_begin_is_not_replicated_until_the_replica_has_it(
 #[actix_web::test]
 async fn on_redis_7_a_resent_begin_is_not_replicated_until_the_replica_has_it() {
     a_resent_begin_is_not_replicated_until_the_replica_has_it(Server::Redis7).await;
+}
+
+#[actix_web::test]
+async fn on_valkey_a_commit_over_a_marker_is_not_replicated_until_the_replica_has_it() {
+    a_commit_over_a_marker_is_not_replicated_until_the_replica_has_it(Server::Valkey).await;
 }
