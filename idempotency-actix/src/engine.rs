@@ -7,7 +7,7 @@
 use std::cell::{Cell, RefCell};
 use std::panic::AssertUnwindSafe;
 use std::rc::Rc;
-use std::task::{Poll, Waker};
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use actix_web::body::{BodySize, BoxBody, MessageBody};
@@ -173,11 +173,6 @@ pub(crate) struct HeldLock {
     /// stops without reporting it lost, as the commit itself may have completed it (and
     /// tells otherwise).
     committing: Cell<bool>,
-    /// The lease changes a route layer made ([`HeldLock::lease_changed`]), counted...
-    lease_changes: Cell<u32>,
-    /// ...for the renewals, which sleep until the next renewal is due by the lease they
-    /// know and are woken by this when it changes.
-    renewals_asleep: Cell<Option<Waker>>,
     store: Rc<dyn DynStore>,
     store_timeout: Duration,
 }
@@ -412,8 +407,6 @@ impl Engine {
                     route_policy: RefCell::new(None),
                     lost_reported: Cell::new(false),
                     committing: Cell::new(false),
-                    lease_changes: Cell::new(0),
-                    renewals_asleep: Cell::new(None),
                     store: Rc::clone(&self.store),
                     store_timeout: self.settings.store_timeout,
                 });
@@ -631,8 +624,6 @@ impl Engine {
             // A renewal that finds no record stops without reporting it lost: the `begin`
             // may never have landed.
             committing: Cell::new(true),
-            lease_changes: Cell::new(0),
-            renewals_asleep: Cell::new(None),
             store: Rc::clone(&self.store),
             store_timeout: self.settings.store_timeout,
         });
@@ -1318,79 +1309,56 @@ async fn while_renewing_lease<T>(work: impl Future<Output = T>, lock: &Rc<HeldLo
     }
 }
 
-/// Renews the lease of `lock` every third of it until the lease is lost. Between renewals
-/// it sleeps until the next is due, or until a route layer changes the lease
-/// ([`HeldLock::lease_changed`]), so a shorter lease is honoured at once. (It used to wake
-/// every 100 ms to look: a timer that early, set for every request that waits on its
-/// commit, made Tokio's timer wake its own runtime through an `eventfd` write, one system
-/// call per request or two.)
+/// Renews the lease of `lock` every third of it until the lease is lost. The lease is read
+/// afresh at every tick, so a route layer that changes it is honoured at once.
 ///
 /// Each renewal runs on a task of its own, so one that is on its way when this stops (the
 /// handler returned, the commit is next) still reaches the store: cancelled before it was
 /// written (while its connection reconnects, say), it would leave the lease to run out from
 /// the renewal before it while the commit is on its way.
 ///
-/// A failed renewal is retried after [`RENEWAL_TICK`] (or a third of the lease, if less).
-/// Only the first failure of a run of them is logged as a warning (the others at debug
-/// level), and the renewal that ends the run at info level: a store that stays down would
-/// otherwise log a warning per request every tick.
+/// A failed renewal is retried at the next tick. Only the first failure of a run of them is
+/// logged as a warning (the others at debug level), and the renewal that ends the run at
+/// info level: a store that stays down would otherwise log a warning per request every tick.
 async fn keep_renewing(lock: &Rc<HeldLock>) {
     let mut failures: u64 = 0;
     loop {
-        let due_in = lock.next_renewal_in();
-        if !due_in.is_zero() {
-            lock.sleep_until_renewal_due(due_in).await;
+        let lease = lock.lease.get();
+        actix_rt::time::sleep((lease / 3).min(RENEWAL_TICK)).await;
+        if !lock.renewal_due() {
             continue;
         }
         let renewal = actix_rt::spawn({
             let lock = Rc::clone(lock);
             async move { lock.renew().await }
         });
-        if let Ok(renewed) = renewal.await
-            && !renewed_or_retry(lock, renewed, &mut failures)
-        {
-            return;
-        }
-        // Still due: the renewal failed, or took longer than a third of the lease.
-        if lock.next_renewal_in().is_zero() {
-            actix_rt::time::sleep((lock.lease.get() / 3).min(RENEWAL_TICK)).await;
-        }
-    }
-}
-
-/// Handles the answer to a renewal: `false` when the lease is lost and renewals stop.
-fn renewed_or_retry(
-    lock: &HeldLock,
-    renewed: Result<bool, StoreError>,
-    failures: &mut u64,
-) -> bool {
-    match renewed {
-        Ok(true) => {
-            if *failures > 0 {
-                let failures = *failures;
-                tracing::info!(failures, "idempotency: lease renewed after failed renewals");
+        let Ok(renewed) = renewal.await else {
+            continue;
+        };
+        match renewed {
+            Ok(true) => {
+                if failures > 0 {
+                    tracing::info!(failures, "idempotency: lease renewed after failed renewals");
+                    failures = 0;
+                }
             }
-            *failures = 0;
-            true
-        }
-        Ok(false) => {
-            if !lock.committing.get() {
-                lock.report_lost(NoticedBy::Renewal);
+            Ok(false) => {
+                if !lock.committing.get() {
+                    lock.report_lost(NoticedBy::Renewal);
+                }
+                return;
             }
-            false
-        }
-        Err(error) => {
-            *failures += 1;
-            if *failures == 1 {
-                tracing::warn!(
-                    %error,
-                    "idempotency: lease renewal failed; will retry (further failures of this lease at debug level)"
-                );
-            } else {
-                let failures = *failures;
-                tracing::debug!(%error, failures, "idempotency: lease renewal failed again");
+            Err(error) => {
+                failures += 1;
+                if failures == 1 {
+                    tracing::warn!(
+                        %error,
+                        "idempotency: lease renewal failed; will retry (further failures of this lease at debug level)"
+                    );
+                } else {
+                    tracing::debug!(%error, failures, "idempotency: lease renewal failed again");
+                }
             }
-            true
         }
     }
 }
@@ -1463,8 +1431,7 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// How long a renewal that is still due (it failed, or took longer than a third of the
-/// lease) waits before it is tried again, at most.
+/// How often a running request checks whether its lease is due for renewal.
 const RENEWAL_TICK: Duration = Duration::from_millis(100);
 
 /// The lease of a `begin` sent while the process drains (`Idempotency::drain`), when the
@@ -1522,25 +1489,8 @@ impl HeldLock {
     /// Extends the lease to its current length, bounded by the store timeout.
     /// The lease is counted from when the renewal was sent: the store extends it as of some
     /// moment of the round trip, no earlier.
-    async fn renew(&self) -> Result<bool, StoreError> {
-        self.renew_to(self.lease.get()).await
-    }
-
-    /// Changes the lease to a route layer's `lease`: renews it to that length, and only
-    /// then has the renewals go by it (woken by [`lease_changed`](Self::lease_changed)),
-    /// whether the renewal landed or not (one that did not is then due at once). Changed
-    /// before that renewal answered, the lease looked changed but not applied to the
-    /// renewals, which sent a renewal of their own at once: two renewals per request on
-    /// such a route.
-    pub(crate) async fn change_lease(&self, lease: Duration) -> Result<bool, StoreError> {
-        let renewed = self.renew_to(lease).await;
-        self.lease.set(lease);
-        self.lease_changed();
-        renewed
-    }
-
-    /// Extends the lease to `lease`, as [`renew`](Self::renew) does.
-    async fn renew_to(&self, lease: Duration) -> Result<bool, StoreError> {
+    pub(crate) async fn renew(&self) -> Result<bool, StoreError> {
+        let lease = self.lease.get();
         let sent = Instant::now();
         let renewal = self.store.renew(&self.storage_key, &self.token, lease);
         let renewed = within(StoreOperation::Renew, self.store_timeout, renewal).await;
@@ -1551,46 +1501,13 @@ impl HeldLock {
         renewed
     }
 
-    /// How long until the lease is to be renewed: zero once a third of the lease the store
-    /// holds has passed, or when the lease was changed and the store does not hold the new
-    /// one yet (a route layer's renewal failed: the record still expires by the old one,
-    /// however long the new one is).
-    fn next_renewal_in(&self) -> Duration {
+    /// Whether the lease is to be renewed now: a third of the lease the store holds has
+    /// passed, or the lease was changed and the store does not hold the new one yet (a route
+    /// layer's renewal failed: the record still expires by the old one, however long the
+    /// new one is).
+    fn renewal_due(&self) -> bool {
         let applied = self.applied_lease.get();
-        if self.lease.get() != applied {
-            return Duration::ZERO;
-        }
-        self.renewed_at
-            .get()
-            .checked_add(applied / 3)
-            .map_or(Duration::MAX, |due| {
-                due.saturating_duration_since(Instant::now())
-            })
-    }
-
-    /// Tells the renewals that a route layer changed the lease and tried to apply it: they
-    /// sleep until the next renewal is due by the lease they knew, which a shorter one
-    /// would not last.
-    fn lease_changed(&self) {
-        self.lease_changes
-            .set(self.lease_changes.get().wrapping_add(1));
-        if let Some(renewals) = self.renewals_asleep.take() {
-            renewals.wake();
-        }
-    }
-
-    /// Sleeps for `due_in`, or until [`HeldLock::lease_changed`] is called.
-    async fn sleep_until_renewal_due(&self, due_in: Duration) {
-        let changes = self.lease_changes.get();
-        let mut sleep = std::pin::pin!(actix_rt::time::sleep(due_in));
-        std::future::poll_fn(|cx| {
-            if self.lease_changes.get() != changes || sleep.as_mut().poll(cx).is_ready() {
-                return Poll::Ready(());
-            }
-            self.renewals_asleep.set(Some(cx.waker().clone()));
-            Poll::Pending
-        })
-        .await;
+        self.lease.get() != applied || self.renewed_at.get().elapsed() >= applied / 3
     }
 }
 

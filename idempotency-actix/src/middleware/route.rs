@@ -238,12 +238,12 @@ where
                     .unwrap_or_else(|| lock.lease.get());
                 lock.route_policy.replace(Some(overrides));
                 crate::engine::warn_if_renewals_can_outlast(lease, engine.settings.store_timeout);
-                if lock.lease.get() == lease {
+                if lock.lease.replace(lease) == lease {
                     return pass_through(&*self.service, req);
                 }
                 let service = Rc::clone(&self.service);
                 IdempotencyFuture::processing(Box::pin(async move {
-                    if let Err(error) = lock.change_lease(lease).await {
+                    if let Err(error) = lock.renew().await {
                         tracing::warn!(%error, "idempotency: could not apply the route's lease; retried at the next renewal tick");
                     }
                     service.call(req).await.map(with_handler_body)
