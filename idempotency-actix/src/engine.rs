@@ -1375,7 +1375,9 @@ async fn keep_renewing(lock: &Rc<HeldLock>) {
 /// expired by then and a retry would have run the handler again anyway. Stops at the first
 /// answer: committed (over this token's in-flight record, or written anew where its record
 /// was lost and the key is free), or "not held" (another request holds or completed the
-/// key: the loss is reported).
+/// key: the loss is reported). A commit answered "committed" is looked at again a second
+/// later and sent again if the store still holds the in-flight record (a node that took it
+/// and lost it in a failover: see [`still_in_flight_after_landing`]).
 async fn keep_committing(lock: Rc<HeldLock>, stored: StoredResponse, ttl: Duration) {
     let deadline = Instant::now() + ttl;
     let mut pause = Duration::from_millis(50);
@@ -1401,8 +1403,16 @@ async fn keep_committing(lock: Rc<HeldLock>, stored: StoredResponse, ttl: Durati
         );
         match within(StoreOperation::Commit, lock.store_timeout, commit).await {
             Ok(true) => {
-                tracing::info!(attempts, "idempotency: background commit landed");
-                return;
+                if !still_in_flight_after_landing(&lock, deadline).await {
+                    tracing::info!(attempts, "idempotency: background commit landed");
+                    return;
+                }
+                tracing::warn!(
+                    attempts,
+                    "idempotency: a background commit that landed is not in the store a moment later (taken by a node that lost it in a failover?); committing again"
+                );
+                pause = Duration::from_millis(50);
+                continue;
             }
             Ok(false) => {
                 lock.report_lost(NoticedBy::Commit);
@@ -1421,6 +1431,37 @@ async fn keep_committing(lock: Rc<HeldLock>, stored: StoredResponse, ttl: Durati
         "idempotency: commit kept failing for the record's whole ttl; the key is released when its lease expires"
     );
 }
+
+/// After a commit retried in the background answered that it wrote: whether the store still
+/// holds the request's in-flight record [`COMMIT_LOOK_AGAIN_AFTER`] later (at most a third of
+/// the lease), asked by a renewal, which succeeds only on that record (and then keeps it
+/// locked while the commit is sent again). A commit that needed retries is one that met a
+/// store in trouble, a failover among them: a Redis Cluster primary paused past the
+/// cluster's node timeout, woken after its replica was promoted, takes the commits queued
+/// for it before it learns it was demoted, answers them, and loses them with the demotion;
+/// the promoted replica still holds the in-flight record. A second later the old primary
+/// redirects, so the renewal reaches the node that serves the key. A renewal that fails is
+/// sent again after the same pause, until `deadline`; `false` at the deadline.
+async fn still_in_flight_after_landing(lock: &HeldLock, deadline: Instant) -> bool {
+    loop {
+        let pause = COMMIT_LOOK_AGAIN_AFTER.min(lock.lease.get() / 3);
+        if Instant::now() + pause >= deadline {
+            return false;
+        }
+        actix_rt::time::sleep(pause).await;
+        match lock.renew().await {
+            Ok(held) => return held,
+            Err(error) => tracing::debug!(
+                %error,
+                "idempotency: the look at a background commit failed; asking again"
+            ),
+        }
+    }
+}
+
+/// How long after a commit retried in the background answered the store is asked whether
+/// it kept it (see [`still_in_flight_after_landing`]).
+const COMMIT_LOOK_AGAIN_AFTER: Duration = Duration::from_secs(1);
 
 /// A background task that stops when this is dropped.
 struct AbortOnDrop(actix_rt::task::JoinHandle<()>);

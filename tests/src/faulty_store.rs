@@ -22,7 +22,9 @@ use crate::RunCounter;
 /// later (a reply stuck behind a large one), and a renewal may reach the store only
 /// `renew_delay` after it was sent; its next `failed_renewals` renewals fail as a store that
 /// times out does, and its next `failed_commits` commits fail as a store that refuses them
-/// does (a Redis at its memory limit that still takes a small in-flight record); each
+/// does (a Redis at its memory limit that still takes a small in-flight record), and the
+/// next `lost_commits` of those that do not fail answer that they wrote and write nothing
+/// (a primary that took them and lost them as a failover demoted it); each
 /// `release` is counted in `releases` as it is sent and reaches `inner` only after
 /// `release_delay`; its next `late_begins` fail as a store that times out does and reach
 /// `inner` only `late_by` later, on their own (a `begin` stuck in a connection's queue that
@@ -57,6 +59,9 @@ pub struct FaultyStore {
     pub failed_renewals: Arc<AtomicU32>,
     /// How many commits are still to fail (`u32::MAX`: until the test sets it to 0).
     pub failed_commits: Arc<AtomicU32>,
+    /// How many commits that do not fail are still to answer `true` without reaching
+    /// `inner`.
+    pub lost_commits: Arc<AtomicU32>,
     /// How long each `release` waits before it reaches `inner`.
     pub release_delay: Duration,
     /// The `release`s sent, counted as they are sent (before `release_delay`).
@@ -139,6 +144,9 @@ impl IdempotencyStore for FaultyStore {
         actix_rt::time::sleep(self.commit_delay).await;
         if fails(&self.failed_commits) {
             return Err(StoreError::Protocol("commit refused on purpose".into()));
+        }
+        if fails(&self.lost_commits) {
+            return Ok(true);
         }
         let committed = self
             .inner

@@ -43,8 +43,12 @@ fn order(addr: SocketAddr, key: &str) -> Option<(u16, Vec<u8>)> {
 /// the record there, a resent one finds that and writes nothing), and the read after that
 /// goes to the new primary, which holds the request's in-flight record. That commit was
 /// taken for lost and given up, its lease no longer renewed: its key answered 409 until the
-/// lease ran out, and the next retry ran the handler a second time. Now every request's
-/// retry soon gets its replay.
+/// lease ran out, and the next retry ran the handler a second time. Where the read after
+/// that reached the old primary before it learnt of its demotion, it found the record
+/// completed, and the commit was taken as landed though the demotion dropped it (1 run in 8
+/// under load; several keys in one run): a commit that lands in the background is now
+/// looked at again a second later and sent again. Now every request's retry soon gets its
+/// replay.
 #[test]
 fn a_primary_woken_after_its_replica_took_over_loses_no_commit() {
     let cluster = RedisCluster::start_redis8();
