@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use actix_web::body::{BodySize, BoxBody, MessageBody};
 use actix_web::dev::{Payload, Service, ServiceRequest, ServiceResponse};
-use actix_web::http::StatusCode;
 use actix_web::http::header::{self, HeaderName};
+use actix_web::http::{ConnectionType, StatusCode};
 use actix_web::web::{Bytes, BytesMut};
 use actix_web::{HttpMessage, HttpRequest, ResponseError};
 use futures_util::StreamExt;
@@ -561,13 +561,22 @@ impl Engine {
                         tracing::error!(%error, unlogged, "idempotency store failed; answering 503 (fail-closed)");
                     }
                     let retry_after = self.settings.retry_after;
-                    Ok(self.refuse(
+                    let mut refused = self.refuse(
                         req,
                         IdempotencyError::StoreUnavailable {
                             source: error,
                             retry_after,
                         },
-                    ))
+                    );
+                    if draining {
+                        // As the drain's own 503: the retry opens a connection, which a load
+                        // balancer sends to an instance that is not stopping.
+                        refused
+                            .response_mut()
+                            .head_mut()
+                            .set_connection_type(ConnectionType::Close);
+                    }
+                    Ok(refused)
                 }
             },
         }

@@ -1,10 +1,10 @@
 //! [`GatedRoutes`]: a slow protected route that waits at a [`Gate`] and a quick one, for the
 //! tests that hold keyed work in progress (caps on a worker's work, draining it).
 
-use actix_web::{HttpResponse, web};
-use idempotency_actix::IdempotentRoute;
+use actix_web::{App, HttpResponse, web};
+use idempotency_actix::{FailMode, Idempotency, IdempotentRoute, KeyScope};
 
-use crate::{Gate, RunCounter};
+use crate::{FaultyStore, Gate, Reply, RunCounter};
 
 /// `POST /work`, which counts its run in [`work_runs`](Self::work_runs), waits at
 /// [`gate`](Self::gate) and answers 201 `work N` (N the count after its run), and
@@ -59,4 +59,32 @@ impl GatedRoutes {
                 );
         }
     }
+
+    /// A test server of the two routes behind `Idempotency::new(store)` failing as
+    /// `fail_mode` says, its keys shared by every caller.
+    pub fn serve_on(&self, store: &FaultyStore, fail_mode: FailMode) -> actix_test::TestServer {
+        let (routes, store) = (self.clone(), store.clone());
+        actix_test::start(move || {
+            App::new()
+                .wrap(
+                    Idempotency::new(store.clone())
+                        .on_store_error(fail_mode)
+                        .scope(KeyScope::global()),
+                )
+                .configure(routes.clone().configure())
+        })
+    }
+}
+
+/// `POST /quick` of [`GatedRoutes::serve_on`]'s `server` with `key`.
+///
+/// # Panics
+///
+/// When the request or its body fails.
+pub async fn post_quick(server: &actix_test::TestServer, key: &str) -> Reply {
+    let request = server
+        .post("/quick")
+        .insert_header(("idempotency-key", key));
+    let response = request.send().await.expect("the server answers");
+    Reply::read(response).await.expect("the body arrives whole")
 }

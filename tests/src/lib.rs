@@ -22,7 +22,7 @@ mod test_redis;
 
 pub use faulty_store::FaultyStore;
 pub use flood::FloodServer;
-pub use gated_routes::GatedRoutes;
+pub use gated_routes::{GatedRoutes, post_quick};
 pub use post_twice::post_twice;
 pub use proxy::MovableAddress;
 pub use servers::{redis7_server, redis8_server, redis8_url, valkey_server, valkey_url};

@@ -10,34 +10,17 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use actix_web::App;
 use actix_web::http::StatusCode;
-use idempotency_actix::{FailMode, Idempotency, KeyScope};
-use idempotency_actix_tests::{FaultyStore, GatedRoutes, Reply};
+use idempotency_actix::{FailMode, Idempotency};
+use idempotency_actix_tests::{FaultyStore, GatedRoutes, post_quick};
 
 #[actix_web::test]
 async fn a_new_key_whose_begin_fails_while_draining_is_refused_not_run_unprotected() {
     let store = FaultyStore::default();
     let routes = GatedRoutes::default();
     let runs = routes.quick_runs.clone();
-    let server = actix_test::start({
-        let store = store.clone();
-        move || {
-            App::new()
-                .wrap(
-                    Idempotency::new(store.clone())
-                        .on_store_error(FailMode::Open)
-                        .scope(KeyScope::global()),
-                )
-                .configure(routes.configure())
-        }
-    });
-    let post = |key: &'static str| {
-        let request = server
-            .post("/quick")
-            .insert_header(("idempotency-key", key));
-        async move { Reply::read(request.send().await.unwrap()).await.unwrap() }
-    };
+    let server = routes.serve_on(&store, FailMode::Open);
+    let post = |key| post_quick(&server, key);
 
     let done = post("done").await;
     assert_eq!(done.status, StatusCode::CREATED, "{done:?}");

@@ -645,8 +645,9 @@ impl Idempotency {
     /// Drains this process's keyed work before it stops: from now on no handler runs for a
     /// new key, in any app or worker (such a request gives the key back and gets a 503
     /// problem, [`IdempotencyError::ShuttingDown`], with `Retry-After` and
-    /// `Connection: close`, so that its retry reaches another instance), while replays,
-    /// 409s and 422s are answered as ever; and this waits until no keyed work is in
+    /// `Connection: close`, so that its retry reaches another instance; failing closed, a
+    /// `begin` that fails gets the failed store's 503 with `Connection: close` too), while
+    /// replays, 409s and 422s are answered as ever; and this waits until no keyed work is in
     /// progress, or until `timeout`. Returns how much keyed work was still in progress
     /// then: 0 once drained. There is no way back: call it when the process is about to
     /// stop, then stop the server.
