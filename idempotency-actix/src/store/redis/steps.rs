@@ -290,10 +290,9 @@ impl<T: Transport> Steps<'_, T> {
     /// Completes this token's in-flight record that took the key over a marker (see
     /// [`Unwritten::HeldOverMarker`]), by the library's `commit`, which keeps the record for
     /// the marker's time. A rare round trip more, after a commit by `SET … IFEQ`: only for a
-    /// key taken over a marker. Where even that writes nothing, the commit was answered by
-    /// a node that no longer serves the key (see [`AnsweredElsewhere`]), or an earlier send
-    /// of it completed the record under replicated writes: an error, so that the commit is
-    /// sent again, which reads the record it finds and waits for its replicas.
+    /// key taken over a marker. Where even that writes nothing (see [`ChangedSinceRead`]):
+    /// an error, so that the commit is sent again, which reads the record it finds (and,
+    /// under replicated writes, waits for its replicas).
     async fn commit_over_marker(
         &self,
         key: &StorageKey,
@@ -314,7 +313,9 @@ impl<T: Transport> Steps<'_, T> {
                 Ok(true)
             }
             Committed::CompletedEarlier if self.replication.is_none() => Ok(true),
-            Committed::CompletedEarlier | Committed::Unwritten => Err(answered_elsewhere()),
+            Committed::CompletedEarlier | Committed::Unwritten => {
+                Err(StoreError::Unavailable(Box::new(ChangedSinceRead)))
+            }
         }
     }
 
@@ -381,6 +382,17 @@ impl<T: Transport> Steps<'_, T> {
 #[derive(Debug, thiserror::Error)]
 #[error("commit answered by a node that no longer serves the key; the record is still held")]
 struct AnsweredElsewhere;
+
+/// A commit by the library's function over a record read a moment before as this token's,
+/// taken over a marker, that wrote nothing: the record changed in between (its lease ran
+/// out and another request took the key, it expired, or an earlier send of this commit
+/// completed it and replicated writes must see it rewritten), or another node answered.
+/// The commit is sent again, which reads the key anew and acts on what it finds.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "commit over a marker wrote nothing: the record changed since it was read; sending it again"
+)]
+struct ChangedSinceRead;
 
 fn answered_elsewhere() -> StoreError {
     StoreError::Unavailable(Box::new(AnsweredElsewhere))
