@@ -1450,8 +1450,11 @@ async fn keep_committing(lock: Rc<HeldLock>, stored: StoredResponse, ttl: Durati
 /// for it before it learns it was demoted, answers them, and loses them with the demotion;
 /// the promoted replica still holds the in-flight record. A second later the old primary
 /// redirects, so the renewal reaches the node that serves the key. A renewal that fails is
-/// sent again after the same pause, until `deadline`; `false` at the deadline.
+/// sent again after the same pause, for a lease at most (by then an in-flight record that no
+/// renewal reached has expired: there is nothing left to complete) and never past
+/// `deadline`; `false` then.
 async fn still_in_flight_after_landing(lock: &HeldLock, deadline: Instant) -> bool {
+    let deadline = deadline.min(Instant::now() + lock.lease.get());
     loop {
         let pause = COMMIT_LOOK_AGAIN_AFTER.min(lock.lease.get() / 3);
         if Instant::now() + pause >= deadline {
