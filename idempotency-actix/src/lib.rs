@@ -203,13 +203,15 @@
 //!   record (evicted, deleted, or expired with a lease that could not be renewed) frees the
 //!   key for a second run, and it is logged and counted ([`Idempotency::lost_records`]).
 //!   A commit that finds its record lost and the key free (no request holds it) writes the
-//!   completed record anew, so a later retry gets the replay.
+//!   completed record anew, so a later retry gets the replay. A commit that landed in the
+//!   background is looked at again a second later and sent again if the store still holds
+//!   the in-flight record (a node that took it and lost it in a failover).
 //! * Each worker takes on at most [`DEFAULT_MAX_IN_FLIGHT`] keyed requests at once, at most
 //!   [`DEFAULT_MAX_DETACHED`] of them without their client ([`Idempotency::max_in_flight`],
 //!   [`Idempotency::max_detached`]); beyond that new keyed requests get 503 with
 //!   `Retry-After` at once, and nothing already running is cancelled. A commit retried in
-//!   the background counts as detached until it lands, so failing commits cannot pile up
-//!   with their responses.
+//!   the background counts as detached until it lands (and that second look answers), so
+//!   failing commits cannot pile up with their responses.
 //! * Actix's graceful stop does not wait for a keyed request whose client left (it has no
 //!   connection), and its workers drop what they still run once they stop: drain first
 //!   ([`Idempotency::drain`]), then stop the server, so that such a handler finishes and
