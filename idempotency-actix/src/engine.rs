@@ -166,6 +166,10 @@ pub(crate) struct HeldLock {
     /// ...and to how far: the record expires `applied_lease` after `renewed_at`. It differs
     /// from `lease` from the moment a route layer changes that until a renewal applies it.
     applied_lease: Cell<Duration>,
+    /// When the first renewal given up by the store timeout since the last one that renewed
+    /// was sent: it may still land, and a store may answer a later renewal with its answer
+    /// (see `HeldLock::renew`).
+    given_up_since: Cell<Option<Instant>>,
     pub(crate) route_policy: RefCell<Option<IdempotencyPolicy>>,
     /// Whether the loss of this lock's record has been reported (once per request).
     lost_reported: Cell<bool>,
@@ -404,6 +408,7 @@ impl Engine {
                     lease: Cell::new(policy.lease),
                     renewed_at: Cell::new(pending.sent_at.get()),
                     applied_lease: Cell::new(policy.lease),
+                    given_up_since: Cell::new(None),
                     route_policy: RefCell::new(None),
                     lost_reported: Cell::new(false),
                     committing: Cell::new(false),
@@ -628,6 +633,7 @@ impl Engine {
             lease: Cell::new(policy.lease),
             renewed_at: Cell::new(held.sent_at),
             applied_lease: Cell::new(policy.lease),
+            given_up_since: Cell::new(None),
             route_policy: RefCell::new(None),
             lost_reported: Cell::new(false),
             // A renewal that finds no record stops without reporting it lost: the `begin`
@@ -1541,15 +1547,26 @@ impl HeldLock {
 
     /// Extends the lease to its current length, bounded by the store timeout.
     /// The lease is counted from when the renewal was sent: the store extends it as of some
-    /// moment of the round trip, no earlier.
+    /// moment of the round trip, no earlier. After renewals given up by the timeout, from
+    /// when the first of them was sent: a store may answer this renewal with the answer of
+    /// one of them, still on its way (the PostgreSQL store sends a lease one renewal at a
+    /// time), whose write may be older than this renewal.
     pub(crate) async fn renew(&self) -> Result<bool, StoreError> {
         let lease = self.lease.get();
         let sent = Instant::now();
         let renewal = self.store.renew(&self.storage_key, &self.token, lease);
         let renewed = within(StoreOperation::Renew, self.store_timeout, renewal).await;
-        if let Ok(true) = renewed {
-            self.renewed_at.set(sent);
-            self.applied_lease.set(lease);
+        match renewed {
+            Ok(true) => {
+                self.renewed_at
+                    .set(self.given_up_since.take().unwrap_or(sent));
+                self.applied_lease.set(lease);
+            }
+            Err(StoreError::Timeout(_)) => {
+                self.given_up_since
+                    .set(Some(self.given_up_since.get().unwrap_or(sent)));
+            }
+            _ => {}
         }
         renewed
     }

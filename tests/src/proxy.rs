@@ -71,6 +71,11 @@ impl MovableAddress {
         self.silent_below.store(open, Ordering::SeqCst);
     }
 
+    /// How many connections it has passed on so far.
+    pub fn connections(&self) -> u64 {
+        self.accepted.load(Ordering::SeqCst)
+    }
+
     /// The port it listens on.
     pub fn port(&self) -> u16 {
         self.port

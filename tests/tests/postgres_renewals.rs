@@ -12,11 +12,13 @@ use std::time::{Duration, Instant};
 
 use actix_web::http::StatusCode;
 use actix_web::{App, HttpRequest, HttpResponse, web};
+use bb8_postgres::PostgresConnectionManager;
 use idempotency_actix::{
     Idempotency, IdempotencyPolicy, IdempotentRoute, IdempotentTransaction, PostgresPool,
     PostgresStore,
 };
 use idempotency_actix_tests::{Gate, MovableAddress, Reply, RunCounter, TestDatabase};
+use tokio_postgres::NoTls;
 
 /// How many times the handler ran, by key.
 #[derive(Clone, Default)]
@@ -518,4 +520,232 @@ async fn refused_renewal_connections_are_tried_once_a_second_per_worker() {
         assert_eq!(reply.await.unwrap().status, StatusCode::CREATED);
     }
     assert_eq!(runs.get(), 4);
+}
+
+/// Counts its run by key; the first run of a key holds it until the gate opens.
+async fn held_first_run(
+    runs: web::Data<Runs>,
+    gate: web::Data<Gate>,
+    req: HttpRequest,
+) -> HttpResponse {
+    let key = req
+        .headers()
+        .get("idempotency-key")
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let run = {
+        let mut runs = runs.0.lock().unwrap();
+        let count = runs.entry(key).or_default();
+        *count += 1;
+        *count
+    };
+    if run == 1 {
+        gate.wait().await;
+    }
+    HttpResponse::Created().finish()
+}
+
+/// Many leases held on one worker whose every `UPDATE` is slow, by an instance that reaches
+/// PostgreSQL through a proxy of the test's own, its pool of two; a second instance reaches
+/// it directly. The test can then take the first instance's pool and make its new
+/// connections hang ([`cut_off`](Self::cut_off)): its renewals have only the renewal
+/// connection open by then.
+struct SlowLeases {
+    _database: TestDatabase,
+    proxy: MovableAddress,
+    pool: PostgresPool,
+    first: actix_test::TestServer,
+    second: actix_test::TestServer,
+    runs: Runs,
+    gate: Gate,
+    client: awc::Client,
+    held: Vec<actix_rt::task::JoinHandle<Reply>>,
+    keys: usize,
+}
+
+impl SlowLeases {
+    /// `keys` requests to the first instance, each holding its key with `lease`, renewed
+    /// within `store_timeout`; every `UPDATE` takes `write` longer. Returns once every
+    /// handler runs.
+    async fn start(keys: usize, write: Duration, lease: Duration, store_timeout: Duration) -> Self {
+        let database = TestDatabase::create().await;
+        let (proxy, proxied_url) = proxied(&database);
+        let direct = PostgresStore::new(pool_of_two(&database));
+        direct.migrate().await.unwrap();
+        database
+            .connection()
+            .await
+            .batch_execute(&format!(
+                "CREATE FUNCTION slow() RETURNS trigger LANGUAGE plpgsql AS $$
+                 BEGIN PERFORM pg_sleep({}); RETURN NEW; END $$;
+                 CREATE TRIGGER slow BEFORE UPDATE ON idempotency_records
+                 FOR EACH ROW EXECUTE FUNCTION slow();",
+                write.as_secs_f64()
+            ))
+            .await
+            .unwrap();
+        let pool = pool_of_two_on(&proxied_url);
+        let (runs, gate) = (Runs::default(), Gate::default());
+        let instance = |store: PostgresStore| {
+            let (runs, gate) = (runs.clone(), gate.clone());
+            actix_test::start(move || {
+                App::new()
+                    .app_data(web::Data::new(runs.clone()))
+                    .app_data(web::Data::new(gate.clone()))
+                    .wrap(Idempotency::postgres(store.clone()).store_timeout(store_timeout))
+                    .service(
+                        web::resource("/orders")
+                            .wrap(IdempotentRoute::with_policy(
+                                IdempotencyPolicy::default().lease(lease),
+                            ))
+                            .route(web::post().to(held_first_run)),
+                    )
+            })
+        };
+        let (first, second) = (instance(PostgresStore::new(pool.clone())), instance(direct));
+        let client = awc::Client::builder()
+            .connector(awc::Connector::new().limit(0))
+            .timeout(Duration::from_secs(30))
+            .finish();
+        let mut leases = Self {
+            _database: database,
+            proxy,
+            pool,
+            first,
+            second,
+            runs,
+            gate,
+            client,
+            held: Vec::new(),
+            keys,
+        };
+        leases.held = (0..keys)
+            .map(|i| leases.post(&leases.first, format!("k{i}")))
+            .collect();
+        while leases.runs.0.lock().unwrap().len() < keys {
+            actix_rt::time::sleep(Duration::from_millis(20)).await;
+        }
+        leases
+    }
+
+    /// Posts `key` to `/orders` of `server` (one of the two), answered on a task.
+    fn post(
+        &self,
+        server: &actix_test::TestServer,
+        key: String,
+    ) -> actix_rt::task::JoinHandle<Reply> {
+        let request = self
+            .client
+            .post(server.url("/orders"))
+            .insert_header(("idempotency-key", key));
+        actix_rt::spawn(async move { Reply::read(request.send().await.unwrap()).await.unwrap() })
+    }
+
+    /// Takes both connections of the first instance's pool, and makes the connections it
+    /// opens from now on hang, until the returned value is dropped.
+    async fn cut_off(&self) -> CutOff {
+        let (one, two) =
+            futures_util::future::join(self.pool.get_owned(), self.pool.get_owned()).await;
+        let black_hole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        self.proxy.move_to(black_hole.local_addr().unwrap().port());
+        CutOff {
+            _pooled: [one.unwrap(), two.unwrap()],
+            _black_hole: black_hole,
+        }
+    }
+
+    /// Every lease held: a duplicate of each key sent to the second instance gets 409 and
+    /// runs nothing. Then, the first instance's pool back (`cut_off` dropped) and the gate
+    /// open, every first request is answered 201.
+    async fn assert_every_lease_held(self, cut_off: CutOff) {
+        let duplicates: Vec<_> = (0..self.keys)
+            .map(|i| self.post(&self.second, format!("k{i}")))
+            .collect();
+        let mut statuses = Vec::new();
+        for duplicate in duplicates {
+            statuses.push(duplicate.await.unwrap().status);
+        }
+        let twice = self
+            .runs
+            .0
+            .lock()
+            .unwrap()
+            .values()
+            .filter(|&&n| n > 1)
+            .count();
+        assert_eq!(
+            twice, 0,
+            "keys whose handler ran twice; duplicates: {statuses:?}"
+        );
+        assert!(
+            statuses
+                .iter()
+                .all(|&status| status == StatusCode::CONFLICT),
+            "{statuses:?}"
+        );
+        drop(cut_off);
+        self.gate.open();
+        for reply in self.held {
+            assert_eq!(reply.await.unwrap().status, StatusCode::CREATED);
+        }
+        assert_eq!(self.runs.0.lock().unwrap().len(), self.keys);
+    }
+}
+
+/// The pool's connections, held by the test, and where new connections go meanwhile.
+struct CutOff {
+    _pooled: [bb8::PooledConnection<'static, PostgresConnectionManager<NoTls>>; 2],
+    _black_hole: std::net::TcpListener,
+}
+
+/// Renewals queue on the renewal connection for longer than the store timeout, well within
+/// the lease: every `UPDATE` is slow and one worker renews many leases, one after another,
+/// while the pool is held (by the test) and new connections hang. Each renewal is given up
+/// by the store timeout but still lands. The connection still answers, so it is kept; a
+/// renewal sent again while its lease's last one waits on it waits for that one instead of
+/// queueing another `UPDATE`. Before, a renewal given up marked the connection as silent:
+/// renewals went to the held pool and to replacement connections that never opened, the
+/// sent ones kept piling up behind each other, and half the leases lapsed.
+#[actix_web::test]
+async fn renewals_slower_than_the_store_timeout_keep_their_leases() {
+    // 20 leases renewed every second, each `UPDATE` 50 ms: a round of renewals takes 1 s
+    // on the one connection, twice the store timeout, a third of the lease.
+    let lease = Duration::from_secs(3);
+    let leases = SlowLeases::start(
+        20,
+        Duration::from_millis(50),
+        lease,
+        Duration::from_millis(500),
+    )
+    .await;
+    // The first renewals (a third of the lease in) have gone out.
+    actix_rt::time::sleep(Duration::from_millis(1_500)).await;
+    let cut_off = leases.cut_off().await;
+    actix_rt::time::sleep(lease * 2).await;
+    leases.assert_every_lease_held(cut_off).await;
+}
+
+/// A worker's renewal connection is opened when it takes a lease, not by the lease's first
+/// renewal: it is open before the pool is taken and new connections hang, a third of the
+/// lease before the first renewal, and the leases are renewed on it. Opened by the first
+/// renewal, it left the first renewals of a burst of new keys to a pool that the burst
+/// saturated, and here never opened: every lease lapsed.
+#[actix_web::test]
+async fn the_renewal_connection_is_open_before_the_first_renewal() {
+    let lease = Duration::from_secs(6);
+    let leases =
+        SlowLeases::start(20, Duration::from_millis(50), lease, Duration::from_secs(1)).await;
+    // The renewal connection, beside the pool's: open well before the first renewal is
+    // due (2 s after the `begin`s).
+    let started = Instant::now();
+    while leases.proxy.connections() <= u64::from(leases.pool.state().connections)
+        && started.elapsed() < Duration::from_secs(1)
+    {
+        actix_rt::time::sleep(Duration::from_millis(10)).await;
+    }
+    let cut_off = leases.cut_off().await;
+    actix_rt::time::sleep(lease * 2).await;
+    leases.assert_every_lease_held(cut_off).await;
 }

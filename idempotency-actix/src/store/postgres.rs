@@ -22,9 +22,9 @@ mod renewals;
 mod serialization;
 mod table;
 
-use error::{PostgresError, no_connection, unavailable};
+use error::{PostgresError, no_connection, shared_unavailable, unavailable};
 use isolation::Isolation;
-use renewals::RenewalConnections;
+use renewals::{RenewalConnections, RenewalFailure};
 use serialization::{again_while_unserializable, failed_to_serialize};
 use table::{Resolution, Table, quote_identifier};
 
@@ -115,11 +115,13 @@ pub const EXPIRY_BATCH: i64 = 1_000;
 /// their own token, which a claim never holds, so they never wait on one either.
 ///
 /// Lease renewals take no pooled connection: each thread that renews (each Actix worker)
-/// opens one connection of the store's own for them with the pool's connection manager, on
-/// first use and beyond the pool's `max_size`, and sends its renewals over it, pipelined. So
-/// a pool saturated by `begin`s (a retry storm, slow writes) does not keep renewals from the
-/// database until a lease lapses under a running handler; until that connection is open (it
-/// opens in the background) or while it cannot be opened, renewals take pooled connections.
+/// opens one connection of the store's own for them with the pool's connection manager,
+/// when it first takes a lease and beyond the pool's `max_size`, and sends its renewals over
+/// it, pipelined, at most one at a time per lease (a lease's renewal given up by the store
+/// timeout still lands, and the next waits for its answer). So a pool saturated by `begin`s
+/// (a retry storm, slow writes) does not keep renewals from the database until a lease
+/// lapses under a running handler; until that connection is open (it opens in the
+/// background) or while it cannot be opened, renewals take pooled connections.
 ///
 /// The pool built by [`PostgresStore::pool`] skips bb8's health check on checkout; a
 /// connection that fails because the server went away is discarded and the statement retried
@@ -1017,10 +1019,12 @@ impl PostgresStore {
         flag(&self.query(statement, params).await?)
     }
 
-    /// Runs the renewal `statement` once on this thread's renewal connection
-    /// ([`renewals`]), never waiting for the pool; on a pooled connection only while that
-    /// connection cannot be opened, or when it turns out closed (a renewal is safe to send
-    /// twice).
+    /// Runs the renewal `statement` once (`$1` key, `$2` token, `$3` lease in
+    /// milliseconds) on this thread's renewal connection ([`renewals`]), never waiting for
+    /// the pool; on a pooled connection only while that connection cannot be opened, or
+    /// when it turns out closed (a renewal is safe to send twice). On the renewal
+    /// connection, a renewal of a lease whose last one is still on its way there waits for
+    /// that one's answer ([`renewals::RenewalClient::renew`]).
     ///
     /// Commits stay on the pool, also when their lease is at risk: while a commit waits
     /// for a pooled connection its lease is renewed here (the engine renews until the commit
@@ -1031,21 +1035,27 @@ impl PostgresStore {
     async fn renew_once(
         &self,
         statement: &str,
-        params: &[(&(dyn ToSql + Sync), Type)],
-    ) -> Result<Vec<Row>, StoreError> {
+        key: &str,
+        token: &str,
+        lease_ms: i64,
+    ) -> Result<bool, StoreError> {
         if let Some(client) = self.renewals.client(&self.pool).await {
-            let awaiting = client.awaiting_answer();
-            let renewed = client.query_typed(statement, params).await;
-            awaiting.answered();
-            match renewed {
-                Err(error) if lost(&client, &error) => {
+            match client.renew(statement, key, token, lease_ms).await {
+                Err(RenewalFailure::Postgres(error)) if lost(&client, &error) => {
                     tracing::debug!(%error, "idempotency: PostgreSQL renewal connection lost; renewing on the pool");
                     self.renewals.forget(&client).await;
                 }
-                renewed => return renewed.map_err(unavailable),
+                Err(RenewalFailure::Postgres(error)) => return Err(shared_unavailable(error)),
+                Err(RenewalFailure::Protocol(error)) => return Err(StoreError::Protocol(error)),
+                Ok(renewed) => return Ok(renewed),
             }
         }
-        self.query_once(statement, params).await
+        let params: [(&(dyn ToSql + Sync), Type); 3] = [
+            (&key, Type::TEXT),
+            (&token, Type::TEXT),
+            (&lease_ms, Type::INT8),
+        ];
+        flag(&self.query_once(statement, &params).await?)
     }
 
     /// `begin` on `client` (pooled, or a transaction's), repeated while its snapshot missed
@@ -1154,6 +1164,7 @@ impl PostgresStore {
         match outcome {
             BeginOutcome::Acquired => {
                 transaction.claimed_row = claimed_row;
+                self.renewals.open_ahead(&self.pool).await;
                 Ok((BeginOutcome::Acquired, Some(transaction)))
             }
             outcome => Ok((outcome, None)),
@@ -1654,7 +1665,7 @@ impl IdempotencyStore for PostgresStore {
         token: &LeaseToken,
         lease: Duration,
     ) -> Result<(BeginOutcome, Option<Duration>), StoreError> {
-        again_while_unserializable(|| async {
+        let begun = again_while_unserializable(|| async {
             let connection = self.pool.get().await.map_err(|error| no_connection(&self.pool, error))?;
             let begun = match self
                 .begin_on(&connection, key, fingerprint, token, lease)
@@ -1671,7 +1682,11 @@ impl IdempotencyStore for PostgresStore {
             self.isolation.noting(begun)
         })
         .await
-        .map(|(outcome, remaining, _)| (outcome, remaining))
+        .map(|(outcome, remaining, _)| (outcome, remaining))?;
+        if begun.0 == BeginOutcome::Acquired {
+            self.renewals.open_ahead(&self.pool).await;
+        }
+        Ok(begun)
     }
 
     async fn renew(
@@ -1682,17 +1697,13 @@ impl IdempotencyStore for PostgresStore {
     ) -> Result<bool, StoreError> {
         let lease = millis(lease);
         let statement = &self.statements().await?.renew;
-        let params: [(&(dyn ToSql + Sync), Type); 3] = [
-            (&key.as_str(), Type::TEXT),
-            (&token.as_str(), Type::TEXT),
-            (&lease, Type::INT8),
-        ];
-        let rows = again_while_unserializable(|| async {
-            self.isolation
-                .noting(self.renew_once(statement, &params).await)
+        again_while_unserializable(|| async {
+            self.isolation.noting(
+                self.renew_once(statement, key.as_str(), token.as_str(), lease)
+                    .await,
+            )
         })
-        .await?;
-        flag(&rows)
+        .await
     }
 
     async fn commit(

@@ -9,6 +9,7 @@
 
 use std::error::Error;
 use std::fmt;
+use std::sync::Arc;
 
 use bb8::RunError;
 
@@ -18,9 +19,10 @@ use crate::store::StoreError;
 /// A tokio-postgres error that displays what the server said: severity, message, SQLSTATE,
 /// and the detail and hint where there are some; any other error with its causes. Its
 /// source is the tokio-postgres error, which the store's own checks downcast to
-/// ([`PostgresError::of`]).
+/// ([`PostgresError::of`]). Shared: a renewal's error reaches every renewal of its lease that
+/// waited for it.
 #[derive(Debug)]
-pub(super) struct PostgresError(pub(super) tokio_postgres::Error);
+pub(super) struct PostgresError(pub(super) Arc<tokio_postgres::Error>);
 
 impl PostgresError {
     /// The tokio-postgres error inside a [`StoreError`] of the store, if there is one.
@@ -28,7 +30,7 @@ impl PostgresError {
         match error {
             StoreError::Unavailable(source) => source
                 .downcast_ref::<Self>()
-                .map(|PostgresError(error)| error),
+                .map(|PostgresError(error)| &**error),
             _ => None,
         }
     }
@@ -64,12 +66,17 @@ impl fmt::Display for PostgresError {
 
 impl Error for PostgresError {
     fn source(&self) -> Option<&(dyn Error + 'static)> {
-        Some(&self.0)
+        Some(&*self.0)
     }
 }
 
 /// A store error of a statement that failed with `error`.
 pub(super) fn unavailable(error: tokio_postgres::Error) -> StoreError {
+    shared_unavailable(Arc::new(error))
+}
+
+/// [`unavailable`], for an error shared by several steps (the renewals of one lease).
+pub(super) fn shared_unavailable(error: Arc<tokio_postgres::Error>) -> StoreError {
     StoreError::Unavailable(Box::new(PostgresError(error)))
 }
 

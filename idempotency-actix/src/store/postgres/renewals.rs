@@ -19,20 +19,32 @@
 //! [`REOPEN_AFTER`]) renewals take a pooled connection as before.
 //!
 //! A connection is also replaced once a renewal on it gave up waiting for its answer (the
-//! store timeout): a connection that went silent (a firewall or NAT dropping the flow) never
-//! looks closed until the kernel gives it up, many minutes later, and every renewal of the
-//! thread would time out on it meanwhile, letting every lease of the worker lapse. A slow
-//! server costs a reconnection per timed-out renewal instead, a few a minute at most.
+//! store timeout) while the server answered nothing on it: a connection that went silent (a
+//! firewall or NAT dropping the flow) never looks closed until the kernel gives it up, many
+//! minutes later, and every renewal of the thread would time out on it meanwhile, letting
+//! every lease of the worker lapse. A connection that answered meanwhile is slow, not
+//! silent, and is kept: its renewals queue behind each other (one worker renewing many
+//! leases over slow writes), and a new connection would start the same queue afresh, with
+//! the pool standing in for it until it opens.
+//!
+//! A renewal given up still lands: it was sent. So a lease has at most one renewal waiting
+//! on a connection ([`RenewalClient::renew`]): the engine sends a renewal again at its next
+//! tick once one gave up, and each of them queued as a statement of its own made the queue
+//! longer the longer it was, until no renewal got through within a lease. The one sent again
+//! waits for the answer of the one on its way instead, which the engine counts from when
+//! the first was sent.
 
 use std::collections::HashMap;
 use std::ops::Deref;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
+use futures_util::future::{BoxFuture, FutureExt, Shared};
 use futures_util::lock::Mutex as AsyncMutex;
 use tokio_postgres::Client;
+use tokio_postgres::types::{ToSql, Type};
 
 use super::{CONNECT_TIMEOUT, PostgresPool};
 
@@ -54,10 +66,35 @@ struct ThreadConnection {
     state: AsyncMutex<ConnectionState>,
 }
 
-/// A renewal connection, and whether a renewal on it gave up waiting for its answer.
+/// A renewal connection, whether it went silent, and the renewals waiting on it.
 pub(super) struct RenewalClient {
     client: Client,
-    gave_up: AtomicBool,
+    /// A renewal on it gave up waiting while the server answered nothing on it.
+    silent: AtomicBool,
+    /// When it was opened: [`last_answer`](Self::last_answer) counts from there.
+    opened_at: Instant,
+    /// When the server last answered a renewal on it, in microseconds since `opened_at`.
+    last_answer: AtomicU64,
+    /// The renewals sent on it and not answered yet, by lease.
+    unanswered: Mutex<HashMap<LeaseRenewal, SharedAnswer>>,
+}
+
+/// What identifies a lease's renewal: the lease's token and the lease it asks for (a route
+/// layer may change it meanwhile: a renewal of the old length does not apply the new one).
+type LeaseRenewal = (String, i64);
+
+/// The answer to a renewal, shared by every renewal of its lease that waits for it.
+type SharedAnswer = Shared<BoxFuture<'static, RenewalAnswer>>;
+
+/// Whether a renewal found its lease still held, or why it failed.
+pub(super) type RenewalAnswer = Result<bool, RenewalFailure>;
+
+/// Why a renewal on a [`RenewalClient`] failed: an error of tokio-postgres (shared by every
+/// renewal that waited for it), or an answer that is not one flag.
+#[derive(Clone, Debug)]
+pub(super) enum RenewalFailure {
+    Postgres(Arc<tokio_postgres::Error>),
+    Protocol(String),
 }
 
 impl Deref for RenewalClient {
@@ -69,38 +106,145 @@ impl Deref for RenewalClient {
 }
 
 impl RenewalClient {
-    /// Whether renewals may still be sent on it: open, and no renewal on it gave up.
-    fn usable(&self) -> bool {
-        !self.client.is_closed() && !self.gave_up.load(Ordering::Relaxed)
+    fn new(client: Client) -> Self {
+        Self {
+            client,
+            silent: AtomicBool::new(false),
+            opened_at: Instant::now(),
+            last_answer: AtomicU64::new(0),
+            unanswered: Mutex::default(),
+        }
     }
 
-    /// Marks it given up on unless [`answered`](AwaitingAnswer::answered) is called first:
-    /// hold it while a renewal on it waits for its answer, whose future the store timeout
-    /// may drop.
-    pub(super) fn awaiting_answer(self: &Arc<Self>) -> AwaitingAnswer {
-        AwaitingAnswer {
+    /// Whether renewals may still be sent on it: open, and not silent.
+    fn usable(&self) -> bool {
+        !self.client.is_closed() && !self.silent.load(Ordering::Relaxed)
+    }
+
+    /// Renews the lease of `token` on `key` for `lease_ms` with `statement` (the store's
+    /// renewal: `$1` key, `$2` token, `$3` lease in milliseconds). Where a renewal of the
+    /// same lease waits on this connection already, this one waits for its answer instead
+    /// of queueing another behind it.
+    ///
+    /// The statement runs on a task of its own, so it is answered, and the lease's entry
+    /// cleared, also when every renewal waiting for it has been given up (the store
+    /// timeout); the connection's answers would otherwise stall behind the one nobody reads.
+    /// Given up while the server answered nothing on the connection, a renewal marks it
+    /// silent: the thread's next renewal opens another.
+    pub(super) async fn renew(
+        self: &Arc<Self>,
+        statement: &str,
+        key: &str,
+        token: &str,
+        lease_ms: i64,
+    ) -> RenewalAnswer {
+        let waiting = AwaitingAnswer {
             client: Some(Arc::clone(self)),
+            since: self.elapsed_micros(),
+        };
+        let answer = self.answer_of(statement, key, token, lease_ms);
+        let answer = answer.await;
+        waiting.answered();
+        answer
+    }
+
+    /// The answer to the renewal of `token`'s lease for `lease_ms` waiting on this
+    /// connection, sent now where there is none.
+    fn answer_of(
+        self: &Arc<Self>,
+        statement: &str,
+        key: &str,
+        token: &str,
+        lease_ms: i64,
+    ) -> SharedAnswer {
+        let lease = (token.to_owned(), lease_ms);
+        let mut unanswered = self.unanswered();
+        if let Some(answer) = unanswered.get(&lease) {
+            return answer.clone();
         }
+        let sent = tokio::spawn({
+            let (client, lease) = (Arc::clone(self), lease.clone());
+            let (statement, key) = (statement.to_owned(), key.to_owned());
+            async move {
+                let params: [(&(dyn ToSql + Sync), Type); 3] = [
+                    (&key.as_str(), Type::TEXT),
+                    (&lease.0.as_str(), Type::TEXT),
+                    (&lease.1, Type::INT8),
+                ];
+                let rows = client.client.query_typed(&statement, &params).await;
+                client
+                    .last_answer
+                    .fetch_max(client.elapsed_micros(), Ordering::Relaxed);
+                client.unanswered().remove(&lease);
+                match rows {
+                    Ok(rows) => flag(&rows),
+                    Err(error) => Err(RenewalFailure::Postgres(Arc::new(error))),
+                }
+            }
+        });
+        let answer = async move {
+            sent.await.unwrap_or_else(|_| {
+                Err(RenewalFailure::Protocol(
+                    "the renewal's task ended before its answer (the runtime is stopping)"
+                        .to_owned(),
+                ))
+            })
+        }
+        .boxed()
+        .shared();
+        unanswered.insert(lease, answer.clone());
+        answer
+    }
+
+    fn unanswered(&self) -> MutexGuard<'_, HashMap<LeaseRenewal, SharedAnswer>> {
+        self.unanswered
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Microseconds since it was opened.
+    fn elapsed_micros(&self) -> u64 {
+        u64::try_from(self.opened_at.elapsed().as_micros()).unwrap_or(u64::MAX)
     }
 }
 
-/// A renewal waiting for its answer on a [`RenewalClient`]; dropped unanswered, it marks
-/// the connection given up on, so the thread's next renewal opens another.
-pub(super) struct AwaitingAnswer {
+/// The flag a renewal's one row holds; `false` without a row (the lease is no longer held).
+fn flag(rows: &[tokio_postgres::Row]) -> RenewalAnswer {
+    match rows {
+        [] => Ok(false),
+        [row] => row
+            .try_get(0)
+            .map_err(|error| RenewalFailure::Protocol(error.to_string())),
+        _ => Err(RenewalFailure::Protocol(format!(
+            "expected at most one row, got {}",
+            rows.len()
+        ))),
+    }
+}
+
+/// A renewal waiting for its answer on a [`RenewalClient`]; dropped unanswered (given up
+/// by the store timeout) while the server answered nothing on the connection since it
+/// began to wait, it marks the connection silent, so the thread's next renewal opens
+/// another.
+struct AwaitingAnswer {
     client: Option<Arc<RenewalClient>>,
+    /// When it began to wait, in microseconds since the connection was opened.
+    since: u64,
 }
 
 impl AwaitingAnswer {
     /// The server answered (a reply or an error): the connection is alive.
-    pub(super) fn answered(mut self) {
+    fn answered(mut self) {
         self.client = None;
     }
 }
 
 impl Drop for AwaitingAnswer {
     fn drop(&mut self) {
-        if let Some(client) = self.client.take() {
-            client.gave_up.store(true, Ordering::Relaxed);
+        if let Some(client) = self.client.take()
+            && client.last_answer.load(Ordering::Relaxed) <= self.since
+        {
+            client.silent.store(true, Ordering::Relaxed);
         }
     }
 }
@@ -147,10 +291,8 @@ impl RenewalConnections {
                 actix_rt::time::timeout(CONNECT_TIMEOUT, pool.dedicated_connection()).await;
             match opened {
                 Ok(Ok(client)) => {
-                    connection.state.lock().await.client = Some(Arc::new(RenewalClient {
-                        client,
-                        gave_up: AtomicBool::new(false),
-                    }));
+                    connection.state.lock().await.client =
+                        Some(Arc::new(RenewalClient::new(client)));
                 }
                 Ok(Err(error)) => {
                     tracing::debug!(%error, "idempotency: cannot open a PostgreSQL connection for renewals; renewing on the pool");
@@ -163,6 +305,16 @@ impl RenewalConnections {
             }
         }));
         None
+    }
+
+    /// Opens this thread's renewal connection, in the background, where it is not open:
+    /// called when a lease is taken, so that the connection is open by the lease's first
+    /// renewal a third of the lease later. Opened by that renewal, the connection left the
+    /// first renewals of a worker to the pool, which a burst of new keys saturates: each of
+    /// them could wait there its whole store timeout, and be sent again on the new
+    /// connection behind every other lease's, past its lease.
+    pub(super) async fn open_ahead(&self, pool: &PostgresPool) {
+        drop(self.client(pool).await);
     }
 
     /// Drops `client`, this thread's connection, which lost its session: the next renewal
@@ -190,7 +342,7 @@ impl RenewalConnections {
         let mut by_thread = self
             .by_thread
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+            .unwrap_or_else(PoisonError::into_inner);
         if let Some(connection) = by_thread.get(&this) {
             return Arc::clone(connection);
         }
