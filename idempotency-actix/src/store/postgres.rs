@@ -1045,6 +1045,12 @@ impl PostgresStore {
                     tracing::debug!(%error, "idempotency: PostgreSQL renewal connection lost; renewing on the pool");
                     self.renewals.forget(&client).await;
                 }
+                // Sent on a connection given up on since (silent, or its session lost).
+                Err(RenewalFailure::Abandoned) => {
+                    tracing::debug!(
+                        "idempotency: PostgreSQL renewal connection given up on; renewing on the pool"
+                    );
+                }
                 Err(RenewalFailure::Postgres(error)) => return Err(shared_unavailable(error)),
                 Err(RenewalFailure::Protocol(error)) => return Err(StoreError::Protocol(error)),
                 Ok(renewed) => return Ok(renewed),

@@ -14,9 +14,11 @@
 //! One connection per thread: its I/O runs on a task of the runtime that opened it, and
 //! each Actix worker is a single-threaded runtime of its own, so a connection opened on one
 //! worker would make the renewals of every other worker depend on that worker being free to
-//! run. A connection is opened on first use, replaced when it closes, and until one is open
-//! (it opens on a task of its own, which no renewal waits for; tried again after
-//! [`REOPEN_AFTER`]) renewals take a pooled connection as before.
+//! run. A connection is opened when the thread takes a lease
+//! ([`RenewalConnections::open_ahead`]), so that it is open by the lease's first renewal,
+//! replaced when it closes, and until one is open (it opens on a task of its own, which no
+//! renewal waits for; tried again after [`REOPEN_AFTER`]) renewals take a pooled connection
+//! as before.
 //!
 //! A connection is also replaced once a renewal on it gave up waiting for its answer (the
 //! store timeout) while the server answered nothing on it: a connection that went silent (a
@@ -25,7 +27,8 @@
 //! every lease of the worker lapse. A connection that answered meanwhile is slow, not
 //! silent, and is kept: its renewals queue behind each other (one worker renewing many
 //! leases over slow writes), and a new connection would start the same queue afresh, with
-//! the pool standing in for it until it opens.
+//! the pool standing in for it until it opens. The renewals still waiting on a connection
+//! given up on are abandoned ([`RenewalClient::abandon`]), and sent again on the pool.
 //!
 //! A renewal given up still lands: it was sent. So a lease has at most one renewal waiting
 //! on a connection ([`RenewalClient::renew`]): the engine sends a renewal again at its next
@@ -43,6 +46,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::future::{BoxFuture, FutureExt, Shared};
 use futures_util::lock::Mutex as AsyncMutex;
+use tokio::task::AbortHandle;
 use tokio_postgres::Client;
 use tokio_postgres::types::{ToSql, Type};
 
@@ -76,7 +80,13 @@ pub(super) struct RenewalClient {
     /// When the server last answered a renewal on it, in microseconds since `opened_at`.
     last_answer: AtomicU64,
     /// The renewals sent on it and not answered yet, by lease.
-    unanswered: Mutex<HashMap<LeaseRenewal, SharedAnswer>>,
+    unanswered: Mutex<HashMap<LeaseRenewal, Unanswered>>,
+}
+
+/// A renewal sent on a [`RenewalClient`] and not answered yet: its answer, and its task.
+struct Unanswered {
+    answer: SharedAnswer,
+    task: AbortHandle,
 }
 
 /// What identifies a lease's renewal: the lease's token and the lease it asks for (a route
@@ -90,11 +100,13 @@ type SharedAnswer = Shared<BoxFuture<'static, RenewalAnswer>>;
 pub(super) type RenewalAnswer = Result<bool, RenewalFailure>;
 
 /// Why a renewal on a [`RenewalClient`] failed: an error of tokio-postgres (shared by every
-/// renewal that waited for it), or an answer that is not one flag.
+/// renewal that waited for it), an answer that is not one flag, or a connection given up on
+/// (silent, or its session lost) before it answered, or a runtime that stopped meanwhile.
 #[derive(Clone, Debug)]
 pub(super) enum RenewalFailure {
     Postgres(Arc<tokio_postgres::Error>),
     Protocol(String),
+    Abandoned,
 }
 
 impl Deref for RenewalClient {
@@ -142,16 +154,40 @@ impl RenewalClient {
             client: Some(Arc::clone(self)),
             since: self.elapsed_micros(),
         };
-        let answer = self.answer_of(statement, key, token, lease_ms);
-        let answer = answer.await;
+        let answer = match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                self.answer_of(&runtime, statement, key, token, lease_ms)
+                    .await
+            }
+            // Outside a Tokio runtime (a caller of the store's own), where no task can be
+            // spawned: sent by itself, as a pooled connection would.
+            Err(_) => self.send(statement, key, token, lease_ms).await,
+        };
         waiting.answered();
         answer
+    }
+
+    /// Sends the renewal, and reads its answer.
+    async fn send(&self, statement: &str, key: &str, token: &str, lease_ms: i64) -> RenewalAnswer {
+        let params: [(&(dyn ToSql + Sync), Type); 3] = [
+            (&key, Type::TEXT),
+            (&token, Type::TEXT),
+            (&lease_ms, Type::INT8),
+        ];
+        let rows = self.client.query_typed(statement, &params).await;
+        self.last_answer
+            .fetch_max(self.elapsed_micros(), Ordering::Relaxed);
+        match rows {
+            Ok(rows) => flag(&rows),
+            Err(error) => Err(RenewalFailure::Postgres(Arc::new(error))),
+        }
     }
 
     /// The answer to the renewal of `token`'s lease for `lease_ms` waiting on this
     /// connection, sent now where there is none.
     fn answer_of(
         self: &Arc<Self>,
+        runtime: &tokio::runtime::Handle,
         statement: &str,
         key: &str,
         token: &str,
@@ -159,44 +195,42 @@ impl RenewalClient {
     ) -> SharedAnswer {
         let lease = (token.to_owned(), lease_ms);
         let mut unanswered = self.unanswered();
-        if let Some(answer) = unanswered.get(&lease) {
-            return answer.clone();
+        if let Some(waiting) = unanswered.get(&lease) {
+            return waiting.answer.clone();
         }
-        let sent = tokio::spawn({
+        let sent = runtime.spawn({
             let (client, lease) = (Arc::clone(self), lease.clone());
             let (statement, key) = (statement.to_owned(), key.to_owned());
             async move {
-                let params: [(&(dyn ToSql + Sync), Type); 3] = [
-                    (&key.as_str(), Type::TEXT),
-                    (&lease.0.as_str(), Type::TEXT),
-                    (&lease.1, Type::INT8),
-                ];
-                let rows = client.client.query_typed(&statement, &params).await;
-                client
-                    .last_answer
-                    .fetch_max(client.elapsed_micros(), Ordering::Relaxed);
+                let answer = client.send(&statement, &key, &lease.0, lease.1).await;
                 client.unanswered().remove(&lease);
-                match rows {
-                    Ok(rows) => flag(&rows),
-                    Err(error) => Err(RenewalFailure::Postgres(Arc::new(error))),
-                }
+                answer
             }
         });
-        let answer = async move {
-            sent.await.unwrap_or_else(|_| {
-                Err(RenewalFailure::Protocol(
-                    "the renewal's task ended before its answer (the runtime is stopping)"
-                        .to_owned(),
-                ))
-            })
-        }
-        .boxed()
-        .shared();
-        unanswered.insert(lease, answer.clone());
+        let task = sent.abort_handle();
+        let answer = async move { sent.await.unwrap_or(Err(RenewalFailure::Abandoned)) }
+            .boxed()
+            .shared();
+        unanswered.insert(
+            lease,
+            Unanswered {
+                answer: answer.clone(),
+                task,
+            },
+        );
         answer
     }
 
-    fn unanswered(&self) -> MutexGuard<'_, HashMap<LeaseRenewal, SharedAnswer>> {
+    /// Stops waiting for the renewals sent on it: it is no longer used (silent, or its
+    /// session lost), and a silent connection might not answer them for many minutes.
+    /// Every renewal still waiting for one is told it was abandoned.
+    fn abandon(&self) {
+        for (_, waiting) in self.unanswered().drain() {
+            waiting.task.abort();
+        }
+    }
+
+    fn unanswered(&self) -> MutexGuard<'_, HashMap<LeaseRenewal, Unanswered>> {
         self.unanswered
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -271,7 +305,9 @@ impl RenewalConnections {
         if let Some(client) = state.client.as_ref().filter(|client| client.usable()) {
             return Some(Arc::clone(client));
         }
-        state.client = None;
+        if let Some(unusable) = state.client.take() {
+            unusable.abandon();
+        }
         if state
             .tried_at
             .is_some_and(|tried| tried.elapsed() < REOPEN_AFTER)
@@ -329,6 +365,7 @@ impl RenewalConnections {
         {
             state.client = None;
         }
+        client.abandon();
     }
 
     /// The entry of this thread, made on first use; the entries of other threads whose
