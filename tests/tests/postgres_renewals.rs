@@ -24,20 +24,30 @@ use tokio_postgres::NoTls;
 #[derive(Clone, Default)]
 struct Runs(Arc<Mutex<HashMap<String, usize>>>);
 
+impl Runs {
+    /// Counts a run for the key `req` carries; which run of that key it is.
+    fn record(&self, req: &HttpRequest) -> usize {
+        let key = req
+            .headers()
+            .get("idempotency-key")
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .to_owned();
+        let mut runs = self.0.lock().unwrap();
+        let count = runs.entry(key).or_default();
+        *count += 1;
+        *count
+    }
+}
+
 /// Counts its run and holds the key for `hold`.
 async fn create(
     runs: web::Data<Runs>,
     hold: web::Data<Duration>,
     req: HttpRequest,
 ) -> HttpResponse {
-    let key = req
-        .headers()
-        .get("idempotency-key")
-        .unwrap()
-        .to_str()
-        .unwrap()
-        .to_owned();
-    *runs.0.lock().unwrap().entry(key).or_default() += 1;
+    runs.record(&req);
     actix_rt::time::sleep(**hold).await;
     HttpResponse::Created().finish()
 }
@@ -299,6 +309,51 @@ fn proxied(database: &TestDatabase) -> (MovableAddress, String) {
     (proxy, url)
 }
 
+/// An app on a PostgreSQL store whose `/orders` holds keys with a lease of its own.
+struct OrdersApp {
+    store: PostgresStore,
+    lease: Duration,
+    store_timeout: Duration,
+}
+
+impl OrdersApp {
+    fn new(store: PostgresStore, lease: Duration, store_timeout: Duration) -> Self {
+        Self {
+            store,
+            lease,
+            store_timeout,
+        }
+    }
+
+    /// Serves it, `/orders` answered by `handler`, with `runs` and `gate` as app data.
+    fn serve<R, F, Args>(self, runs: R, gate: Gate, handler: F) -> actix_test::TestServer
+    where
+        R: Clone + Send + 'static,
+        F: actix_web::Handler<Args> + Clone + Send,
+        Args: actix_web::FromRequest + 'static,
+        F::Output: actix_web::Responder + 'static,
+    {
+        let Self {
+            store,
+            lease,
+            store_timeout,
+        } = self;
+        actix_test::start(move || {
+            App::new()
+                .app_data(web::Data::new(runs.clone()))
+                .app_data(web::Data::new(gate.clone()))
+                .wrap(Idempotency::postgres(store.clone()).store_timeout(store_timeout))
+                .service(
+                    web::resource("/orders")
+                        .wrap(IdempotentRoute::with_policy(
+                            IdempotencyPolicy::default().lease(lease),
+                        ))
+                        .route(web::post().to(handler.clone())),
+                )
+        })
+    }
+}
+
 /// Two instances of one app on one database, the first reaching PostgreSQL through a proxy
 /// of the test's own, the second directly; `/orders` holds its first run until `held` opens.
 struct ProxiedPair {
@@ -319,21 +374,9 @@ impl ProxiedPair {
         direct.migrate().await.unwrap();
         let proxied = PostgresStore::new(pool_of_two_on(&proxied_url));
         let (orders, held) = (RunCounter::default(), Gate::default());
-        let instance = |store: PostgresStore| {
-            let (orders, held) = (orders.clone(), held.clone());
-            actix_test::start(move || {
-                App::new()
-                    .app_data(web::Data::new(orders.clone()))
-                    .app_data(web::Data::new(held.clone()))
-                    .wrap(Idempotency::postgres(store.clone()).store_timeout(store_timeout))
-                    .service(
-                        web::resource("/orders")
-                            .wrap(IdempotentRoute::with_policy(
-                                IdempotencyPolicy::default().lease(lease),
-                            ))
-                            .route(web::post().to(order)),
-                    )
-            })
+        let instance = |store| {
+            let app = OrdersApp::new(store, lease, store_timeout);
+            app.serve(orders.clone(), held.clone(), order)
         };
         let (first, second) = (instance(proxied), instance(direct));
         // The test server's own client gives up after 5 s.
@@ -528,19 +571,7 @@ async fn held_first_run(
     gate: web::Data<Gate>,
     req: HttpRequest,
 ) -> HttpResponse {
-    let key = req
-        .headers()
-        .get("idempotency-key")
-        .unwrap()
-        .to_str()
-        .unwrap()
-        .to_owned();
-    let run = {
-        let mut runs = runs.0.lock().unwrap();
-        let count = runs.entry(key).or_default();
-        *count += 1;
-        *count
-    };
+    let run = runs.record(&req);
     if run == 1 {
         gate.wait().await;
     }
@@ -588,21 +619,9 @@ impl SlowLeases {
             .unwrap();
         let pool = pool_of_two_on(&proxied_url);
         let (runs, gate) = (Runs::default(), Gate::default());
-        let instance = |store: PostgresStore| {
-            let (runs, gate) = (runs.clone(), gate.clone());
-            actix_test::start(move || {
-                App::new()
-                    .app_data(web::Data::new(runs.clone()))
-                    .app_data(web::Data::new(gate.clone()))
-                    .wrap(Idempotency::postgres(store.clone()).store_timeout(store_timeout))
-                    .service(
-                        web::resource("/orders")
-                            .wrap(IdempotentRoute::with_policy(
-                                IdempotencyPolicy::default().lease(lease),
-                            ))
-                            .route(web::post().to(held_first_run)),
-                    )
-            })
+        let instance = |store| {
+            let app = OrdersApp::new(store, lease, store_timeout);
+            app.serve(runs.clone(), gate.clone(), held_first_run)
         };
         let (first, second) = (instance(PostgresStore::new(pool.clone())), instance(direct));
         let client = awc::Client::builder()

@@ -51,6 +51,7 @@ use tokio_postgres::Client;
 use tokio_postgres::types::{ToSql, Type};
 
 use super::{CONNECT_TIMEOUT, PostgresPool};
+use crate::store::StoreError;
 
 /// How long after a failed (or abandoned) attempt to open a thread's renewal connection its
 /// renewals take pooled connections before the next attempt.
@@ -244,16 +245,10 @@ impl RenewalClient {
 
 /// The flag a renewal's one row holds; `false` without a row (the lease is no longer held).
 fn flag(rows: &[tokio_postgres::Row]) -> RenewalAnswer {
-    match rows {
-        [] => Ok(false),
-        [row] => row
-            .try_get(0)
-            .map_err(|error| RenewalFailure::Protocol(error.to_string())),
-        _ => Err(RenewalFailure::Protocol(format!(
-            "expected at most one row, got {}",
-            rows.len()
-        ))),
-    }
+    super::flag(rows).map_err(|error| match error {
+        StoreError::Protocol(message) => RenewalFailure::Protocol(message),
+        other => RenewalFailure::Protocol(other.to_string()),
+    })
 }
 
 /// A renewal waiting for its answer on a [`RenewalClient`]; dropped unanswered (given up
