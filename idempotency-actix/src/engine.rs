@@ -166,10 +166,12 @@ pub(crate) struct HeldLock {
     /// ...and to how far: the record expires `applied_lease` after `renewed_at`. It differs
     /// from `lease` from the moment a route layer changes that until a renewal applies it.
     applied_lease: Cell<Duration>,
-    /// When the first renewal given up by the store timeout since the last one that renewed
-    /// was sent: it may still land, and a store may answer a later renewal with its answer
-    /// (see `HeldLock::renew`).
-    given_up_since: Cell<Option<Instant>>,
+    /// When the oldest renewal whose write may still answer another was sent: one on its
+    /// way, or given up (by the store timeout or its caller) since a renewal answered with
+    /// none on its way (see `HeldLock::renew_counted`).
+    unresolved_since: Cell<Option<Instant>>,
+    /// How many renewals of this lock are on their way.
+    renewals_on_their_way: Cell<u32>,
     pub(crate) route_policy: RefCell<Option<IdempotencyPolicy>>,
     /// Whether the loss of this lock's record has been reported (once per request).
     lost_reported: Cell<bool>,
@@ -408,7 +410,8 @@ impl Engine {
                     lease: Cell::new(policy.lease),
                     renewed_at: Cell::new(pending.sent_at.get()),
                     applied_lease: Cell::new(policy.lease),
-                    given_up_since: Cell::new(None),
+                    unresolved_since: Cell::new(None),
+                    renewals_on_their_way: Cell::new(0),
                     route_policy: RefCell::new(None),
                     lost_reported: Cell::new(false),
                     committing: Cell::new(false),
@@ -633,7 +636,8 @@ impl Engine {
             lease: Cell::new(policy.lease),
             renewed_at: Cell::new(held.sent_at),
             applied_lease: Cell::new(policy.lease),
-            given_up_since: Cell::new(None),
+            unresolved_since: Cell::new(None),
+            renewals_on_their_way: Cell::new(0),
             route_policy: RefCell::new(None),
             lost_reported: Cell::new(false),
             // A renewal that finds no record stops without reporting it lost: the `begin`
@@ -1460,16 +1464,23 @@ async fn keep_committing(lock: Rc<HeldLock>, stored: StoredResponse, ttl: Durati
 /// renewal reached has expired: there is nothing left to complete) and never past
 /// `deadline`; `false` then.
 async fn still_in_flight_after_landing(lock: &HeldLock, deadline: Instant) -> bool {
-    let deadline = deadline.min(Instant::now() + lock.lease.get());
+    let landed = Instant::now();
+    let deadline = deadline.min(landed + lock.lease.get());
     loop {
         let pause = COMMIT_LOOK_AGAIN_AFTER.min(lock.lease.get() / 3);
         if Instant::now() + pause >= deadline {
             return false;
         }
         actix_rt::time::sleep(pause).await;
-        match lock.renew().await {
-            Ok(held) => return held,
-            Err(error) => tracing::debug!(
+        match lock.renew_counted().await {
+            // Answered with the write of a renewal sent before the commit landed (see
+            // `HeldLock::renew_counted`): it may have found the record in flight before the
+            // commit completed it.
+            (Ok(true), counted_from) if counted_from < landed => tracing::debug!(
+                "idempotency: the look at a background commit met an earlier renewal; asking again"
+            ),
+            (Ok(held), _) => return held,
+            (Err(error), _) => tracing::debug!(
                 %error,
                 "idempotency: the look at a background commit failed; asking again"
             ),
@@ -1546,29 +1557,37 @@ impl HeldLock {
     }
 
     /// Extends the lease to its current length, bounded by the store timeout.
-    /// The lease is counted from when the renewal was sent: the store extends it as of some
-    /// moment of the round trip, no earlier. After renewals given up by the timeout, from
-    /// when the first of them was sent: a store may answer this renewal with the answer of
-    /// one of them, still on its way (the PostgreSQL store sends a lease one renewal at a
-    /// time), whose write may be older than this renewal.
     pub(crate) async fn renew(&self) -> Result<bool, StoreError> {
+        self.renew_counted().await.0
+    }
+
+    /// [`renew`](Self::renew), and the moment the lease is counted from if it renewed.
+    ///
+    /// The lease is counted from when the renewal was sent: the store extends it as of some
+    /// moment of the round trip, no earlier. Where another renewal of this lock was on its
+    /// way when this one was sent, or one was given up since, from when the oldest of them
+    /// was sent: a store may answer this renewal with that one's answer (the PostgreSQL
+    /// store sends one renewal of a lease at a time, and a renewal sent while one is on its
+    /// way waits for that one's answer), whose write may be older than this renewal. Two
+    /// renewals of one lock meet when a route layer changes the lease, when the commit
+    /// follows the handler, and after renewals given up by the store timeout.
+    pub(crate) async fn renew_counted(&self) -> (Result<bool, StoreError>, Instant) {
         let lease = self.lease.get();
         let sent = Instant::now();
+        let counted_from = *self.unresolved_since.get().get_or_insert(sent);
+        self.unresolved_since.set(Some(counted_from));
+        let on_its_way = RenewalOnItsWay::start(&self.renewals_on_their_way);
         let renewal = self.store.renew(&self.storage_key, &self.token, lease);
         let renewed = within(StoreOperation::Renew, self.store_timeout, renewal).await;
-        match renewed {
-            Ok(true) => {
-                self.renewed_at
-                    .set(self.given_up_since.take().unwrap_or(sent));
-                self.applied_lease.set(lease);
+        let others_on_their_way = on_its_way.answered();
+        if let Ok(true) = renewed {
+            self.renewed_at.set(counted_from);
+            self.applied_lease.set(lease);
+            if !others_on_their_way {
+                self.unresolved_since.set(None);
             }
-            Err(StoreError::Timeout(_)) => {
-                self.given_up_since
-                    .set(Some(self.given_up_since.get().unwrap_or(sent)));
-            }
-            _ => {}
         }
-        renewed
+        (renewed, counted_from)
     }
 
     /// Whether the lease is to be renewed now: a third of the lease the store holds has
@@ -1578,6 +1597,28 @@ impl HeldLock {
     fn renewal_due(&self) -> bool {
         let applied = self.applied_lease.get();
         self.lease.get() != applied || self.renewed_at.get().elapsed() >= applied / 3
+    }
+}
+
+/// A renewal of a lock on its way, counted in the lock's `renewals_on_their_way` until it
+/// is answered or dropped.
+struct RenewalOnItsWay<'a>(&'a Cell<u32>);
+
+impl<'a> RenewalOnItsWay<'a> {
+    fn start(on_their_way: &'a Cell<u32>) -> Self {
+        on_their_way.set(on_their_way.get() + 1);
+        Self(on_their_way)
+    }
+
+    /// It was answered; whether other renewals of the lock are still on their way.
+    fn answered(self) -> bool {
+        self.0.get() > 1
+    }
+}
+
+impl Drop for RenewalOnItsWay<'_> {
+    fn drop(&mut self) {
+        self.0.set(self.0.get().saturating_sub(1));
     }
 }
 

@@ -14,8 +14,8 @@ use actix_web::http::StatusCode;
 use actix_web::{App, HttpRequest, HttpResponse, web};
 use bb8_postgres::PostgresConnectionManager;
 use idempotency_actix::{
-    Idempotency, IdempotencyPolicy, IdempotentRoute, IdempotentTransaction, PostgresPool,
-    PostgresStore,
+    BeginOutcome, Fingerprint, Idempotency, IdempotencyKey, IdempotencyPolicy, IdempotencyStore,
+    IdempotentRoute, IdempotentTransaction, LeaseToken, PostgresPool, PostgresStore, StorageKey,
 };
 use idempotency_actix_tests::{Gate, MovableAddress, Reply, RunCounter, TestDatabase};
 use tokio_postgres::NoTls;
@@ -359,6 +359,8 @@ impl OrdersApp {
 struct ProxiedPair {
     _database: TestDatabase,
     proxy: MovableAddress,
+    /// The first instance's pool.
+    pool: PostgresPool,
     first: actix_test::TestServer,
     second: actix_test::TestServer,
     orders: RunCounter,
@@ -372,7 +374,8 @@ impl ProxiedPair {
         let (proxy, proxied_url) = proxied(&database);
         let direct = PostgresStore::new(pool_of_two(&database));
         direct.migrate().await.unwrap();
-        let proxied = PostgresStore::new(pool_of_two_on(&proxied_url));
+        let pool = pool_of_two_on(&proxied_url);
+        let proxied = PostgresStore::new(pool.clone());
         let (orders, held) = (RunCounter::default(), Gate::default());
         let instance = |store| {
             let app = OrdersApp::new(store, lease, store_timeout);
@@ -386,6 +389,7 @@ impl ProxiedPair {
         Self {
             _database: database,
             proxy,
+            pool,
             first,
             second,
             orders,
@@ -444,10 +448,11 @@ async fn a_renewal_connection_that_goes_silent_is_replaced() {
 /// New connections to PostgreSQL hang (the server or a pooler in front of it no longer
 /// finishes logins: an overloaded server's full listen backlog, a firewall's full connection
 /// table) while the pool's open connections still work, with the default store timeout (2 s,
-/// the renewal connection's connect timeout too). Every renewal tries to open the renewal
-/// connection (they come more than `REOPEN_AFTER` apart) and is given up by the store
-/// timeout before it falls back to the pool: the lease lapses and another instance runs
-/// the handler a second time. Renewals on the pool, as before, kept it.
+/// the renewal connection's connect timeout too), from before the request takes its lease:
+/// the renewal connection never opens. A renewal that waited for it to open was given up by
+/// the store timeout before it fell back to the pool (they come more than `REOPEN_AFTER`
+/// apart, so each tried again): the lease lapsed and another instance ran the handler a
+/// second time. Renewals on the pool, as before, keep it.
 #[actix_web::test]
 async fn renewals_reach_the_pool_while_new_connections_hang() {
     // Renewals every 1.5 s, each given up after 1.5 s (under the 2 s a connection may take
@@ -457,11 +462,13 @@ async fn renewals_reach_the_pool_while_new_connections_hang() {
     // Takes connections into its backlog and never answers a login.
     let black_hole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
 
+    // The pool's connections are open; new connections hang from now on, so the renewal
+    // connection, opened when the request takes its lease, never opens.
+    let (one, two) = futures_util::future::join(pair.pool.get(), pair.pool.get()).await;
+    drop((one.unwrap(), two.unwrap()));
+    pair.proxy.move_to(black_hole.local_addr().unwrap().port());
     let first = pair.post(&pair.first, "order");
     pair.orders.wait_for(1).await;
-    // The pooled connection its `begin` took stays open; new connections hang from now on,
-    // before the first renewal opens the renewal connection.
-    pair.proxy.move_to(black_hole.local_addr().unwrap().port());
     actix_rt::time::sleep(lease + Duration::from_millis(1_500)).await;
 
     pair.assert_the_lease_held(first).await;
@@ -759,12 +766,70 @@ async fn the_renewal_connection_is_open_before_the_first_renewal() {
     // The renewal connection, beside the pool's: open well before the first renewal is
     // due (2 s after the `begin`s).
     let started = Instant::now();
-    while leases.proxy.connections() <= u64::from(leases.pool.state().connections)
-        && started.elapsed() < Duration::from_secs(1)
-    {
+    let renewal_connection_open =
+        || leases.proxy.connections() > u64::from(leases.pool.state().connections);
+    while !renewal_connection_open() && started.elapsed() < Duration::from_millis(1_500) {
         actix_rt::time::sleep(Duration::from_millis(10)).await;
     }
+    assert!(
+        renewal_connection_open(),
+        "no renewal connection opened within 1.5 s of the `begin`s"
+    );
     let cut_off = leases.cut_off().await;
     actix_rt::time::sleep(lease * 2).await;
     leases.assert_every_lease_held(cut_off).await;
+}
+
+/// Renewals of one lease sent while one of them waits on the renewal connection wait for
+/// its answer instead of each queueing an `UPDATE` of its own. The engine sends a renewal
+/// again at every tick once one was given up by the store timeout: queued, each made the
+/// queue, and the database's writes, grow the longer the queue was.
+#[actix_web::test]
+async fn renewals_of_a_lease_on_their_way_are_written_once() {
+    let lease = Duration::from_secs(30);
+    let database = TestDatabase::create().await;
+    let store = PostgresStore::new(pool_of_two(&database));
+    store.migrate().await.unwrap();
+    let admin = database.connection().await;
+    admin
+        .batch_execute(
+            "CREATE TABLE renewal_writes (at timestamptz);
+             CREATE FUNCTION slow() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN INSERT INTO renewal_writes VALUES (clock_timestamp());
+             PERFORM pg_sleep(0.3); RETURN NEW; END $$;
+             CREATE TRIGGER slow BEFORE UPDATE ON idempotency_records
+             FOR EACH ROW EXECUTE FUNCTION slow();",
+        )
+        .await
+        .unwrap();
+    let key = StorageKey::new("pg:", b"", &IdempotencyKey::parse(b"lease").unwrap());
+    let print = Fingerprint::compute(&actix_web::http::Method::POST, "/orders", "", b"{}", []);
+    let token = LeaseToken::generate();
+    let begun = store.begin(&key, &print, &token, lease).await.unwrap();
+    assert_eq!(begun, BeginOutcome::Acquired);
+
+    // Five at once, until the renewal connection (which the `begin` opened in the
+    // background) takes them: renewals on pooled connections are written each.
+    let mut writes = Vec::new();
+    for _ in 0..10 {
+        admin
+            .batch_execute("DELETE FROM renewal_writes")
+            .await
+            .unwrap();
+        let renewals = (0..5).map(|_| store.renew(&key, &token, lease));
+        for renewed in futures_util::future::join_all(renewals).await {
+            assert!(renewed.unwrap(), "the lease is held");
+        }
+        let written: i64 = admin
+            .query_one("SELECT count(*) FROM renewal_writes", &[])
+            .await
+            .unwrap()
+            .get(0);
+        writes.push(written);
+        if written == 1 {
+            return;
+        }
+        actix_rt::time::sleep(Duration::from_millis(200)).await;
+    }
+    panic!("five renewals of one lease at once wrote {writes:?} times in ten tries");
 }

@@ -1022,9 +1022,10 @@ impl PostgresStore {
     /// Runs the renewal `statement` once (`$1` key, `$2` token, `$3` lease in
     /// milliseconds) on this thread's renewal connection ([`renewals`]), never waiting for
     /// the pool; on a pooled connection only while that connection cannot be opened, or
-    /// when it turns out closed (a renewal is safe to send twice). On the renewal
-    /// connection, a renewal of a lease whose last one is still on its way there waits for
-    /// that one's answer ([`renewals::RenewalClient::renew`]).
+    /// when it turns out closed, or was given up on while this renewal waited on it (a
+    /// renewal is safe to send twice). On the renewal connection, a renewal of a lease whose
+    /// last one is still on its way there waits for that one's answer
+    /// ([`renewals::RenewalClient::renew`]).
     ///
     /// Commits stay on the pool, also when their lease is at risk: while a commit waits
     /// for a pooled connection its lease is renewed here (the engine renews until the commit

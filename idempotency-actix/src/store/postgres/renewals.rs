@@ -21,7 +21,8 @@
 //! as before.
 //!
 //! A connection is also replaced once a renewal on it gave up waiting for its answer (the
-//! store timeout) while the server answered nothing on it: a connection that went silent (a
+//! store timeout) while the server answered nothing on it for half that wait or more
+//! ([`AwaitingAnswer`]): a connection that went silent (a
 //! firewall or NAT dropping the flow) never looks closed until the kernel gives it up, many
 //! minutes later, and every renewal of the thread would time out on it meanwhile, letting
 //! every lease of the worker lapse. A connection that answered meanwhile is slow, not
@@ -35,7 +36,7 @@
 //! tick once one gave up, and each of them queued as a statement of its own made the queue
 //! longer the longer it was, until no renewal got through within a lease. The one sent again
 //! waits for the answer of the one on its way instead, which the engine counts from when
-//! the first was sent.
+//! the first was sent (`HeldLock::renew_counted`).
 
 use std::collections::HashMap;
 use std::ops::Deref;
@@ -90,9 +91,10 @@ struct Unanswered {
     task: AbortHandle,
 }
 
-/// What identifies a lease's renewal: the lease's token and the lease it asks for (a route
-/// layer may change it meanwhile: a renewal of the old length does not apply the new one).
-type LeaseRenewal = (String, i64);
+/// What identifies a lease's renewal: the record's key, the lease's token, and the lease it
+/// asks for (a route layer may change it meanwhile: a renewal of the old length does not
+/// apply the new one).
+type LeaseRenewal = (String, String, i64);
 
 /// The answer to a renewal, shared by every renewal of its lease that waits for it.
 type SharedAnswer = Shared<BoxFuture<'static, RenewalAnswer>>;
@@ -194,16 +196,16 @@ impl RenewalClient {
         token: &str,
         lease_ms: i64,
     ) -> SharedAnswer {
-        let lease = (token.to_owned(), lease_ms);
+        let lease = (key.to_owned(), token.to_owned(), lease_ms);
         let mut unanswered = self.unanswered();
         if let Some(waiting) = unanswered.get(&lease) {
             return waiting.answer.clone();
         }
         let sent = runtime.spawn({
             let (client, lease) = (Arc::clone(self), lease.clone());
-            let (statement, key) = (statement.to_owned(), key.to_owned());
+            let statement = statement.to_owned();
             async move {
-                let answer = client.send(&statement, &key, &lease.0, lease.1).await;
+                let answer = client.send(&statement, &lease.0, &lease.1, lease.2).await;
                 client.unanswered().remove(&lease);
                 answer
             }
@@ -252,9 +254,10 @@ fn flag(rows: &[tokio_postgres::Row]) -> RenewalAnswer {
 }
 
 /// A renewal waiting for its answer on a [`RenewalClient`]; dropped unanswered (given up
-/// by the store timeout) while the server answered nothing on the connection since it
-/// began to wait, it marks the connection silent, so the thread's next renewal opens
-/// another.
+/// by the store timeout, or its caller) while the connection was quiet (the server answered
+/// nothing on it) for half its wait or more, it marks the connection silent, so the
+/// thread's next renewal opens another. Half, not all: a connection that went silent just
+/// after answering another renewal, while this one waited, is still told by this one.
 struct AwaitingAnswer {
     client: Option<Arc<RenewalClient>>,
     /// When it began to wait, in microseconds since the connection was opened.
@@ -270,9 +273,14 @@ impl AwaitingAnswer {
 
 impl Drop for AwaitingAnswer {
     fn drop(&mut self) {
-        if let Some(client) = self.client.take()
-            && client.last_answer.load(Ordering::Relaxed) <= self.since
-        {
+        let Some(client) = self.client.take() else {
+            return;
+        };
+        let now = client.elapsed_micros();
+        let last_answer = client.last_answer.load(Ordering::Relaxed);
+        let quiet = now.saturating_sub(last_answer.max(self.since));
+        let waited = now.saturating_sub(self.since);
+        if quiet >= waited / 2 {
             client.silent.store(true, Ordering::Relaxed);
         }
     }
@@ -322,8 +330,12 @@ impl RenewalConnections {
                 actix_rt::time::timeout(CONNECT_TIMEOUT, pool.dedicated_connection()).await;
             match opened {
                 Ok(Ok(client)) => {
-                    connection.state.lock().await.client =
-                        Some(Arc::new(RenewalClient::new(client)));
+                    let opened = Arc::new(RenewalClient::new(client));
+                    // Another attempt's, opened meanwhile (an attempt may take longer than
+                    // `REOPEN_AFTER`), is given up for this one.
+                    if let Some(replaced) = connection.state.lock().await.client.replace(opened) {
+                        replaced.abandon();
+                    }
                 }
                 Ok(Err(error)) => {
                     tracing::debug!(%error, "idempotency: cannot open a PostgreSQL connection for renewals; renewing on the pool");
@@ -379,12 +391,17 @@ impl RenewalConnections {
             return Arc::clone(connection);
         }
         by_thread.retain(|_, connection| {
-            connection.state.try_lock().is_none_or(|state| {
-                state.client.as_ref().is_some_and(|client| client.usable())
-                    || state
-                        .tried_at
-                        .is_some_and(|tried| tried.elapsed() < REOPEN_AFTER)
-            })
+            let Some(mut state) = connection.state.try_lock() else {
+                return true;
+            };
+            let kept = state.client.as_ref().is_some_and(|client| client.usable())
+                || state
+                    .tried_at
+                    .is_some_and(|tried| tried.elapsed() < REOPEN_AFTER);
+            if !kept && let Some(dropped) = state.client.take() {
+                dropped.abandon();
+            }
+            kept
         });
         Arc::clone(by_thread.entry(this).or_default())
     }
