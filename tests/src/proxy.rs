@@ -5,6 +5,7 @@ use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
+use std::time::Duration;
 
 /// A TCP proxy on a loopback port that sends each new connection to the port it is set to
 /// now; connections already open stay where they are, as with a moved DNS name. It can also
@@ -15,6 +16,8 @@ pub struct MovableAddress {
     target: Arc<AtomicU16>,
     /// Connections are numbered as they come; those numbered below this one are silent.
     silent_below: Arc<AtomicU64>,
+    /// How long a new connection waits, in milliseconds, before it is passed on.
+    delay_ms: Arc<AtomicU64>,
     accepted: Arc<AtomicU64>,
 }
 
@@ -30,14 +33,17 @@ impl MovableAddress {
         let target = Arc::new(AtomicU16::new(target));
         let silent_below = Arc::new(AtomicU64::new(0));
         let accepted = Arc::new(AtomicU64::new(0));
-        let (current, silent, counted) = (
+        let delay_ms = Arc::new(AtomicU64::new(0));
+        let (current, silent, counted, delay) = (
             Arc::clone(&target),
             Arc::clone(&silent_below),
             Arc::clone(&accepted),
+            Arc::clone(&delay_ms),
         );
         std::thread::spawn(move || {
             for client in listener.incoming() {
                 let Ok(client) = client else { continue };
+                std::thread::sleep(Duration::from_millis(delay.load(Ordering::SeqCst)));
                 let Ok(server) = TcpStream::connect(("127.0.0.1", current.load(Ordering::SeqCst)))
                 else {
                     continue;
@@ -61,6 +67,7 @@ impl MovableAddress {
             port,
             target,
             silent_below,
+            delay_ms,
             accepted,
         }
     }
@@ -71,9 +78,11 @@ impl MovableAddress {
         self.silent_below.store(open, Ordering::SeqCst);
     }
 
-    /// How many connections it has passed on so far.
-    pub fn connections(&self) -> u64 {
-        self.accepted.load(Ordering::SeqCst)
+    /// Makes each connection made from now on wait `delay` before it is passed on (a server
+    /// slow to accept connections, a pooler queueing them), one after another.
+    pub fn delay_new_connections(&self, delay: Duration) {
+        let millis = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+        self.delay_ms.store(millis, Ordering::SeqCst);
     }
 
     /// The port it listens on.

@@ -671,21 +671,29 @@ impl SlowLeases {
 
     /// Takes both connections of the first instance's pool, and makes the connections it
     /// opens from now on hang, until the returned value is dropped.
-    async fn cut_off(&self) -> CutOff {
-        let (one, two) =
-            futures_util::future::join(self.pool.get_owned(), self.pool.get_owned()).await;
+    async fn cut_off(&self) -> HeldPool {
+        let mut held = self.hold_pool().await;
         let black_hole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         self.proxy.move_to(black_hole.local_addr().unwrap().port());
-        CutOff {
+        held._black_hole = Some(black_hole);
+        held
+    }
+
+    /// Takes both connections of the first instance's pool, until the returned value is
+    /// dropped.
+    async fn hold_pool(&self) -> HeldPool {
+        let (one, two) =
+            futures_util::future::join(self.pool.get_owned(), self.pool.get_owned()).await;
+        HeldPool {
             _pooled: [one.unwrap(), two.unwrap()],
-            _black_hole: black_hole,
+            _black_hole: None,
         }
     }
 
     /// Every lease held: a duplicate of each key sent to the second instance gets 409 and
     /// runs nothing. Then, the first instance's pool back (`cut_off` dropped) and the gate
     /// open, every first request is answered 201.
-    async fn assert_every_lease_held(self, cut_off: CutOff) {
+    async fn assert_every_lease_held(self, cut_off: HeldPool) {
         let duplicates: Vec<_> = (0..self.keys)
             .map(|i| self.post(&self.second, format!("k{i}")))
             .collect();
@@ -720,10 +728,11 @@ impl SlowLeases {
     }
 }
 
-/// The pool's connections, held by the test, and where new connections go meanwhile.
-struct CutOff {
+/// The pool's connections, held by the test, and where new connections go meanwhile, if
+/// they are cut off.
+struct HeldPool {
     _pooled: [bb8::PooledConnection<'static, PostgresConnectionManager<NoTls>>; 2],
-    _black_hole: std::net::TcpListener,
+    _black_hole: Option<std::net::TcpListener>,
 }
 
 /// Renewals queue on the renewal connection for longer than the store timeout, well within
@@ -753,31 +762,30 @@ async fn renewals_slower_than_the_store_timeout_keep_their_leases() {
     leases.assert_every_lease_held(cut_off).await;
 }
 
-/// A worker's renewal connection is opened when it takes a lease, not by the lease's first
-/// renewal: it is open before the pool is taken and new connections hang, a third of the
-/// lease before the first renewal, and the leases are renewed on it. Opened by the first
-/// renewal, it left the first renewals of a burst of new keys to a pool that the burst
-/// saturated, and here never opened: every lease lapsed.
+/// The first renewals of a burst of new keys, while the pool is saturated (held by the
+/// test) and the renewal connection takes half a second to open: each takes whichever comes
+/// first, a pooled connection or the new connection, and lands. Sent to the pool alone while
+/// the connection opened, they waited there their whole store timeout and were sent again
+/// on the connection behind every other lease's, past their lease.
 #[actix_web::test]
-async fn the_renewal_connection_is_open_before_the_first_renewal() {
-    let lease = Duration::from_secs(6);
-    let leases =
-        SlowLeases::start(20, Duration::from_millis(50), lease, Duration::from_secs(1)).await;
-    // The renewal connection, beside the pool's: open well before the first renewal is
-    // due (2 s after the `begin`s).
-    let started = Instant::now();
-    let renewal_connection_open =
-        || leases.proxy.connections() > u64::from(leases.pool.state().connections);
-    while !renewal_connection_open() && started.elapsed() < Duration::from_millis(1_500) {
-        actix_rt::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(
-        renewal_connection_open(),
-        "no renewal connection opened within 1.5 s of the `begin`s"
-    );
-    let cut_off = leases.cut_off().await;
+async fn first_renewals_take_the_renewal_connection_once_it_opens() {
+    // 20 leases of 3 s, each `UPDATE` 50 ms (a round of 1 s on the one connection); the
+    // store timeout (1.4 s) and the first renewal (1 s in) left no time for a round after a
+    // renewal given up in the pool.
+    let lease = Duration::from_secs(3);
+    let leases = SlowLeases::start(
+        20,
+        Duration::from_millis(50),
+        lease,
+        Duration::from_millis(1_400),
+    )
+    .await;
+    let held = leases.hold_pool().await;
+    leases
+        .proxy
+        .delay_new_connections(Duration::from_millis(500));
     actix_rt::time::sleep(lease * 2).await;
-    leases.assert_every_lease_held(cut_off).await;
+    leases.assert_every_lease_held(held).await;
 }
 
 /// Renewals of one lease sent while one of them waits on the renewal connection wait for

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bb8_postgres::PostgresConnectionManager;
+use futures_util::future::Either;
 use tokio_postgres::error::Severity;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{NoTls, Row};
@@ -115,13 +116,13 @@ pub const EXPIRY_BATCH: i64 = 1_000;
 /// their own token, which a claim never holds, so they never wait on one either.
 ///
 /// Lease renewals take no pooled connection: each thread that renews (each Actix worker)
-/// opens one connection of the store's own for them with the pool's connection manager,
-/// when it first takes a lease and beyond the pool's `max_size`, and sends its renewals over
-/// it, pipelined, at most one at a time per lease (a lease's renewal given up by the store
-/// timeout still lands, and the next waits for its answer). So a pool saturated by `begin`s
-/// (a retry storm, slow writes) does not keep renewals from the database until a lease
-/// lapses under a running handler; until that connection is open (it opens in the
-/// background) or while it cannot be opened, renewals take pooled connections.
+/// opens one connection of the store's own for them with the pool's connection manager, on
+/// first use and beyond the pool's `max_size`, and sends its renewals over it, pipelined, at
+/// most one at a time per lease (a lease's renewal given up by the store timeout still
+/// lands, and the next waits for its answer). So a pool saturated by `begin`s (a retry
+/// storm, slow writes) does not keep renewals from the database until a lease lapses under
+/// a running handler; while that connection opens (in the background) a renewal takes it or
+/// a pooled connection, whichever comes first, and while it cannot be opened, a pooled one.
 ///
 /// The pool built by [`PostgresStore::pool`] skips bb8's health check on checkout; a
 /// connection that fails because the server went away is discarded and the statement retried
@@ -998,6 +999,16 @@ impl PostgresStore {
             .get()
             .await
             .map_err(|error| no_connection(&self.pool, error))?;
+        self.query_on(connection, statement, params).await
+    }
+
+    /// [`query_once`](Self::query_once) on `connection`, taken from the pool.
+    async fn query_on(
+        &self,
+        connection: bb8::PooledConnection<'_, PostgresConnectionManager<NoTls>>,
+        statement: &str,
+        params: &[(&(dyn ToSql + Sync), Type)],
+    ) -> Result<Vec<Row>, StoreError> {
         match connection.query_typed(statement, params).await {
             Err(error) if lost(&connection, &error) => {
                 tracing::debug!(%error, "idempotency: PostgreSQL connection lost; reconnecting");
@@ -1021,9 +1032,10 @@ impl PostgresStore {
 
     /// Runs the renewal `statement` once (`$1` key, `$2` token, `$3` lease in
     /// milliseconds) on this thread's renewal connection ([`renewals`]), never waiting for
-    /// the pool; on a pooled connection only while that connection cannot be opened, or
-    /// when it turns out closed, or was given up on while this renewal waited on it (a
-    /// renewal is safe to send twice). On the renewal connection, a renewal of a lease whose
+    /// the pool; while that connection opens, on it or a pooled connection, whichever comes
+    /// first; on a pooled connection while it cannot be opened, or when it turns out
+    /// closed, or was given up on while this renewal waited on it (a renewal is safe to
+    /// send twice). On the renewal connection, a renewal of a lease whose
     /// last one is still on its way there waits for that one's answer
     /// ([`renewals::RenewalClient::renew`]).
     ///
@@ -1040,28 +1052,48 @@ impl PostgresStore {
         token: &str,
         lease_ms: i64,
     ) -> Result<bool, StoreError> {
-        if let Some(client) = self.renewals.client(&self.pool).await {
-            match client.renew(statement, key, token, lease_ms).await {
-                Err(RenewalFailure::Postgres(error)) if lost(&client, &error) => {
-                    tracing::debug!(%error, "idempotency: PostgreSQL renewal connection lost; renewing on the pool");
-                    self.renewals.forget(&client).await;
-                }
-                // Sent on a connection given up on since (silent, or its session lost).
-                Err(RenewalFailure::Abandoned) => {
-                    tracing::debug!(
-                        "idempotency: PostgreSQL renewal connection given up on; renewing on the pool"
-                    );
-                }
-                Err(RenewalFailure::Postgres(error)) => return Err(shared_unavailable(error)),
-                Err(RenewalFailure::Protocol(error)) => return Err(StoreError::Protocol(error)),
-                Ok(renewed) => return Ok(renewed),
-            }
-        }
         let params: [(&(dyn ToSql + Sync), Type); 3] = [
             (&key, Type::TEXT),
             (&token, Type::TEXT),
             (&lease_ms, Type::INT8),
         ];
+        let mut raced_the_opening = false;
+        loop {
+            if let Some(client) = self.renewals.client(&self.pool).await {
+                match client.renew(statement, key, token, lease_ms).await {
+                    Err(RenewalFailure::Postgres(error)) if lost(&client, &error) => {
+                        tracing::debug!(%error, "idempotency: PostgreSQL renewal connection lost; renewing on the pool");
+                        self.renewals.forget(&client).await;
+                    }
+                    // Sent on a connection given up on since (silent, or its session lost).
+                    Err(RenewalFailure::Abandoned) => {
+                        tracing::debug!(
+                            "idempotency: PostgreSQL renewal connection given up on; renewing on the pool"
+                        );
+                    }
+                    Err(RenewalFailure::Postgres(error)) => return Err(shared_unavailable(error)),
+                    Err(RenewalFailure::Protocol(error)) => {
+                        return Err(StoreError::Protocol(error));
+                    }
+                    Ok(renewed) => return Ok(renewed),
+                }
+            } else if !raced_the_opening {
+                // None open: a pooled connection, or the renewal connection once it opens,
+                // whichever comes first ([`renewals`]).
+                raced_the_opening = true;
+                let checkout = std::pin::pin!(self.pool.get());
+                let opened = std::pin::pin!(self.renewals.opened());
+                match futures_util::future::select(checkout, opened).await {
+                    Either::Left((checked_out, _)) => {
+                        let connection =
+                            checked_out.map_err(|error| no_connection(&self.pool, error))?;
+                        return flag(&self.query_on(connection, statement, &params).await?);
+                    }
+                    Either::Right(((), _)) => continue,
+                }
+            }
+            break;
+        }
         flag(&self.query_once(statement, &params).await?)
     }
 
@@ -1171,7 +1203,6 @@ impl PostgresStore {
         match outcome {
             BeginOutcome::Acquired => {
                 transaction.claimed_row = claimed_row;
-                self.renewals.open_ahead(&self.pool).await;
                 Ok((BeginOutcome::Acquired, Some(transaction)))
             }
             outcome => Ok((outcome, None)),
@@ -1672,7 +1703,7 @@ impl IdempotencyStore for PostgresStore {
         token: &LeaseToken,
         lease: Duration,
     ) -> Result<(BeginOutcome, Option<Duration>), StoreError> {
-        let begun = again_while_unserializable(|| async {
+        again_while_unserializable(|| async {
             let connection = self.pool.get().await.map_err(|error| no_connection(&self.pool, error))?;
             let begun = match self
                 .begin_on(&connection, key, fingerprint, token, lease)
@@ -1689,11 +1720,7 @@ impl IdempotencyStore for PostgresStore {
             self.isolation.noting(begun)
         })
         .await
-        .map(|(outcome, remaining, _)| (outcome, remaining))?;
-        if begun.0 == BeginOutcome::Acquired {
-            self.renewals.open_ahead(&self.pool).await;
-        }
-        Ok(begun)
+        .map(|(outcome, remaining, _)| (outcome, remaining))
     }
 
     async fn renew(

@@ -14,11 +14,14 @@
 //! One connection per thread: its I/O runs on a task of the runtime that opened it, and
 //! each Actix worker is a single-threaded runtime of its own, so a connection opened on one
 //! worker would make the renewals of every other worker depend on that worker being free to
-//! run. A connection is opened when the thread takes a lease
-//! ([`RenewalConnections::open_ahead`]), so that it is open by the lease's first renewal,
-//! replaced when it closes, and until one is open (it opens on a task of its own, which no
-//! renewal waits for; tried again after [`REOPEN_AFTER`]) renewals take a pooled connection
-//! as before.
+//! run. A connection is opened on first use, replaced when it closes, and until one is
+//! open (it opens on a task of its own; tried again after [`REOPEN_AFTER`]) renewals take a
+//! pooled connection as before. While it opens, a renewal takes whichever comes first: a
+//! pooled connection, or the new connection open ([`RenewalConnections::opened`]). Sent to
+//! the pool alone, the first renewals of a burst of new keys waited there behind the burst's
+//! `begin`s for their whole store timeout, and were sent again on the new connection behind
+//! every other lease's, past their lease; waiting for the connection alone, they waited
+//! for one that may never open.
 //!
 //! A connection is also replaced once a renewal on it gave up waiting for its answer (the
 //! store timeout) while the server answered nothing on it for half that wait or more
@@ -40,13 +43,14 @@
 
 use std::collections::HashMap;
 use std::ops::Deref;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
 use futures_util::future::{BoxFuture, FutureExt, Shared};
 use futures_util::lock::Mutex as AsyncMutex;
+use tokio::sync::Notify;
 use tokio::task::AbortHandle;
 use tokio_postgres::Client;
 use tokio_postgres::types::{ToSql, Type};
@@ -70,6 +74,10 @@ struct ThreadConnection {
     /// The connection, and when one was last tried: `tried_at` lets one attempt at a time
     /// open it, in the background (see [`RenewalConnections::client`]).
     state: AsyncMutex<ConnectionState>,
+    /// How many attempts to open it are on their way (one may outlast [`REOPEN_AFTER`]).
+    attempts: AtomicU32,
+    /// Told when an attempt ends, the connection open or not.
+    attempt_ended: Notify,
 }
 
 /// A renewal connection, whether it went silent, and the renewals waiting on it.
@@ -323,6 +331,7 @@ impl RenewalConnections {
             return None;
         };
         let pool = pool.clone();
+        connection.attempts.fetch_add(1, Ordering::SeqCst);
         // On this thread's runtime (an Actix worker's is single-threaded): the connection's
         // I/O runs there.
         drop(runtime.spawn(async move {
@@ -346,18 +355,25 @@ impl RenewalConnections {
                     );
                 }
             }
+            connection.attempts.fetch_sub(1, Ordering::SeqCst);
+            connection.attempt_ended.notify_waiters();
         }));
         None
     }
 
-    /// Opens this thread's renewal connection, in the background, where it is not open:
-    /// called when a lease is taken, so that the connection is open by the lease's first
-    /// renewal a third of the lease later. Opened by that renewal, the connection left the
-    /// first renewals of a worker to the pool, which a burst of new keys saturates: each of
-    /// them could wait there its whole store timeout, and be sent again on the new
-    /// connection behind every other lease's, past its lease.
-    pub(super) async fn open_ahead(&self, pool: &PostgresPool) {
-        drop(self.client(pool).await);
+    /// Returns once an attempt to open this thread's renewal connection, on its way now,
+    /// has ended (the connection open or not); never while none is on its way. A renewal
+    /// that found no connection open races this against a pooled connection.
+    pub(super) async fn opened(&self) {
+        let connection = self.of_this_thread();
+        let ended = connection.attempt_ended.notified();
+        let mut ended = std::pin::pin!(ended);
+        // Registered before the count is read, so that an attempt ending in between wakes it.
+        ended.as_mut().enable();
+        if connection.attempts.load(Ordering::SeqCst) == 0 {
+            return std::future::pending().await;
+        }
+        ended.await;
     }
 
     /// Drops `client`, this thread's connection, which lost its session: the next renewal
