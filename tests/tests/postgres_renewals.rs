@@ -763,7 +763,7 @@ async fn renewals_slower_than_the_store_timeout_keep_their_leases() {
 }
 
 /// The first renewals of a burst of new keys, while the pool is saturated (held by the
-/// test) and the renewal connection takes half a second to open: each takes whichever comes
+/// test) and the renewal connection takes 300 ms to open: each takes whichever comes
 /// first, a pooled connection or the new connection, and lands. Sent to the pool alone while
 /// the connection opened, they waited there their whole store timeout and were sent again
 /// on the connection behind every other lease's, past their lease.
@@ -783,7 +783,7 @@ async fn first_renewals_take_the_renewal_connection_once_it_opens() {
     let held = leases.hold_pool().await;
     leases
         .proxy
-        .delay_new_connections(Duration::from_millis(500));
+        .delay_new_connections(Duration::from_millis(300));
     actix_rt::time::sleep(lease * 2).await;
     leases.assert_every_lease_held(held).await;
 }

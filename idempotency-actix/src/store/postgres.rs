@@ -1057,44 +1057,60 @@ impl PostgresStore {
             (&token, Type::TEXT),
             (&lease_ms, Type::INT8),
         ];
-        let mut raced_the_opening = false;
+        let on_renewal_connection =
+            || self.renew_on_renewal_connection(statement, key, token, lease_ms);
+        if let Some(renewed) = on_renewal_connection().await {
+            return renewed;
+        }
+        // None open (or it failed this renewal): a pooled connection, or the renewal
+        // connection once an attempt to open it ends with it open, whichever comes first. The
+        // checkout keeps its place in the pool's queue meanwhile.
+        let mut checkout = std::pin::pin!(self.pool.get());
         loop {
-            if let Some(client) = self.renewals.client(&self.pool).await {
-                match client.renew(statement, key, token, lease_ms).await {
-                    Err(RenewalFailure::Postgres(error)) if lost(&client, &error) => {
-                        tracing::debug!(%error, "idempotency: PostgreSQL renewal connection lost; renewing on the pool");
-                        self.renewals.forget(&client).await;
-                    }
-                    // Sent on a connection given up on since (silent, or its session lost).
-                    Err(RenewalFailure::Abandoned) => {
-                        tracing::debug!(
-                            "idempotency: PostgreSQL renewal connection given up on; renewing on the pool"
-                        );
-                    }
-                    Err(RenewalFailure::Postgres(error)) => return Err(shared_unavailable(error)),
-                    Err(RenewalFailure::Protocol(error)) => {
-                        return Err(StoreError::Protocol(error));
-                    }
-                    Ok(renewed) => return Ok(renewed),
+            let opened = std::pin::pin!(self.renewals.opened());
+            match futures_util::future::select(checkout.as_mut(), opened).await {
+                Either::Left((checked_out, _)) => {
+                    let connection =
+                        checked_out.map_err(|error| no_connection(&self.pool, error))?;
+                    return flag(&self.query_on(connection, statement, &params).await?);
                 }
-            } else if !raced_the_opening {
-                // None open: a pooled connection, or the renewal connection once it opens,
-                // whichever comes first ([`renewals`]).
-                raced_the_opening = true;
-                let checkout = std::pin::pin!(self.pool.get());
-                let opened = std::pin::pin!(self.renewals.opened());
-                match futures_util::future::select(checkout, opened).await {
-                    Either::Left((checked_out, _)) => {
-                        let connection =
-                            checked_out.map_err(|error| no_connection(&self.pool, error))?;
-                        return flag(&self.query_on(connection, statement, &params).await?);
+                Either::Right(((), _)) => {
+                    if let Some(renewed) = on_renewal_connection().await {
+                        return renewed;
                     }
-                    Either::Right(((), _)) => continue,
                 }
             }
-            break;
         }
-        flag(&self.query_once(statement, &params).await?)
+    }
+
+    /// The renewal on this thread's renewal connection; `None` where none is open, or where
+    /// it turned out lost or was given up on while this renewal waited on it (the renewal
+    /// then goes to the pool: it is safe to send twice).
+    async fn renew_on_renewal_connection(
+        &self,
+        statement: &str,
+        key: &str,
+        token: &str,
+        lease_ms: i64,
+    ) -> Option<Result<bool, StoreError>> {
+        let client = self.renewals.client(&self.pool).await?;
+        match client.renew(statement, key, token, lease_ms).await {
+            Err(RenewalFailure::Postgres(error)) if lost(&client, &error) => {
+                tracing::debug!(%error, "idempotency: PostgreSQL renewal connection lost; renewing on the pool");
+                self.renewals.forget(&client).await;
+                None
+            }
+            // Sent on a connection given up on since (silent, or its session lost).
+            Err(RenewalFailure::Abandoned) => {
+                tracing::debug!(
+                    "idempotency: PostgreSQL renewal connection given up on; renewing on the pool"
+                );
+                None
+            }
+            Err(RenewalFailure::Postgres(error)) => Some(Err(shared_unavailable(error))),
+            Err(RenewalFailure::Protocol(error)) => Some(Err(StoreError::Protocol(error))),
+            Ok(renewed) => Some(Ok(renewed)),
+        }
     }
 
     /// `begin` on `client` (pooled, or a transaction's), repeated while its snapshot missed

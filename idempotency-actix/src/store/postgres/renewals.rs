@@ -294,6 +294,25 @@ impl Drop for AwaitingAnswer {
     }
 }
 
+/// An attempt to open a thread's renewal connection, counted in its `attempts` until it
+/// ends (opened, failed, or its task dropped: a runtime that stops), which then tells the
+/// renewals racing it ([`RenewalConnections::opened`]).
+struct Attempt(Arc<ThreadConnection>);
+
+impl Attempt {
+    fn start(connection: &Arc<ThreadConnection>) -> Self {
+        connection.attempts.fetch_add(1, Ordering::SeqCst);
+        Self(Arc::clone(connection))
+    }
+}
+
+impl Drop for Attempt {
+    fn drop(&mut self) {
+        self.0.attempts.fetch_sub(1, Ordering::SeqCst);
+        self.0.attempt_ended.notify_waiters();
+    }
+}
+
 /// A thread's connection, and when one was last tried.
 #[derive(Default)]
 struct ConnectionState {
@@ -306,10 +325,11 @@ struct ConnectionState {
 impl RenewalConnections {
     /// This thread's renewal connection; `None` while there is none open (the caller takes
     /// a pooled connection), one being then opened on a task of this thread's own. No
-    /// renewal waits for it to open: one that did could be given up by the store timeout
-    /// before it fell back to the pool, and so could every renewal of the thread waiting
-    /// behind it, while new connections hang (an overloaded server, a full firewall table)
-    /// and the pool's open ones still answer.
+    /// renewal waits for it alone to open: one that did could be given up by the store
+    /// timeout, and so could every renewal of the thread waiting behind it, while new
+    /// connections hang (an overloaded server, a full firewall table) and the pool's open
+    /// ones still answer. A renewal races the opening against a pooled connection instead
+    /// ([`opened`](Self::opened)).
     pub(super) async fn client(&self, pool: &PostgresPool) -> Option<Arc<RenewalClient>> {
         let connection = self.of_this_thread();
         let mut state = connection.state.lock().await;
@@ -331,10 +351,11 @@ impl RenewalConnections {
             return None;
         };
         let pool = pool.clone();
-        connection.attempts.fetch_add(1, Ordering::SeqCst);
+        let attempt = Attempt::start(&connection);
         // On this thread's runtime (an Actix worker's is single-threaded): the connection's
         // I/O runs there.
         drop(runtime.spawn(async move {
+            let _attempt = attempt;
             let opened =
                 actix_rt::time::timeout(CONNECT_TIMEOUT, pool.dedicated_connection()).await;
             match opened {
@@ -355,8 +376,6 @@ impl RenewalConnections {
                     );
                 }
             }
-            connection.attempts.fetch_sub(1, Ordering::SeqCst);
-            connection.attempt_ended.notify_waiters();
         }));
         None
     }
