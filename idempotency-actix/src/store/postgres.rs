@@ -25,7 +25,7 @@ mod table;
 
 use error::{PostgresError, no_connection, shared_unavailable, unavailable};
 use isolation::Isolation;
-use renewals::{RenewalConnections, RenewalFailure};
+use renewals::{RenewalConnections, RenewalFailure, renewal_params};
 use serialization::{again_while_unserializable, failed_to_serialize};
 use table::{Resolution, Table, quote_identifier};
 
@@ -1052,11 +1052,7 @@ impl PostgresStore {
         token: &str,
         lease_ms: i64,
     ) -> Result<bool, StoreError> {
-        let params: [(&(dyn ToSql + Sync), Type); 3] = [
-            (&key, Type::TEXT),
-            (&token, Type::TEXT),
-            (&lease_ms, Type::INT8),
-        ];
+        let params = renewal_params(&key, &token, &lease_ms);
         let on_renewal_connection =
             || self.renew_on_renewal_connection(statement, key, token, lease_ms);
         if let Some(renewed) = on_renewal_connection().await {

@@ -180,12 +180,10 @@ impl RenewalClient {
 
     /// Sends the renewal, and reads its answer.
     async fn send(&self, statement: &str, key: &str, token: &str, lease_ms: i64) -> RenewalAnswer {
-        let params: [(&(dyn ToSql + Sync), Type); 3] = [
-            (&key, Type::TEXT),
-            (&token, Type::TEXT),
-            (&lease_ms, Type::INT8),
-        ];
-        let rows = self.client.query_typed(statement, &params).await;
+        let rows = self
+            .client
+            .query_typed(statement, &renewal_params(&key, &token, &lease_ms))
+            .await;
         self.last_answer
             .fetch_max(self.elapsed_micros(), Ordering::Relaxed);
         match rows {
@@ -251,6 +249,20 @@ impl RenewalClient {
     fn elapsed_micros(&self) -> u64 {
         u64::try_from(self.opened_at.elapsed().as_micros()).unwrap_or(u64::MAX)
     }
+}
+
+/// The parameters of the store's renewal statement: `$1` key, `$2` token, `$3` lease in
+/// milliseconds.
+pub(super) fn renewal_params<'a>(
+    key: &'a &str,
+    token: &'a &str,
+    lease_ms: &'a i64,
+) -> [(&'a (dyn ToSql + Sync), Type); 3] {
+    [
+        (key, Type::TEXT),
+        (token, Type::TEXT),
+        (lease_ms, Type::INT8),
+    ]
 }
 
 /// The flag a renewal's one row holds; `false` without a row (the lease is no longer held).
