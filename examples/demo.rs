@@ -12,7 +12,8 @@
 //! 5. a request without a key on a route that requires one gets 400;
 //! 6. the side-effect counters (`GET /stats`) show how often each handler really ran.
 //!
-//! Exits 0 when every step behaved as expected, 1 otherwise.
+//! Exits 0 when every step behaved as expected, 1 otherwise, and 2 when `REDIS_URL` or
+//! `IDEMPOTENCY_PREFIX` is invalid (as the reference server does).
 
 use std::process::ExitCode;
 use std::time::Duration;

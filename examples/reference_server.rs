@@ -70,7 +70,7 @@ use idempotency_actix_examples::StopSignals;
 use idempotency_actix_examples::reference_app::{self, SHUTDOWN_TIMEOUT, ServerConfig};
 
 /// mimalloc, as production Rust services commonly run: the benchmark's baseline and every
-/// protected mode use the same allocator (README "Performance").
+/// protected mode use the same allocator (`docs/performance.md`, "What each change bought").
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

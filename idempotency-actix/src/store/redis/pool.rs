@@ -16,9 +16,10 @@ use super::socket::Endpoint;
 ///
 /// With the address, the store opens a connection of its own to that server (a lighter
 /// multiplexed connection than redis-rs's: about 4 500 instructions less per round trip,
-/// README "Performance"). Without it (a pool built with `bb8::Pool::builder()`, or a
-/// `rediss://` URL), the store shares a redis-rs multiplexed connection from the pool's
-/// connection manager. Both behave the same; only the cost differs.
+/// `docs/performance.md` in the repository). Without it (a pool built with
+/// `bb8::Pool::builder()`, or a `rediss://` URL), the store shares a redis-rs multiplexed
+/// connection from the pool's connection manager. Both behave the same; only the cost
+/// differs.
 ///
 /// # Examples
 ///
