@@ -510,8 +510,20 @@ impl Engine {
                     }
                     if matches!(error, StoreError::Refused(_) | StoreError::Corrupt(_)) {
                         // Nothing was written (a full store, or a record this version cannot
-                        // read holds the key): no token to run under.
-                        return service.call(req).await.map(with_handler_body);
+                        // read holds the key): no token to run under. Still a keyed request's
+                        // run: it goes on to its end should the client leave (its side
+                        // effects are not left half done), and a panic is answered 500.
+                        let run = RunToCompletion::new(move || async move {
+                            let _slot = slot;
+                            service.call(req).await.map(with_handler_body)
+                        });
+                        return run.await.unwrap_or_else(|panic| {
+                            tracing::error!(
+                                panic = panic_message(panic.as_ref()),
+                                "idempotency: the request panicked (fail-open)"
+                            );
+                            Err(IdempotencyError::HandlerPanicked.into())
+                        });
                     }
                     let held = UnconfirmedBegin {
                         storage_key: storage_key.clone(),

@@ -14,7 +14,8 @@ use crate::RunCounter;
 
 /// The memory store, with faults: its `begin`s are counted in `begins` as they are sent, its
 /// next `failed_begins` fail as a store that times out does, its next `unavailable_begins`
-/// as a store that answers an error does (nothing reaches `inner`), and each answers only after
+/// as a store that answers an error does and its next `refused_begins` as a full store
+/// refuses a new key (`StoreError::Refused`; nothing reaches `inner` either), and each answers only after
 /// `delay`, as a Redis under `DEBUG SLEEP` does; its next `landed_failed_begins` reach
 /// `inner` and then fail as a store that times out does (the `begin` landed, its reply was
 /// lost); its `commit` only after `commit_delay`; a
@@ -43,6 +44,9 @@ pub struct FaultyStore {
     /// How many `begin`s are still to fail with an error of the store's
     /// (`StoreError::Unavailable`) without reaching `inner`.
     pub unavailable_begins: Arc<AtomicU32>,
+    /// How many `begin`s are still to be refused as a full store refuses a new key
+    /// (`StoreError::Refused`: nothing written) without reaching `inner`.
+    pub refused_begins: Arc<AtomicU32>,
     /// How many `begin`s are still to land in `inner` and then fail as a timeout.
     pub landed_failed_begins: Arc<AtomicU32>,
     /// How long each `begin` waits before it reaches `inner`.
@@ -100,6 +104,9 @@ impl IdempotencyStore for FaultyStore {
         }
         if fails(&self.unavailable_begins) {
             return Err(StoreError::Unavailable("begin failed on purpose".into()));
+        }
+        if fails(&self.refused_begins) {
+            return Err(StoreError::Refused("full on purpose".into()));
         }
         if fails(&self.late_begins) {
             let (inner, key, fingerprint, token) =

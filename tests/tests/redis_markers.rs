@@ -239,7 +239,10 @@ async fn a_commit_written_anew_over_a_marker_that_changed_meanwhile_is_stored() 
 /// A Redis user granted what README ("The Redis user's rights") asks at least, without
 /// `PEXPIRETIME` and `PEXPIREAT`, or with `PEXPIRETIME` alone: a key taken over an abandoned
 /// token's marker is begun, committed, released and abandoned with no failed step, the
-/// library calling those two commands only where the user may (`redis.pcall`).
+/// library calling those two commands only where the user may (`redis.pcall`). And with
+/// README's whole grant and its `+select`, through a URL that names database 1 (the
+/// connection's `SELECT` was missing from README's grant, so such a URL got 503 for every
+/// keyed request).
 async fn keys_are_taken_over_markers_without_the_expiry_commands(redis: PrivateRedis) {
     // README's grant, for every key.
     const GRANTED: [&str; 12] = [
@@ -259,9 +262,14 @@ async fn keys_are_taken_over_markers_without_the_expiry_commands(redis: PrivateR
     let mut admin = redis.connection().await;
     let print = Fingerprint::compute(&Method::POST, "/orders", "", b"{}", []);
     let prefix = unique_prefix("narrow-user");
-    for (user, rights) in [
-        ("readme", &["+function|load"][..]),
-        ("pexpiretime", &["+function|load", "+pexpiretime"][..]),
+    for (user, rights, database) in [
+        ("readme", &["+function|load"][..], 0),
+        ("pexpiretime", &["+function|load", "+pexpiretime"][..], 0),
+        (
+            "database",
+            &["+function|load", "+pexpiretime", "+pexpireat", "+select"][..],
+            1,
+        ),
     ] {
         let _: () = redis::cmd("ACL")
             .arg("SETUSER")
@@ -271,7 +279,7 @@ async fn keys_are_taken_over_markers_without_the_expiry_commands(redis: PrivateR
             .query_async(&mut admin)
             .await
             .unwrap();
-        let url = format!("redis://{user}:any@127.0.0.1:{}", redis.port());
+        let url = format!("redis://{user}:any@127.0.0.1:{}/{database}", redis.port());
         let store = RedisStore::new(RedisStore::pool(&url).unwrap());
         let key = |name: &str| {
             let name = format!("{user}-{name}");

@@ -9,7 +9,10 @@
 use std::time::Duration;
 
 use actix_web::http::StatusCode;
-use idempotency_actix::{Idempotency, IdempotencyPolicy, RedisStore};
+use idempotency_actix::{
+    Idempotency, IdempotencyKey, IdempotencyPolicy, IdempotencyStore, LeaseToken, RedisStore,
+    StorageKey,
+};
 use idempotency_actix_tests::{FloodServer, PrivateRedis, Reply};
 
 const LEASE: Duration = Duration::from_secs(1);
@@ -189,5 +192,57 @@ async fn new_keys_refused_by_a_full_redis_leave_nothing_behind() {
         .await
         .unwrap();
     assert_eq!(keys_after, keys_before, "refused keys left records behind");
+    assert_eq!(server.runs.get(), 1);
+}
+
+/// A new key that meets another token's marker on a full Redis is refused as any new key
+/// is, and the marker stays as it was: the `claim` a marker calls for is refused before it
+/// runs, so this request's token holds nothing. (It used to be taken for a store failure,
+/// whose abandon, flagged `allow-oom`, added the token to the marker on the full server.)
+#[actix_web::test]
+async fn a_new_key_over_a_marker_refused_by_a_full_redis_leaves_the_marker_as_it_was() {
+    let redis = PrivateRedis::start_with_args(&FULL_AT_4_MB).await;
+    let pool = RedisStore::pool(&redis.url()).unwrap();
+    let store = RedisStore::new(pool.clone());
+    // The storage key the server's default prefix and global scope give `marked`.
+    let key = StorageKey::new(
+        "idempotency:",
+        b"",
+        &IdempotencyKey::parse(b"marked").unwrap(),
+    );
+    store
+        .abandon(&key, &LeaseToken::generate(), Duration::from_secs(60))
+        .await
+        .unwrap();
+    let mut connection = redis.connection().await;
+    let marker: Option<Vec<u8>> = redis::cmd("GET")
+        .arg(key.as_str())
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    assert!(marker.is_some(), "the abandon left no marker");
+
+    let server = FloodServer::start(move || Idempotency::redis(pool.clone()), 64);
+    // The first request opens the worker's connection (and loads the functions) while
+    // Redis has room.
+    assert_eq!(
+        server.post("/orders", "before").await.status,
+        StatusCode::CREATED
+    );
+    fill_and_keep_full(&mut connection).await;
+    let refused = server.post("/orders", "marked").await;
+    assert_eq!(
+        refused.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{refused:?}"
+    );
+    // An abandon would run 50 ms after the refusal, and again up to the lease.
+    actix_rt::time::sleep(Duration::from_secs(2)).await;
+    let after: Option<Vec<u8>> = redis::cmd("GET")
+        .arg(key.as_str())
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    assert_eq!(after, marker, "the refused request changed the marker");
     assert_eq!(server.runs.get(), 1);
 }

@@ -1612,3 +1612,77 @@ async fn a_begin_that_lands_after_it_was_abandoned_never_blocks_the_key_on_redis
     ))
     .await;
 }
+
+async fn panics() -> HttpResponse {
+    panic!("a handler panicked on purpose");
+}
+
+/// Failing open where the store refused the `begin` (full: nothing written, no token to run
+/// under), the handler still runs as every keyed request's run does: a panic is answered
+/// with the 500 `handler-panicked` problem, not a dropped connection, and a client that
+/// resets its connection does not cut the handler short (it used to be called bare, outside
+/// both).
+#[actix_web::test]
+async fn failing_open_on_a_full_store_answers_a_panic_and_outlasts_its_client() {
+    let (started, finished) = (RunCounter::default(), RunCounter::default());
+    // Full for every `begin` of the test.
+    let full = FaultyStore::default();
+    full.refused_begins
+        .store(u32::MAX, std::sync::atomic::Ordering::SeqCst);
+    let server = {
+        let (started, finished) = (started.clone(), finished.clone());
+        actix_test::start(move || {
+            let (started, finished) = (started.clone(), finished.clone());
+            App::new()
+                .wrap(
+                    Idempotency::new(full.clone())
+                        .scope(KeyScope::global())
+                        .on_store_error(FailMode::Open)
+                        .protect_methods([actix_web::http::Method::POST]),
+                )
+                .route("/panics", web::post().to(panics))
+                .route(
+                    "/slow",
+                    web::post().to(move || {
+                        started.record();
+                        let finished = finished.clone();
+                        async move {
+                            actix_rt::time::sleep(Duration::from_millis(300)).await;
+                            finished.record();
+                            HttpResponse::Created().finish()
+                        }
+                    }),
+                )
+        })
+    };
+
+    let mut panicked = awc::Client::default()
+        .post(server.url("/panics"))
+        .insert_header(("idempotency-key", "panics"))
+        .send_body("{}")
+        .await
+        .expect("an answer, not a dropped connection");
+    assert_eq!(panicked.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    let problem: serde_json::Value =
+        serde_json::from_slice(&panicked.body().await.unwrap()).unwrap();
+    assert_eq!(
+        problem["type"],
+        "tag:idempotency-actix,2026:handler-panicked"
+    );
+
+    let mut socket = std::net::TcpStream::connect(server.addr()).unwrap();
+    write!(
+        socket,
+        "POST /slow HTTP/1.1\r\nHost: test\r\nIdempotency-Key: leaves\r\n\
+         Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{{}}"
+    )
+    .unwrap();
+    started.wait_for(1).await;
+    reset(socket);
+    actix_rt::time::sleep(Duration::from_millis(900)).await;
+    assert_eq!(
+        finished.get(),
+        1,
+        "the handler was cut short when its client left"
+    );
+}

@@ -102,8 +102,9 @@ impl MemoryStoreBuilder {
     /// By default one shard per [`MIN_SHARD_BYTES`](Self::MIN_SHARD_BYTES) of budget, at
     /// least 1 and at most [`DEFAULT_MAX_SHARDS`](Self::DEFAULT_MAX_SHARDS) (16 for the
     /// default 64 MiB). More shards let more workers use the store at once; fewer leave
-    /// each shard room for larger records (a response larger than a shard's share is
-    /// stored without its body, or with its status alone if its headers are that large).
+    /// each shard room for larger records (a response that does not fit in a shard's
+    /// share, less what in-flight records hold there, is stored without its body, or with
+    /// its status alone if its headers are that large).
     ///
     /// # Panics
     ///

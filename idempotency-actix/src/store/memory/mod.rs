@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use super::{BeginOutcome, Deletion, IdempotencyStore, LeaseToken, RecordSnapshot, StoreError};
 use crate::fingerprint::Fingerprint;
+use crate::log_interval::LogInterval;
 use crate::record::StoredResponse;
 use crate::scope::StorageKey;
 
@@ -58,7 +59,8 @@ use self::shard::{Begun, Found, Full, HashedKey, Shard};
 /// The budget is split evenly between shards, each with its own lock, chosen by a hash of
 /// the key ([`MemoryStoreBuilder::shards`]), so workers rarely wait for one another; the
 /// bounds above hold per shard. Expiry and eviction follow an index ordered by expiry: each
-/// operation costs O(log n), whatever the number of records.
+/// operation costs amortized O(log n), whatever the number of records (one that evicts or
+/// reclaims many records pays O(log n) for each, and a record goes once).
 ///
 /// It does not reach other processes: use the Redis store for more than one instance.
 ///
@@ -85,6 +87,9 @@ struct Inner {
     hasher: foldhash::quality::RandomState,
     max_bytes: usize,
     evictions: EvictionLog,
+    /// The warnings of responses cut to fit, at most one per 10 s (a store whose shards are
+    /// small for its responses cuts every one).
+    trimmed: LogInterval,
 }
 
 impl Default for MemoryStore {
@@ -166,6 +171,7 @@ impl MemoryStore {
                 hasher: foldhash::quality::RandomState::default(),
                 max_bytes,
                 evictions: EvictionLog::new(),
+                trimmed: LogInterval::new(),
             }),
         }
     }
@@ -361,7 +367,7 @@ impl MemoryStore {
         self.inner
             .evictions
             .record(report.evictions, max_bytes, now);
-        report.log(max_bytes);
+        report.log(max_bytes, &self.inner.trimmed, now);
         result
     }
 

@@ -6,7 +6,9 @@
 //! kept exact (an entry whose expiry changes is moved, a removed record leaves its index at
 //! once), so they never hold more entries than the map. Expired records are reclaimed from
 //! the front of the indices a few per operation, and eviction takes the front of the
-//! completed index: every step is O(log n), none walks the records.
+//! completed index: every record costs O(log n) to evict or reclaim, once, so a step is
+//! amortized O(log n) (a commit that makes room for a large response may evict many), and
+//! none walks the records.
 //!
 //! A key is hashed once per operation, by the store (which also picks the shard with that
 //! hash): the map is a [`HashTable`] that takes the hash as given, each record keeps its

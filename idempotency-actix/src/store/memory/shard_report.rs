@@ -1,6 +1,9 @@
 //! [`ShardReport`]: what one operation on a shard has to say, said once the shard's lock is
 //! released.
 
+use std::time::Instant;
+
+use crate::log_interval::LogInterval;
 use crate::lost_record;
 
 /// How a response was cut to fit in the store.
@@ -29,18 +32,25 @@ pub(super) struct ShardReport {
 
 impl ShardReport {
     /// Logs what this report holds, but evictions (the store's
-    /// [`EvictionLog`](super::eviction_log::EvictionLog) counts and rate-limits those).
-    pub(super) fn log(&self, max_bytes: usize) {
-        match self.trimmed {
-            None => {}
-            Some(Trimmed::Body) => tracing::warn!(
-                max_bytes,
-                "idempotency: a response did not fit in the memory store; completed without its body"
-            ),
-            Some(Trimmed::Headers) => tracing::warn!(
-                max_bytes,
-                "idempotency: a response's headers did not fit in the memory store; completed with its status alone"
-            ),
+    /// [`EvictionLog`](super::eviction_log::EvictionLog) counts and rate-limits those); a
+    /// response cut to fit is logged when `trimmed` admits it at `now` (with how many were
+    /// not since the last).
+    pub(super) fn log(&self, max_bytes: usize, trimmed: &LogInterval, now: Instant) {
+        if let Some(cut) = self.trimmed
+            && let Some(unlogged) = trimmed.admit(now)
+        {
+            match cut {
+                Trimmed::Body => tracing::warn!(
+                    max_bytes,
+                    unlogged,
+                    "idempotency: a response did not fit in the memory store; completed without its body"
+                ),
+                Trimmed::Headers => tracing::warn!(
+                    max_bytes,
+                    unlogged,
+                    "idempotency: a response's headers did not fit in the memory store; completed with its status alone"
+                ),
+            }
         }
         if self.written_anew {
             lost_record::report_written_anew();

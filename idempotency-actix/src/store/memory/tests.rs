@@ -344,6 +344,19 @@ struct ShardLockProbe {
     free_at_events: Arc<Mutex<Vec<bool>>>,
 }
 
+impl ShardLockProbe {
+    /// A probe of `store` as this thread's subscriber while the guard lives, and what it
+    /// notes.
+    fn log_to(store: &MemoryStore) -> (tracing::subscriber::DefaultGuard, Arc<Mutex<Vec<bool>>>) {
+        let free_at_events = Arc::new(Mutex::new(Vec::new()));
+        let probe = Self {
+            store: store.clone(),
+            free_at_events: Arc::clone(&free_at_events),
+        };
+        (tracing::subscriber::set_default(probe), free_at_events)
+    }
+}
+
 impl tracing::Subscriber for ShardLockProbe {
     fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
         true
@@ -365,12 +378,7 @@ impl tracing::Subscriber for ShardLockProbe {
 async fn what_a_commit_logs_is_logged_once_the_shard_is_unlocked() {
     let _warns = WARNING_TESTS.lock().await;
     let store = one_shard(20_000);
-    let free_at_events = Arc::new(Mutex::new(Vec::new()));
-    let probe = ShardLockProbe {
-        store: store.clone(),
-        free_at_events: Arc::clone(&free_at_events),
-    };
-    let _logging = tracing::subscriber::set_default(probe);
+    let (_logging, free_at_events) = ShardLockProbe::log_to(&store);
     // A response too large for the store: completed without its body, with a warning.
     complete(&store, "large", 100_000, LONG).await;
     // Records evicted before their ttl, with a warning (at most one a minute).
@@ -388,6 +396,23 @@ async fn what_a_commit_logs_is_logged_once_the_shard_is_unlocked() {
     assert!(
         free_at_events.iter().all(|free| *free),
         "another request on the shard waited for a log line: {free_at_events:?}"
+    );
+}
+
+/// A store whose shards are small for its responses cuts every one to fit: one warning
+/// per 10 s, not one per request (helper review), as evictions and store failures are.
+#[actix_web::test]
+async fn responses_cut_to_fit_are_warned_of_at_most_once_per_interval() {
+    let _warns = WARNING_TESTS.lock().await;
+    let store = one_shard(20_000);
+    let (_logging, events) = ShardLockProbe::log_to(&store);
+    for i in 0..10 {
+        complete(&store, &format!("large{i}"), 100_000, LONG).await;
+    }
+    assert_eq!(
+        events.lock().unwrap().len(),
+        1,
+        "ten responses cut to fit, one warning"
     );
 }
 

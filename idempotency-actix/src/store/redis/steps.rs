@@ -57,11 +57,7 @@ impl<T: Transport> Steps<'_, T> {
                     .send(&Exchange::plain(protocol::read(key)))
                     .await?;
                 if read.value == redis::Value::Nil {
-                    // Nothing was written, so nothing is left to abandon.
-                    return Err(match error {
-                        StoreError::Unavailable(source) => StoreError::Refused(source),
-                        other => other,
-                    });
+                    return Err(refused_as_full(error));
                 }
                 read
             }
@@ -95,10 +91,18 @@ impl<T: Transport> Steps<'_, T> {
                 Begun::OtherMarker(_) => break,
             };
             let claim = protocol::claim(key, marker, fingerprint, token, lease);
-            reply = self
+            reply = match self
                 .transport
                 .send(&Exchange::new(claim, self.replication))
-                .await?;
+                .await
+            {
+                // A full Redis refuses the claim before it runs (it may grow memory), as it
+                // refuses the `SET` of a new key: this token holds nothing.
+                Err(error) if protocol::is_out_of_memory(&error) => {
+                    return Err(refused_as_full(error));
+                }
+                reply => reply?,
+            };
         }
         // Tokens abandoned one after another kept replacing the marker: the key is busy.
         Ok((BeginOutcome::InFlight, None))
@@ -396,6 +400,16 @@ struct ChangedSinceRead;
 
 fn answered_elsewhere() -> StoreError {
     StoreError::Unavailable(Box::new(AnsweredElsewhere))
+}
+
+/// A `begin` step a full Redis refused before it wrote anything (out of memory): the key is
+/// refused ([`StoreError::Refused`], 503 when failing closed) and, as this token holds
+/// nothing, nothing is left to abandon.
+fn refused_as_full(error: StoreError) -> StoreError {
+    match error {
+        StoreError::Unavailable(source) => StoreError::Refused(source),
+        other => other,
+    }
 }
 
 /// Decodes the reply to `renew`, `release` or `abandon`: a key of another type is one the
