@@ -1081,3 +1081,39 @@ async fn deletions_never_make_a_first_begin_answer_in_flight() {
     })
     .await;
 }
+
+/// The pool's connections probe an idle database every 30 s (`PostgresStore::pool`: a
+/// connection a NAT or firewall dropped without a word is closed within about a minute and
+/// replaced, instead of failing every statement sent on it for up to two hours): `ss` shows
+/// this process's connections to the database with their keepalive timer under a minute,
+/// where tokio-postgres's own default leaves it at two hours.
+#[actix_web::test]
+async fn the_pools_connections_probe_an_idle_database_every_30_s() {
+    let database = TestDatabase::create().await;
+    let store = database.store().await;
+    acquire(&store, "keepalives").await;
+    // The database's port, from `postgres://user@host:port/db`.
+    let port = database.url().rsplit_once(':').map_or("5432", |(_, rest)| {
+        rest.split(['/', '?']).next().unwrap_or("5432")
+    });
+    let listed = std::process::Command::new("ss")
+        .args(["-tnpoH", "state", "established"])
+        .arg(format!("( dport = :{port} )"))
+        .output()
+        .expect("ss runs (apt-get install -y iproute2)");
+    let listed = String::from_utf8_lossy(&listed.stdout);
+    let ours = format!("pid={},", std::process::id());
+    let timers: Vec<&str> = listed
+        .lines()
+        .filter(|line| line.contains(&ours))
+        .filter_map(|line| line.split("timer:(keepalive,").nth(1))
+        .filter_map(|timer| timer.split(',').next())
+        .collect();
+    assert!(
+        timers
+            .iter()
+            .any(|left| left.ends_with("sec") || left.ends_with("ms")),
+        "no connection of this process to the database probes within a minute: {timers:?} \
+         in\n{listed}"
+    );
+}

@@ -16,6 +16,7 @@ use crate::lost_record;
 use crate::record::{RECORD_VERSION, StoredResponse};
 use crate::scope::StorageKey;
 
+mod client_config;
 mod error;
 mod isolation;
 mod key_prefix;
@@ -645,8 +646,16 @@ impl PostgresStore {
 
     /// A pool for `url` (e.g. `postgres://user@host/db`, or `host=… user=…`) with the
     /// settings this store wants: no health check on checkout (a dead connection fails its
-    /// statement and is replaced), 16 connections, a 2 s wait for one, and no connection
-    /// made until the first use, so an app starts while the database is still down.
+    /// statement and is replaced), 16 connections, a 2 s wait for one, no connection made
+    /// until the first use, so an app starts while the database is still down, and, where
+    /// `url` says nothing of them, TCP keepalives every 30 s (10 s apart once unanswered,
+    /// three of them) and a 10 s `tcp_user_timeout` (Linux): a connection a NAT or firewall
+    /// dropped without a word is closed within about a minute, or 10 s after a statement was
+    /// sent on it, and replaced, instead of failing every statement sent on it (503) for up
+    /// to two hours. A pool you build yourself gets them from its URL
+    /// (`?keepalives_idle=30&keepalives_interval=10&keepalives_retries=3&tcp_user_timeout=10`,
+    /// in seconds: tokio-postgres reads `tcp_user_timeout` so, where libpq reads
+    /// milliseconds).
     ///
     /// Call it inside a Tokio runtime (an Actix system): each connection's I/O runs on the
     /// runtime that opened it. Without TLS. The store also opens one connection per worker
@@ -672,7 +681,7 @@ impl PostgresStore {
     /// # }
     /// ```
     pub fn pool(url: &str) -> Result<PostgresPool, tokio_postgres::Error> {
-        let manager = PostgresConnectionManager::new_from_stringlike(url, NoTls)?;
+        let manager = PostgresConnectionManager::new(client_config::client_config(url)?, NoTls);
         Ok(bb8::Pool::builder()
             .max_size(16)
             .test_on_check_out(false)
