@@ -12,8 +12,10 @@
 //! 5. a request without a key on a route that requires one gets 400;
 //! 6. the side-effect counters (`GET /stats`) show how often each handler really ran.
 //!
-//! Exits 0 when every step behaved as expected, 1 otherwise, and 2 when `REDIS_URL` or
-//! `IDEMPOTENCY_PREFIX` is invalid (as the reference server does).
+//! Exits 0 when every step behaved as expected, 1 otherwise (a `REDIS_URL` that is not a
+//! Redis URL included: a failure to start, as for the reference server), and 2 when a
+//! variable is invalid (`REDIS_URL` or `IDEMPOTENCY_PREFIX` not in UTF-8), as the
+//! reference server's configuration is.
 
 use std::process::ExitCode;
 use std::time::Duration;

@@ -73,7 +73,7 @@
 //! | malformed key (empty, over 255 characters, not printable ASCII, bad sf-string or parameter, a `;` after a bare key, repeated header, a list `k1, k2`) | 400 problem |
 //! | first request with a key | the handler runs once; its response is returned as produced |
 //! | retry after completion, same request | stored status, headers and body plus `Idempotent-Replayed: true` |
-//! | retry with the same key, another method, path, query or body (its bytes as sent, compressed or not) | 422 problem |
+//! | retry with the same key, another method, path, query or body (its bytes as sent, compressed or not) | 422 problem (409 on a transactional route while the first runs) |
 //! | retry while the first is still running | 409 problem with `Retry-After`; with `wait_for_completion`, the retry waits up to its bound and gets the replay (409 if the first is still running then) |
 //! | handler answers 1xx (not a final response) | passed through as Actix sends it; never stored, key released |
 //! | handler answers 204 or 304 | stored and replayed without a body or `Content-Length` |
@@ -111,7 +111,9 @@
 //!   the same protocol on Redis Cluster, through one shared async cluster connection per
 //!   worker that follows slot moves and failovers.
 //! * [`ReplicatedWrites`] (for either Redis store): each write waits for replicas, in the
-//!   same round trip, so a failover does not lose a lock or a committed record.
+//!   same round trip, so a failover to a replica that acknowledged it does not lose a lock
+//!   or a committed record (a commit not acknowledged in time still sends its response and
+//!   is retried in the background: README, "Replicated writes").
 //! * [`ReplayCache`] (opt-in, `Idempotency::replay_cache`): completed records kept in
 //!   process, so a replay costs no round trip at all.
 //! * `PostgresStore` (feature `postgres`, `Idempotency::postgres(store)`): durable records,
@@ -184,7 +186,9 @@
 //! * The handler runs to its end: a client that disconnects does not cancel it (its run goes
 //!   on on a task of its own), and its response is committed for the retry.
 //! * The commit happens before the response is complete, so a retry issued after a response
-//!   arrived always gets the replay. A body that is known at once is committed before the
+//!   arrived gets the replay once that commit landed; a commit the store refused or did not
+//!   answer is retried in the background while the response goes out, its key locked
+//!   (409 meanwhile, never a second run) until it lands (README, "Reliability"). A body that is known at once is committed before the
 //!   response is sent; a streamed body (server-sent events, NDJSON progress) is forwarded
 //!   chunk by chunk as the handler produces it, and committed before its last chunk (known
 //!   size) or its end (unknown size) reaches the client. A response whose status is stored

@@ -61,8 +61,12 @@ pub const KEY_PATTERN: &str = concat!(
 /// For each [`ProtectedRoute`] (`<handler>::IDEMPOTENCY`, put there by `#[idempotent]`),
 /// the operations whose `operationId` is the handler's name (utoipa's default) at one of
 /// its `(method, path)` pairs (the spec's path may carry a scope's prefix: `/api/orders` for
-/// `/orders`; a segment's regex is left out, as utoipa does: `/orders/{id}` for
-/// `/orders/{id:\d+}`), or else the operation at each of those pairs exactly, gets what follows. An
+/// `/orders`, whole segments only, never `/preorders`; a segment's regex is left out, as
+/// utoipa does: `/orders/{id}` for `/orders/{id:\d+}`), or else the operation at each of
+/// those pairs exactly, gets what follows. A route at an empty path or `/` (a scope's own
+/// route, `#[post("")]`) is looked for at that path alone, as under a prefix it could be
+/// any operation of that name: describe it with its whole path
+/// ([`ProtectedRoute::new`]) to have it documented. An
 /// operation of another handler with the same function name (`comments::create` beside
 /// `orders::create`), or of a method the middleware never protects (`GET`), is left alone.
 /// Each operation documented gets:
@@ -577,12 +581,27 @@ const MAX_HEADER_VALUE_LENGTH: usize = 2 * MAX_KEY_LENGTH + 2;
 const PROTECTED_METHODS: [&str; 4] = ["post", "put", "patch", "delete"];
 
 /// Whether `route` is routed at `method` on the spec's `path`: one of its pairs has that
-/// method and a path that `path` ends with (a scope's prefix may come before it).
+/// method and a path that `path` is, or ends with whole segments (a scope's prefix may come
+/// before it).
 fn routed_at(route: &ProtectedRoute, method: &str, path: &str) -> bool {
-    route
-        .routes()
-        .iter()
-        .any(|(routed, at)| routed.eq_ignore_ascii_case(method) && path.ends_with(&*spec_path(at)))
+    route.routes().iter().any(|(routed, at)| {
+        routed.eq_ignore_ascii_case(method) && ends_with_segments(path, &spec_path(at))
+    })
+}
+
+/// Whether the spec's `path` is `at`, or `at` under a prefix that ends where a segment
+/// starts (`/api/orders` for `/orders` or `orders`, never `/preorders`). An empty `at` or
+/// `/` (a scope's own route, `#[post("")]`) is only itself: under some prefix it would be
+/// every path, the operations of other handlers of the same name included.
+fn ends_with_segments(path: &str, at: &str) -> bool {
+    if path == at {
+        return true;
+    }
+    if at.is_empty() || at == "/" {
+        return false;
+    }
+    path.strip_suffix(at)
+        .is_some_and(|prefix| at.starts_with('/') || prefix.ends_with('/'))
 }
 
 /// An Actix path as a spec writes it: a segment's regex left out (`/orders/{id:\d+}` is
@@ -791,6 +810,39 @@ mod tests {
         );
         assert!(!documented(&spec, "/comments", HttpMethod::Post));
         assert!(!documented(&spec, "/orders/export", HttpMethod::Get));
+    }
+
+    /// A route's path matches the end of a spec's path by whole segments only, and a
+    /// scope's own route (an empty path, or `/`) only its own path: an empty path used to
+    /// match every path, so every operation named `create` got the key and the problems
+    /// (helper review).
+    #[test]
+    fn a_route_path_matches_whole_segments_and_an_empty_one_only_itself() {
+        const SCOPE_OWN: ProtectedRoute =
+            ProtectedRoute::new("create", &[("post", ""), ("put", "/")]);
+        const BARE: ProtectedRoute = ProtectedRoute::new("amend", &[("post", "orders")]);
+        let post = |id| PathItem::new(HttpMethod::Post, operation(id));
+        let mut spec = OpenApiBuilder::new()
+            .paths(
+                PathsBuilder::new()
+                    .path("/comments", post("create"))
+                    .path(
+                        "/tags/",
+                        PathItem::new(HttpMethod::Put, operation("create")),
+                    )
+                    .path("/preorders", post("amend"))
+                    .path("/api/orders", post("amend")),
+            )
+            .build();
+        IdempotencyOpenApi::new(&[SCOPE_OWN, BARE]).apply(&mut spec);
+        assert!(!documented(&spec, "/comments", HttpMethod::Post));
+        let tags = spec.paths.paths["/tags/"].put.as_ref().unwrap();
+        assert!(
+            tags.parameters.is_none(),
+            "the PUT at /tags/ was documented"
+        );
+        assert!(!documented(&spec, "/preorders", HttpMethod::Post));
+        assert!(documented(&spec, "/api/orders", HttpMethod::Post));
     }
 
     /// A route described by hand with its method as HTTP writes it (`"POST"`) is documented

@@ -341,3 +341,44 @@ async fn keys_are_taken_over_markers_without_the_expiry_commands_on_valkey() {
     keys_are_taken_over_markers_without_the_expiry_commands(PrivateRedis::start_valkey(&[]).await)
         .await;
 }
+
+/// A connection that speaks RESP3 (a pool the app built on a URL with `protocol=3`): the
+/// library's functions reply in RESP2 (none calls `redis.setresp(3)`), so a Lua `false`
+/// reaches a RESP3 client as null, not as a boolean the store would not read. A key taken
+/// over an abandoned token's marker (the `claim` answers `false` once it wrote) is
+/// acquired, committed and replayed as over RESP2, and the inspector reads a missing key as
+/// missing. (A review suspected the boolean; this pins the null, so a library revision that
+/// switched its replies to RESP3 would fail here.)
+#[actix_web::test]
+async fn a_resp3_connection_takes_keys_over_markers() {
+    redis_connection().await;
+    let url = format!("{}?protocol=3", idempotency_actix_tests::redis_url());
+    let manager = bb8_redis::RedisConnectionManager::new(url).unwrap();
+    let pool = bb8::Pool::builder().build(manager).await.unwrap();
+    let store = RedisStore::new(pool);
+    let prefix = unique_prefix("resp3");
+    let key = StorageKey::new(&prefix, b"", &IdempotencyKey::parse(b"k").unwrap());
+    let print = Fingerprint::compute(&Method::POST, "/orders", "", b"{}", []);
+    let (abandoned, taker) = (LeaseToken::generate(), LeaseToken::generate());
+    assert!(store.abandon(&key, &abandoned, LONG).await.unwrap());
+    assert_eq!(
+        store.begin(&key, &print, &taker, LONG).await.unwrap(),
+        BeginOutcome::Acquired
+    );
+    let response = StoredResponse::new(StatusCode::CREATED, Vec::new(), Some(Bytes::from("paid")));
+    assert!(
+        store
+            .commit(&key, &print, &taker, &response, LONG)
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        store
+            .begin(&key, &print, &LeaseToken::generate(), LONG)
+            .await
+            .unwrap(),
+        BeginOutcome::Completed(response)
+    );
+    let missing = StorageKey::new(&prefix, b"", &IdempotencyKey::parse(b"none").unwrap());
+    assert_eq!(store.inspect(&missing, false).await.unwrap(), None);
+}

@@ -20,7 +20,7 @@ use std::time::Duration;
 /// | setting | a primary crash loses… |
 /// |---|---|
 /// | none (the default) | any write of the last moments: a retry may run the handler again |
-/// | `ReplicatedWrites::new(n, t)` (strict) | nothing that `n` replicas acknowledged, as long as a primary that crashed comes back with its data or not at all (a primary restarted empty before a replica took over, with persistence off and a supervisor restarting it, makes its replicas drop everything as they resync: turn on persistence, or let failovers happen); the handler runs only once its lock is on `n` replicas, and a client's response waits for its commit's `WAIT` (where the replicas fall short, it is sent all the same and the commit retried: see below) |
+/// | `ReplicatedWrites::new(n, t)` (strict) | nothing that `n` replicas acknowledged, where one of them is the replica promoted (Redis picks it, best effort: with more replicas than `n`, one that did not acknowledge can be promoted; README, "Replicated writes"), and as long as a primary that crashed comes back with its data or not at all (a primary restarted empty before a replica took over, with persistence off and a supervisor restarting it, makes its replicas drop everything as they resync: turn on persistence, or let failovers happen); the handler runs only once its lock is on `n` replicas, and a client's response waits for its commit's `WAIT` (where the replicas fall short, it is sent all the same and the commit retried: see below) |
 /// | `ReplicatedWrites::new(n, t).or_warn()` | like strict when replicas keep up; when they do not, a warning and the write goes on unprotected |
 ///
 /// When fewer replicas acknowledge within the timeout (a replica down or lagging):
@@ -57,7 +57,9 @@ use std::time::Duration;
 /// With one replica per primary, a failover leaves the promoted primary without a replica
 /// until one rejoins: strict replicated writes then refuse new keys on that primary (503)
 /// while replays go on. Run two replicas per primary and wait for one to keep serving
-/// through a failover.
+/// through a failover (a failover may then promote the replica that did not acknowledge a
+/// write, which lacks it; waiting for both closes that, and refuses new keys while one is
+/// down).
 ///
 /// # Examples
 ///

@@ -288,7 +288,19 @@ impl<T: Transport> Steps<'_, T> {
         if self.replication.is_none() {
             return Ok(true);
         }
-        self.rewritten_for_replicas(key, &completed, "commit").await
+        if self
+            .rewritten_for_replicas(key, &completed, "commit")
+            .await?
+        {
+            return Ok(true);
+        }
+        // The record read a moment before is not there to write over itself: another node
+        // answered the rewrite (a failover between the two, where the new primary may still
+        // hold this request's in-flight record), as a read after a commit may be answered
+        // by another node (`StillHeld`). An error, so that the commit is sent again and reads
+        // what it finds then, its lease renewed meanwhile; taken for "not held", the commit
+        // was given up and a retry after the lease ran the handler again.
+        Err(answered_elsewhere())
     }
 
     /// Completes this token's in-flight record that took the key over a marker (see
@@ -538,6 +550,62 @@ mod tests {
         }
     }
 
+    const TTL: Duration = Duration::from_secs(60);
+
+    /// One request's commit: its key, fingerprint, token and response.
+    struct Commit {
+        key: StorageKey,
+        fingerprint: Fingerprint,
+        token: LeaseToken,
+        response: StoredResponse,
+    }
+
+    impl Commit {
+        fn new() -> Self {
+            Self {
+                key: StorageKey::new(
+                    "idem:",
+                    b"",
+                    &IdempotencyKey::parse(b"order-1").expect("a valid key"),
+                ),
+                fingerprint: Fingerprint::from_bytes([7; 32]),
+                token: LeaseToken::generate(),
+                response: StoredResponse {
+                    status: StatusCode::CREATED,
+                    headers: Vec::new(),
+                    body: Some(Bytes::from_static(b"{}")),
+                },
+            }
+        }
+
+        /// The in-flight record this request's `begin` wrote.
+        fn own_lock(&self) -> Vec<u8> {
+            record::in_flight(&self.fingerprint, &self.token)
+        }
+
+        /// Sends the commit (by `SET … IFEQ`, the first way tried), under `replication`, to a
+        /// store that answers with `replies` in turn.
+        async fn sent_to(
+            &self,
+            replication: Option<ReplicatedWrites>,
+            replies: Vec<redis::Value>,
+        ) -> Result<bool, StoreError> {
+            let transport = Scripted {
+                replies: RefCell::new(replies),
+            };
+            let conditional_set = ConditionalSet::default();
+            let steps = Steps {
+                transport: &transport,
+                replication,
+                conditional_set: &conditional_set,
+            };
+            let (key, token) = (&self.key, &self.token);
+            steps
+                .commit(key, &self.fingerprint, token, &self.response, TTL)
+                .await
+        }
+    }
+
     /// A Redis Cluster primary stopped (SIGSTOP) while a commit waited for it, its replica
     /// promoted meanwhile: on waking it ran the commits queued for it before learning it
     /// was demoted, so a resent `SET … IFEQ` found the record its first send completed
@@ -547,41 +615,40 @@ mod tests {
     /// handler again. It is an error now, so the commit is retried (lease renewed).
     #[actix_rt::test]
     async fn an_unwritten_commit_that_finds_its_own_lock_is_retried_not_given_up() {
-        let key = StorageKey::new(
-            "idem:",
-            b"",
-            &IdempotencyKey::parse(b"order-1").expect("a valid key"),
-        );
-        let fingerprint = Fingerprint::from_bytes([7; 32]);
-        let token = LeaseToken::generate();
-        let response = StoredResponse {
-            status: StatusCode::CREATED,
-            headers: Vec::new(),
-            body: Some(Bytes::from_static(b"{}")),
-        };
-        let own_lock = record::in_flight(&fingerprint, &token);
-        let transport = Scripted {
-            // The commit wrote nothing; the read finds this token's own in-flight record.
-            replies: RefCell::new(vec![redis::Value::Nil, redis::Value::BulkString(own_lock)]),
-        };
-        let conditional_set = ConditionalSet::default();
-        let steps = Steps {
-            transport: &transport,
-            replication: None,
-            conditional_set: &conditional_set,
-        };
-        let committed = steps
-            .commit(
-                &key,
-                &fingerprint,
-                &token,
-                &response,
-                Duration::from_secs(60),
-            )
-            .await;
+        let commit = Commit::new();
+        // The commit wrote nothing; the read finds this token's own in-flight record.
+        let replies = vec![
+            redis::Value::Nil,
+            redis::Value::BulkString(commit.own_lock()),
+        ];
+        let committed = commit.sent_to(None, replies).await;
         assert!(
             matches!(committed, Err(StoreError::Unavailable(_))),
             "a commit whose record is still held must be retried, not reported lost: {committed:?}"
+        );
+    }
+
+    /// With replicated writes, a commit that wrote nothing, whose read found the record its
+    /// earlier send completed, writes that record over itself for the `WAIT` behind it to
+    /// count; where that rewrite writes nothing (another node answered it: a failover
+    /// between the read and the rewrite, the new primary still holding the in-flight
+    /// record), the commit is retried, not reported lost (helper review).
+    #[actix_rt::test]
+    async fn a_replicated_commit_whose_rewrite_finds_another_record_is_retried() {
+        let commit = Commit::new();
+        let completed = record::completed(&commit.own_lock(), &commit.response, TTL);
+        // The commit wrote nothing; the read finds the record this token completed; the
+        // rewrite of it writes nothing.
+        let replies = vec![
+            redis::Value::Nil,
+            redis::Value::BulkString(completed),
+            redis::Value::Nil,
+        ];
+        let replication = ReplicatedWrites::new(1, Duration::from_millis(200));
+        let committed = commit.sent_to(Some(replication), replies).await;
+        assert!(
+            matches!(committed, Err(StoreError::Unavailable(_))),
+            "a commit whose rewrite found another record must be retried: {committed:?}"
         );
     }
 }
