@@ -60,25 +60,20 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     })
 }
 
-/// The extractor only transactional routes provide, by the last segment of its type path.
+/// The extractor only transactional routes provide, by a segment of its type path.
 const TRANSACTION_EXTRACTOR: &str = "IdempotentTransaction";
 
 /// A handler that takes an `IdempotentTransaction` must be `transactional`: anywhere else
-/// the extractor has no transaction to hand over.
+/// the extractor has no transaction to hand over. Also where the type is wrapped
+/// (`Option<IdempotentTransaction>`, a `Result`, a tuple of extractors): Actix turns the
+/// extractor's refusal into `None` or an `Err` there, and the handler would run without a
+/// transaction.
 fn check_transaction(arguments: &Arguments, handler: &ItemFn) -> syn::Result<()> {
     if arguments.transactional {
         return Ok(());
     }
-    let takes_transaction = |ty: &syn::Type| match ty {
-        syn::Type::Path(path) => path
-            .path
-            .segments
-            .last()
-            .is_some_and(|segment| segment.ident == TRANSACTION_EXTRACTOR),
-        _ => false,
-    };
     match handler.sig.inputs.iter().find_map(|input| match input {
-        syn::FnArg::Typed(argument) if takes_transaction(&argument.ty) => Some(&argument.ty),
+        syn::FnArg::Typed(argument) if names_transaction(&argument.ty) => Some(&argument.ty),
         _ => None,
     }) {
         Some(ty) => Err(syn::Error::new_spanned(
@@ -87,6 +82,25 @@ fn check_transaction(arguments: &Arguments, handler: &ItemFn) -> syn::Result<()>
              have: write #[idempotent(transactional)]",
         )),
         None => Ok(()),
+    }
+}
+
+/// Whether `ty` is the transaction extractor, by a segment of its path, or holds it as a
+/// type argument, a tuple's element or behind a reference.
+fn names_transaction(ty: &syn::Type) -> bool {
+    match ty {
+        syn::Type::Path(path) => path.path.segments.iter().any(|segment| {
+            segment.ident == TRANSACTION_EXTRACTOR
+                || matches!(&segment.arguments, syn::PathArguments::AngleBracketed(arguments)
+                if arguments.args.iter().any(|argument| {
+                    matches!(argument, syn::GenericArgument::Type(ty) if names_transaction(ty))
+                }))
+        }),
+        syn::Type::Tuple(tuple) => tuple.elems.iter().any(names_transaction),
+        syn::Type::Reference(reference) => names_transaction(&reference.elem),
+        syn::Type::Paren(inner) => names_transaction(&inner.elem),
+        syn::Type::Group(inner) => names_transaction(&inner.elem),
+        _ => false,
     }
 }
 
@@ -330,6 +344,43 @@ mod tests {
         )
         .to_string();
         assert!(expanded.starts_with(&expected), "{expanded}");
+    }
+
+    /// `Option<IdempotentTransaction>` compiled without `transactional`, and the handler
+    /// ran without a transaction (Actix's `Option` extractor turns the refusal into `None`);
+    /// so did a `Result` or a tuple holding it (helper review).
+    #[test]
+    fn a_wrapped_transaction_extractor_needs_transactional_too() {
+        for argument in [
+            quote!(transaction: IdempotentTransaction),
+            quote!(transaction: Option<IdempotentTransaction>),
+            quote!(transaction: Result<idempotency_actix::IdempotentTransaction, Error>),
+            quote!((transaction, body): (IdempotentTransaction, Bytes)),
+        ] {
+            let expanded = expand(
+                quote!(),
+                quote!(
+                    #[post("/ledger")]
+                    async fn book(#argument) -> HttpResponse {
+                        HttpResponse::Created().finish()
+                    }
+                ),
+            );
+            assert!(
+                expanded.contains("write #[idempotent(transactional)]"),
+                "{argument}: {expanded}"
+            );
+        }
+        let plain = expand(
+            quote!(),
+            quote!(
+                #[post("/orders")]
+                async fn create(body: Option<web::Json<Order>>) -> HttpResponse {
+                    HttpResponse::Created().finish()
+                }
+            ),
+        );
+        assert!(!plain.contains("compile_error"), "{plain}");
     }
 
     #[test]
