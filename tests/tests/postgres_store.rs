@@ -1092,10 +1092,8 @@ async fn the_pools_connections_probe_an_idle_database_every_30_s() {
     let database = TestDatabase::create().await;
     let store = database.store().await;
     acquire(&store, "keepalives").await;
-    // The database's port, from `postgres://user@host:port/db`.
-    let port = database.url().rsplit_once(':').map_or("5432", |(_, rest)| {
-        rest.split(['/', '?']).next().unwrap_or("5432")
-    });
+    let config: tokio_postgres::Config = database.url().parse().unwrap();
+    let port = config.get_ports().first().copied().unwrap_or(5432);
     let listed = std::process::Command::new("ss")
         .args(["-tnpoH", "state", "established"])
         .arg(format!("( dport = :{port} )"))
