@@ -81,7 +81,9 @@ pub const KEY_PATTERN: &str = concat!(
 ///   9457: `type`, `title`, `status`, `detail`), each described with the `type` of every
 ///   [`IdempotencyError`](crate::IdempotencyError) the middleware answers with that status;
 /// * the `Idempotent-Replayed` and `Idempotent-Body-Omitted` headers on the responses the
-///   operation already documents (a replay repeats them).
+///   operation already documents (a replay repeats them); one given by reference to the
+///   spec's shared responses (`#/components/responses/…`) is written out in the operation
+///   with them, the shared one left as the operations that refer to it have it.
 ///
 /// Operations already documented are left as they are: a parameter of the same name is not
 /// added twice, and a response the handler documents for one of these statuses keeps its
@@ -291,6 +293,7 @@ impl IdempotencyOpenApi {
             .schemas
             .entry(PROBLEM_SCHEMA.to_owned())
             .or_insert_with(problem_schema);
+        let shared = components.responses.clone();
         for route in self.routes.iter() {
             let required = route.requires_key() || (self.keys_required && !route.is_optional());
             let mut found = false;
@@ -302,6 +305,7 @@ impl IdempotencyOpenApi {
                     if operation.operation_id.as_deref() == Some(route.handler())
                         && routed_at(route, method, path)
                     {
+                        write_out_shared_responses(operation, &shared);
                         document_operation(operation, self.header, required);
                         found = true;
                     }
@@ -317,6 +321,7 @@ impl IdempotencyOpenApi {
                     .get_mut(&*spec_path(path))
                     .and_then(|item| operation_for(item, method));
                 if let Some(operation) = operation {
+                    write_out_shared_responses(operation, &shared);
                     document_operation(operation, self.header, required);
                 }
             }
@@ -512,6 +517,27 @@ fn add_problem(response: &mut Response, problem: &Problem) {
                     .description(Some("Seconds to wait before retrying with the same key."))
                     .build()
             });
+    }
+}
+
+/// Writes out in `operation` the responses it gives by reference to the spec's shared ones
+/// (`#/components/responses/…`, as utoipa's `response = Type` writes them), so that the
+/// replay headers go on them: added to a shared response, they would also be documented
+/// for the unprotected operations that refer to it.
+fn write_out_shared_responses(
+    operation: &mut Operation,
+    shared: &std::collections::BTreeMap<String, RefOr<Response>>,
+) {
+    for response in operation.responses.responses.values_mut() {
+        let RefOr::Ref(reference) = response else {
+            continue;
+        };
+        let name = reference
+            .ref_location
+            .strip_prefix("#/components/responses/");
+        if let Some(RefOr::T(found)) = name.and_then(|name| shared.get(name)) {
+            *response = RefOr::T(found.clone());
+        }
     }
 }
 
@@ -810,6 +836,50 @@ mod tests {
         );
         assert!(!documented(&spec, "/comments", HttpMethod::Post));
         assert!(!documented(&spec, "/orders/export", HttpMethod::Get));
+    }
+
+    /// A response given by reference to the spec's shared responses (utoipa's `response =
+    /// Type`) gets the replay headers too, written out in the protected operation; the
+    /// shared response, which an unprotected operation refers to as well, is left as it was
+    /// (helper review: referenced responses got no `Idempotent-Replayed`).
+    #[test]
+    fn a_shared_response_is_written_out_with_the_replay_headers() {
+        use utoipa::openapi::{ComponentsBuilder, Ref, ResponsesBuilder};
+
+        let created = || {
+            ResponsesBuilder::new()
+                .response("201", Ref::from_response_name("OrderCreated"))
+                .build()
+        };
+        let mut protected = operation("create");
+        protected.responses = created();
+        let mut unprotected = operation("list_created");
+        unprotected.responses = created();
+        let mut spec = OpenApiBuilder::new()
+            .paths(
+                PathsBuilder::new()
+                    .path("/orders", PathItem::new(HttpMethod::Post, protected))
+                    .path("/imports", PathItem::new(HttpMethod::Post, unprotected)),
+            )
+            .components(Some(
+                ComponentsBuilder::new()
+                    .response("OrderCreated", Response::new("Created"))
+                    .build(),
+            ))
+            .build();
+        IdempotencyOpenApi::new(&[ORDERS]).apply(&mut spec);
+        let replay_header = |response: &RefOr<Response>| match response {
+            RefOr::T(response) => response.headers.contains_key("Idempotent-Replayed"),
+            RefOr::Ref(_) => false,
+        };
+        let post = |path: &str| spec.paths.paths[path].post.as_ref().unwrap();
+        assert!(replay_header(&post("/orders").responses.responses["201"]));
+        assert!(matches!(
+            post("/imports").responses.responses["201"],
+            RefOr::Ref(_)
+        ));
+        let shared = &spec.components.as_ref().unwrap().responses["OrderCreated"];
+        assert!(!replay_header(shared), "the shared response was changed");
     }
 
     /// A route's path matches the end of a spec's path by whole segments only, and a
