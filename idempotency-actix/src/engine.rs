@@ -517,13 +517,9 @@ impl Engine {
                             let _slot = slot;
                             service.call(req).await.map(with_handler_body)
                         });
-                        return run.await.unwrap_or_else(|panic| {
-                            tracing::error!(
-                                panic = panic_message(panic.as_ref()),
-                                "idempotency: the request panicked (fail-open)"
-                            );
-                            Err(IdempotencyError::HandlerPanicked.into())
-                        });
+                        return run
+                            .await
+                            .unwrap_or_else(|panic| Err(panicked_failing_open(panic.as_ref())));
                     }
                     let held = UnconfirmedBegin {
                         storage_key: storage_key.clone(),
@@ -555,24 +551,18 @@ impl Engine {
                             // has left: uncaught there, the `begin` that landed kept the key
                             // locked (409) for a lease with no handler running.
                             Err(panic) => {
-                                tracing::error!(
-                                    panic = panic_message(panic.as_ref()),
-                                    "idempotency: the request panicked (fail-open)"
-                                );
+                                let error = panicked_failing_open(panic.as_ref());
                                 engine.abandon_token(&key, token, lease, remember_for).await;
-                                Err(IdempotencyError::HandlerPanicked.into())
+                                Err(error)
                             }
                         }
                     });
                     match run.await {
                         Ok(handled) => handled,
                         Err(panic) => {
-                            tracing::error!(
-                                panic = panic_message(panic.as_ref()),
-                                "idempotency: the request panicked (fail-open)"
-                            );
+                            let error = panicked_failing_open(panic.as_ref());
                             self.abandon_in_background(&pending);
-                            Err(IdempotencyError::HandlerPanicked.into())
+                            Err(error)
                         }
                     }
                 }
@@ -1543,6 +1533,16 @@ pub(crate) fn warn_if_renewals_can_outlast(lease: Duration, store_timeout: Durat
              duplicate run the handler: lengthen the lease or shorten the store timeout"
         );
     });
+}
+
+/// Logs the panic that ended a request failing open; the error its client gets (500
+/// `handler-panicked`).
+fn panicked_failing_open(panic: &(dyn std::any::Any + Send)) -> actix_web::Error {
+    tracing::error!(
+        panic = panic_message(panic),
+        "idempotency: the request panicked (fail-open)"
+    );
+    IdempotencyError::HandlerPanicked.into()
 }
 
 /// Whether `lease` can lapse while a renewal is on its way, every step slow but within
