@@ -2,7 +2,7 @@
 
 use std::sync::LazyLock;
 
-use actix_web::http::header::HeaderName;
+use actix_web::http::header::{HOST, HeaderName};
 use actix_web::{dev::ServiceRequest, http::Method};
 use blake3::hazmat::ContextKey;
 
@@ -161,6 +161,12 @@ impl FingerprintParts {
     /// Also fingerprints the value of the header `name` (all its values, in order): a
     /// [`HeaderName`], or a string checked to be one.
     ///
+    /// `host` is the request's authority, as Actix's own `guard::Host` reads it: its `Host`
+    /// header, or on HTTP/2, which carries the authority in the request's URI instead
+    /// (`:authority`) and usually sends no `Host`, that authority. So routes told apart by
+    /// host (virtual hosts) answer a key reused on another host 422 over either protocol,
+    /// and a retry over the other protocol is the same request.
+    ///
     /// # Errors
     ///
     /// When `name` is not a valid header name.
@@ -185,11 +191,18 @@ impl FingerprintParts {
             .headers
             .iter()
             .map(|name| {
-                let joined = req
+                let mut joined: Vec<u8> = req
                     .headers()
                     .get_all(name)
                     .flat_map(|value| value.as_bytes().iter().copied().chain([b'\n']))
                     .collect();
+                if joined.is_empty()
+                    && *name == HOST
+                    && let Some(authority) = req.uri().authority()
+                {
+                    joined.extend_from_slice(authority.as_str().as_bytes());
+                    joined.push(b'\n');
+                }
                 (name.as_str(), joined)
             })
             .collect();
@@ -282,6 +295,42 @@ mod tests {
         assert_eq!(
             FingerprintParts::default().of(&v1, b""),
             FingerprintParts::default().of(&v2, b"")
+        );
+    }
+
+    /// HTTP/2 carries the host in the URI (`:authority`), usually without a `Host` header,
+    /// as Actix hands such a request over (and as its `guard::Host` reads it).
+    #[test]
+    fn the_host_is_the_authority_where_no_host_header_is_sent() {
+        let parts = FingerprintParts::default().header("host").unwrap();
+        let over_http2 = |authority: &str| {
+            let req = TestRequest::post()
+                .uri(&format!("http://{authority}/orders"))
+                .version(actix_web::http::Version::HTTP_2)
+                .to_srv_request();
+            assert!(req.headers().get("host").is_none());
+            parts.of(&req, b"{}")
+        };
+        let over_http1 = |host: &str| {
+            let req = TestRequest::post()
+                .uri("/orders")
+                .insert_header(("host", host))
+                .to_srv_request();
+            parts.of(&req, b"{}")
+        };
+        assert_ne!(over_http2("a.example"), over_http2("b.example"));
+        assert_eq!(over_http2("a.example:8443"), over_http1("a.example:8443"));
+        assert_ne!(over_http2("a.example"), over_http1("b.example"));
+        // Without the part, hosts do not matter.
+        let a = TestRequest::post()
+            .uri("http://a.example/orders")
+            .to_srv_request();
+        let b = TestRequest::post()
+            .uri("http://b.example/orders")
+            .to_srv_request();
+        assert_eq!(
+            FingerprintParts::default().of(&a, b"{}"),
+            FingerprintParts::default().of(&b, b"{}")
         );
     }
 }
