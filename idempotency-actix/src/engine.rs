@@ -79,6 +79,8 @@ pub enum FailMode {
 #[derive(Clone)]
 pub(crate) struct Settings {
     pub(crate) header: HeaderName,
+    /// The most characters a key may have.
+    pub(crate) max_key_length: usize,
     pub(crate) prefix: String,
     pub(crate) scope: KeyScope,
     pub(crate) fingerprint: FingerprintParts,
@@ -95,6 +97,7 @@ impl Default for Settings {
     fn default() -> Self {
         Self {
             header: HeaderName::from_static("idempotency-key"),
+            max_key_length: crate::MAX_KEY_LENGTH,
             prefix: "idempotency:".to_owned(),
             scope: KeyScope::default(),
             fingerprint: FingerprintParts::default(),
@@ -263,7 +266,11 @@ impl Engine {
             + 'static,
         B: MessageBody + 'static,
     {
-        let key = match IdempotencyKey::from_headers(req.headers(), &self.settings.header) {
+        let key = match IdempotencyKey::from_headers_within(
+            req.headers(),
+            &self.settings.header,
+            self.settings.max_key_length,
+        ) {
             Ok(Some(key)) => key,
             Ok(None) if policy.required => {
                 return Ok(self.refuse(req, IdempotencyError::MissingKey));
@@ -343,8 +350,13 @@ impl Engine {
         // between two reads would refuse the request without abandoning its token, and a
         // `begin` that landed would hold the key for a lease.
         let draining = work_in_progress::draining();
-        let runs_under_token =
-            self.settings.fail_mode == FailMode::Open && !policy.transactional && !draining;
+        // One that was never sent (no connection could be had for it) holds nothing: no token
+        // to run under or to abandon.
+        let never_sent = matches!(&begun, Err(error) if error.was_not_sent());
+        let runs_under_token = self.settings.fail_mode == FailMode::Open
+            && !policy.transactional
+            && !draining
+            && !never_sent;
         match &begun {
             // A `begin` that timed out may have landed or may still land: abandon the token,
             // so that whatever the order the key is not blocked with no handler running. One
@@ -356,6 +368,10 @@ impl Engine {
                 self.abandon_in_background(&pending)
             }
             Ok(_) | Err(StoreError::Refused(_) | StoreError::Corrupt(_)) => {}
+            // Nor did one that was never sent: the store is unreachable, and an abandon for
+            // each request refused meanwhile (in microseconds) would pile up, retried for a
+            // lease, and write a marker per request once it is back.
+            Err(_) if never_sent => {}
             // One the store answered with an error may have written its lock (strict
             // replicated writes whose replicas fell short leave it on the primary): abandoned
             // before the refusal goes out, so that a retry sent at once is not answered 409
@@ -508,9 +524,12 @@ impl Engine {
                         )
                         .await;
                     }
-                    if matches!(error, StoreError::Refused(_) | StoreError::Corrupt(_)) {
-                        // Nothing was written (a full store, or a record this version cannot
-                        // read holds the key): no token to run under. Still a keyed request's
+                    if matches!(error, StoreError::Refused(_) | StoreError::Corrupt(_))
+                        || error.was_not_sent()
+                    {
+                        // Nothing was written (a full store, a record this version cannot
+                        // read holds the key, or the `begin` never left this process: no
+                        // connection could be had): no token to run under. Still a keyed request's
                         // run: it goes on to its end should the client leave (its side
                         // effects are not left half done), and a panic is answered 500.
                         let run = RunToCompletion::new(move || async move {

@@ -148,7 +148,9 @@ impl<S: IdempotencyStore> Inspector<S> {
         self
     }
 
-    /// Where the record of `key` in `scope` is stored.
+    /// Where the record of `key` in `scope` is stored. A key of any length is looked up
+    /// (the app may take keys longer than [`MAX_KEY_LENGTH`](crate::MAX_KEY_LENGTH): see
+    /// [`Idempotency::max_key_length`](crate::Idempotency::max_key_length)).
     ///
     /// # Errors
     ///
@@ -167,7 +169,7 @@ impl<S: IdempotencyStore> Inspector<S> {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn storage_key(&self, scope: &[u8], key: &str) -> Result<StorageKey, KeyError> {
-        let key = IdempotencyKey::parse(key.as_bytes())?;
+        let key = IdempotencyKey::parse_within(key.as_bytes(), usize::MAX)?;
         Ok(StorageKey::new(&self.prefix, scope, &key))
     }
 

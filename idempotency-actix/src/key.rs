@@ -2,7 +2,9 @@
 
 use actix_web::http::header::{HeaderMap, HeaderName};
 
-/// The longest key accepted, in characters (after removing sf-string quoting).
+/// The longest key accepted by default, in characters (after removing sf-string quoting);
+/// an app that takes longer keys says so with
+/// [`Idempotency::max_key_length`](crate::Idempotency::max_key_length).
 ///
 /// # Examples
 ///
@@ -28,7 +30,8 @@ pub const MAX_KEY_LENGTH: usize = 255;
 ///   ASCII except `"`, `,` and `;`, taken literally as text (`42` is the key `42`, not a number).
 ///
 /// So `abc` and `"abc"` are the same key. A key is 1 to [`MAX_KEY_LENGTH`] characters of
-/// printable ASCII (a space is allowed only inside the quoted form).
+/// printable ASCII (a space is allowed only inside the quoted form), or as many as the app
+/// allows ([`IdempotencyKey::parse_within`]).
 ///
 /// Parameters after a quoted key (`"abc";v=1`) must follow RFC 8941's syntax and are ignored:
 /// that is the key `abc`. After a bare key a `;` is refused with
@@ -70,7 +73,10 @@ pub struct IdempotencyKey(String);
 ///
 /// assert_eq!(IdempotencyKey::parse(b"  "), Err(KeyError::Empty));
 /// let long = "k".repeat(MAX_KEY_LENGTH + 1);
-/// assert_eq!(IdempotencyKey::parse(long.as_bytes()), Err(KeyError::TooLong { length: 256 }));
+/// assert_eq!(
+///     IdempotencyKey::parse(long.as_bytes()),
+///     Err(KeyError::TooLong { length: 256, limit: 255 })
+/// );
 /// assert_eq!(IdempotencyKey::parse(br#""a\n""#), Err(KeyError::InvalidEscape));
 /// assert_eq!(IdempotencyKey::parse(br#""abc"x"#), Err(KeyError::TrailingCharacters));
 /// assert_eq!(KeyError::Repeated.to_string(), "the idempotency key header appears more than once");
@@ -81,13 +87,14 @@ pub enum KeyError {
     /// The header was present but held no key.
     #[error("the idempotency key is empty")]
     Empty,
-    /// The key is longer than [`MAX_KEY_LENGTH`] characters.
-    #[error(
-        "the idempotency key is {length} characters long; at most {MAX_KEY_LENGTH} are allowed"
-    )]
+    /// The key is longer than the app allows ([`MAX_KEY_LENGTH`] characters unless it says
+    /// otherwise).
+    #[error("the idempotency key is {length} characters long; at most {limit} are allowed")]
     TooLong {
         /// The length of the rejected key.
         length: usize,
+        /// The most characters a key may have.
+        limit: usize,
     },
     /// A byte outside printable ASCII (a control character, DEL, or a non-ASCII byte).
     #[error("the idempotency key contains a byte that is not printable ASCII (0x{byte:02x})")]
@@ -132,7 +139,8 @@ pub enum KeyError {
 }
 
 impl IdempotencyKey {
-    /// Parses a header value: an sf-string, then parameters, which are ignored; or a bare key.
+    /// Parses a header value: an sf-string, then parameters, which are ignored; or a bare key
+    /// of at most [`MAX_KEY_LENGTH`] characters.
     ///
     /// # Errors
     ///
@@ -151,6 +159,29 @@ impl IdempotencyKey {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn parse(value: &[u8]) -> Result<Self, KeyError> {
+        Self::parse_within(value, MAX_KEY_LENGTH)
+    }
+
+    /// [`IdempotencyKey::parse`], for a key of at most `max_length` characters (what
+    /// [`Idempotency::max_key_length`](crate::Idempotency::max_key_length) sets).
+    ///
+    /// # Errors
+    ///
+    /// Returns a [`KeyError`] that says what is wrong with the value.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::{IdempotencyKey, KeyError};
+    ///
+    /// let signed = "k".repeat(400);
+    /// assert!(IdempotencyKey::parse_within(signed.as_bytes(), 512).is_ok());
+    /// assert_eq!(
+    ///     IdempotencyKey::parse_within(signed.as_bytes(), 300),
+    ///     Err(KeyError::TooLong { length: 400, limit: 300 })
+    /// );
+    /// ```
+    pub fn parse_within(value: &[u8], max_length: usize) -> Result<Self, KeyError> {
         let value = value.trim_ascii();
         let (key, rest) = match value.split_first() {
             None => return Err(KeyError::Empty),
@@ -177,8 +208,11 @@ impl IdempotencyKey {
         if key.bytes().all(|byte| byte == b' ') {
             return Err(KeyError::Empty);
         }
-        if length > MAX_KEY_LENGTH {
-            return Err(KeyError::TooLong { length });
+        if length > max_length {
+            return Err(KeyError::TooLong {
+                length,
+                limit: max_length,
+            });
         }
         Ok(Self(key))
     }
@@ -210,6 +244,15 @@ impl IdempotencyKey {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn from_headers(headers: &HeaderMap, name: &HeaderName) -> Result<Option<Self>, KeyError> {
+        Self::from_headers_within(headers, name, MAX_KEY_LENGTH)
+    }
+
+    /// [`IdempotencyKey::from_headers`], for a key of at most `max_length` characters.
+    pub(crate) fn from_headers_within(
+        headers: &HeaderMap,
+        name: &HeaderName,
+        max_length: usize,
+    ) -> Result<Option<Self>, KeyError> {
         let mut values = headers.get_all(name);
         let Some(first) = values.next() else {
             return Ok(None);
@@ -217,7 +260,7 @@ impl IdempotencyKey {
         if values.next().is_some() {
             return Err(KeyError::Repeated);
         }
-        Self::parse(first.as_bytes()).map(Some)
+        Self::parse_within(first.as_bytes(), max_length).map(Some)
     }
 
     /// The key, without sf-string quoting or escapes.
@@ -459,13 +502,19 @@ mod tests {
         assert_eq!(parse(longest.as_bytes()), Ok(longest.clone()));
         assert_eq!(
             parse("k".repeat(256).as_bytes()),
-            Err(KeyError::TooLong { length: 256 })
+            Err(KeyError::TooLong {
+                length: 256,
+                limit: 255
+            })
         );
         // Quoting does not count towards the length, escapes count once.
         assert!(parse(format!("\"{longest}\"").as_bytes()).is_ok());
         assert_eq!(
             parse(format!("\"{}\"", "\\\\".repeat(256)).as_bytes()),
-            Err(KeyError::TooLong { length: 256 })
+            Err(KeyError::TooLong {
+                length: 256,
+                limit: 255
+            })
         );
     }
 

@@ -122,6 +122,7 @@ pub struct IdempotencyOpenApi {
     routes: Cow<'static, [ProtectedRoute]>,
     header: &'static str,
     keys_required: bool,
+    max_key_length: usize,
 }
 
 impl IdempotencyOpenApi {
@@ -155,6 +156,7 @@ impl IdempotencyOpenApi {
             routes: Cow::Borrowed(routes),
             header: "Idempotency-Key",
             keys_required: false,
+            max_key_length: MAX_KEY_LENGTH,
         }
     }
 
@@ -262,6 +264,44 @@ impl IdempotencyOpenApi {
         self
     }
 
+    /// The most characters a key may have, if the app takes longer keys than
+    /// [`MAX_KEY_LENGTH`](crate::MAX_KEY_LENGTH) with
+    /// [`Idempotency::max_key_length`](crate::Idempotency::max_key_length): the key
+    /// parameter's description and `maxLength` follow it.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::{IdempotencyOpenApi, ProtectedRoute};
+    /// use utoipa::openapi::{RefOr, Schema};
+    /// # use utoipa::openapi::path::{HttpMethod, OperationBuilder, PathItem};
+    /// # use utoipa::openapi::{OpenApi, OpenApiBuilder, PathsBuilder};
+    /// # fn spec() -> OpenApi {
+    /// #     let refund = OperationBuilder::new().operation_id(Some("refund")).build();
+    /// #     let item = PathItem::new(HttpMethod::Post, refund);
+    /// #     let paths = PathsBuilder::new().path("/refunds", item);
+    /// #     OpenApiBuilder::new().paths(paths).build()
+    /// # }
+    ///
+    /// const REFUNDS: ProtectedRoute = ProtectedRoute::new("refund", &[("post", "/refunds")]);
+    /// // For an app with `Idempotency::max_key_length(512)`:
+    /// let idempotency = IdempotencyOpenApi::new(&[REFUNDS]).max_key_length(512);
+    ///
+    /// let mut spec = spec();
+    /// idempotency.apply(&mut spec);
+    /// let operation = spec.paths.paths["/refunds"].post.as_ref().ok_or("no operation")?;
+    /// let key = &operation.parameters.as_ref().ok_or("no parameters")?[0];
+    /// let Some(RefOr::T(Schema::Object(schema))) = &key.schema else { return Err("no schema".into()) };
+    /// // The header's value: quoted, with every character escaped.
+    /// assert_eq!(schema.max_length, Some(2 * 512 + 2));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    #[must_use]
+    pub const fn max_key_length(mut self, characters: usize) -> Self {
+        self.max_key_length = characters;
+        self
+    }
+
     /// Documents the routes in `openapi` (what [`Modify::modify`] does).
     ///
     /// # Examples
@@ -306,7 +346,7 @@ impl IdempotencyOpenApi {
                         && routed_at(route, method, path)
                     {
                         write_out_shared_responses(operation, &shared);
-                        document_operation(operation, self.header, required);
+                        document_key(operation, self.header, required, self.max_key_length);
                         found = true;
                     }
                 }
@@ -322,7 +362,7 @@ impl IdempotencyOpenApi {
                     .and_then(|item| operation_for(item, method));
                 if let Some(operation) = operation {
                     write_out_shared_responses(operation, &shared);
-                    document_operation(operation, self.header, required);
+                    document_key(operation, self.header, required, self.max_key_length);
                 }
             }
         }
@@ -353,6 +393,11 @@ impl Modify for IdempotencyOpenApi {
 /// assert!(operation.responses.responses.contains_key("422"));
 /// ```
 pub fn document_operation(operation: &mut Operation, header: &str, required: bool) {
+    document_key(operation, header, required, MAX_KEY_LENGTH);
+}
+
+/// [`document_operation`], for keys of at most `max_key_length` characters.
+fn document_key(operation: &mut Operation, header: &str, required: bool, max_key_length: usize) {
     for response in operation.responses.responses.values_mut() {
         if let RefOr::T(response) = response {
             add_replay_headers(response);
@@ -363,7 +408,7 @@ pub fn document_operation(operation: &mut Operation, header: &str, required: boo
         .iter()
         .any(|parameter| parameter.name.eq_ignore_ascii_case(header))
     {
-        parameters.push(key_parameter(header, required));
+        parameters.push(key_parameter(header, required, max_key_length));
     }
     for problem in PROBLEMS {
         let response = operation
@@ -569,7 +614,7 @@ fn add_replay_headers(response: &mut Response) {
 const REPLAYED_HEADER_NAME: &str = "Idempotent-Replayed";
 const BODY_OMITTED_HEADER_NAME: &str = "Idempotent-Body-Omitted";
 
-fn key_parameter(header: &str, required: bool) -> Parameter {
+fn key_parameter(header: &str, required: bool, max_key_length: usize) -> Parameter {
     ParameterBuilder::new()
         .name(header)
         .parameter_in(ParameterIn::Header)
@@ -583,7 +628,7 @@ fn key_parameter(header: &str, required: bool) -> Parameter {
              request safe: the first request with a key runs, every retry with the same key \
              and the same request gets the stored response back. The IETF draft's \
              sf-string form (`\"abc\"`), which RFC 8941 parameters may follow and are \
-             ignored (`\"abc\";v=1`), or the bare form (`abc`); 1 to {MAX_KEY_LENGTH} \
+             ignored (`\"abc\";v=1`), or the bare form (`abc`); 1 to {max_key_length} \
              printable ASCII characters. A key belongs to one request: sent again with \
              another method, path, query or body it gets 422."
         )))
@@ -593,15 +638,17 @@ fn key_parameter(header: &str, required: bool) -> Parameter {
                 .min_length(Some(1))
                 // The header's value, not the key: a key of 255 characters is 257 with its
                 // quotes, and each escape adds one more.
-                .max_length(Some(MAX_HEADER_VALUE_LENGTH))
+                .max_length(Some(max_header_value_length(max_key_length)))
                 .pattern(Some(KEY_PATTERN)),
         ))
         .build()
 }
 
-/// The longest header value that can hold an accepted key: the quoted form with every
-/// character escaped.
-const MAX_HEADER_VALUE_LENGTH: usize = 2 * MAX_KEY_LENGTH + 2;
+/// The longest header value that can hold a key of `max_key_length` characters: the quoted
+/// form with every character escaped.
+const fn max_header_value_length(max_key_length: usize) -> usize {
+    max_key_length.saturating_mul(2).saturating_add(2)
+}
 
 /// The methods the middleware protects, as [`operation_for`] names them.
 const PROTECTED_METHODS: [&str; 4] = ["post", "put", "patch", "delete"];
@@ -1109,11 +1156,11 @@ mod tests {
     #[test]
     fn a_quoted_key_of_the_longest_length_fits_the_schema() {
         let longest = 2 + MAX_KEY_LENGTH;
-        assert!(longest <= MAX_HEADER_VALUE_LENGTH);
-        let parameter = key_parameter("Idempotency-Key", true);
+        let parameter = key_parameter("Idempotency-Key", true, MAX_KEY_LENGTH);
         let Some(RefOr::T(Schema::Object(schema))) = parameter.schema else {
             panic!("an object schema");
         };
-        assert_eq!(schema.max_length, Some(MAX_HEADER_VALUE_LENGTH));
+        assert_eq!(schema.max_length, Some(2 * MAX_KEY_LENGTH + 2));
+        assert!(longest <= 2 * MAX_KEY_LENGTH + 2);
     }
 }

@@ -402,6 +402,30 @@ async fn malformed_keys_are_400(backend: Backend) {
     assert_eq!(h.runs.get(), 0);
 }
 
+/// An app that takes longer keys (`Idempotency::max_key_length`) protects them as any other,
+/// and refuses one over its own limit with a detail that names it.
+async fn an_app_may_take_longer_keys(backend: Backend) {
+    let h = start(backend, "long_keys", |i| i.max_key_length(512));
+    let key = h.key("long-");
+    let long = format!("{key}{}", "k".repeat(512 - key.len()));
+    let first = h.post("/orders", Some(&long), "{}").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let retry = h.post("/orders", Some(&long), "{}").await;
+    assert!(retry.is_replay());
+    assert_eq!(retry.body, first.body);
+    assert_eq!(h.runs.get(), 1);
+
+    let over = format!("{long}k");
+    let reply = h.post("/orders", Some(&over), "{}").await;
+    assert_eq!(
+        reply.assert_problem(400),
+        "tag:idempotency-actix,2026:invalid-key"
+    );
+    let detail = reply.json()["detail"].as_str().unwrap().to_owned();
+    assert!(detail.contains("513") && detail.contains("512"), "{detail}");
+    assert_eq!(h.runs.get(), 1);
+}
+
 /// A bare key with a space (`order 1`) is refused with a detail that says what is wrong
 /// and how to send it (quoted), never that a space is not printable ASCII; quoted, the same
 /// key is taken.
@@ -875,6 +899,7 @@ every_backend!(
     no_key_on_a_required_route_is_400,
     an_app_wide_required_key_is_400,
     malformed_keys_are_400,
+    an_app_may_take_longer_keys,
     a_key_with_a_space_is_told_to_quote_it,
     a_retry_replays_byte_identical_without_running,
     quoted_and_bare_keys_are_the_same_key,

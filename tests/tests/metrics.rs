@@ -287,12 +287,14 @@ async fn every_outcome_is_counted_once_under_its_route_pattern() {
     assert!(outcomes_of("/m/orders/1").is_empty());
 }
 
+/// Failures of a store that cannot be reached are counted by fail mode; their `begin`s
+/// were never sent, so nothing is abandoned for them and no background retry is counted.
 #[actix_web::test]
-async fn store_failures_are_counted_by_fail_mode_and_retried_in_the_background() {
+async fn store_failures_are_counted_by_fail_mode_and_leave_nothing_to_retry() {
     let _turn = one_at_a_time();
     snapshotter();
     let server = actix_test::start(|| {
-        // Nothing listens on port 1: every store operation fails at once.
+        // Nothing listens on port 1: no connection can be had, so nothing is ever sent.
         let pool = RedisStore::pool("redis://127.0.0.1:1").unwrap();
         let closed = Idempotency::redis(pool.clone());
         let open = Idempotency::redis(pool).on_store_error(FailMode::Open);
@@ -308,29 +310,54 @@ async fn store_failures_are_counted_by_fail_mode_and_retried_in_the_background()
                 IdempotentRoute::new(),
             )))
     });
-    let retries_before = counter(
-        "idempotency_background_retries_total",
-        &[("operation", "release")],
-    );
+    let retries_before = release_retries();
     let closed = send(&server, "/closed/order", Some("k"), "{}").await;
     assert_eq!(closed.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(requests("/closed/order", Outcome::StoreError), 1);
     let open = send(&server, "/open/order", Some("k"), "{}").await;
     assert_eq!(open.status, StatusCode::CREATED);
     assert_eq!(requests("/open/order", Outcome::FailOpen), 1);
+    // A background abandon's first retry comes 50 ms after the failure.
+    actix_rt::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(release_retries(), retries_before);
+}
 
-    // A failed begin is released in the background, retried until the store answers.
+/// A `begin` the store answered with an error may have written its lock: its token is
+/// abandoned, and where that does not land at once, retried in the background, counted as
+/// `release`.
+#[actix_web::test]
+async fn the_abandon_of_a_failed_begin_is_retried_in_the_background() {
+    let _turn = one_at_a_time();
+    snapshotter();
+    let route = "/m/abandon-retried";
+    let (server, _runs, _gate) = start_gated(route, || {
+        Idempotency::new(idempotency_actix_tests::FaultyStore {
+            unavailable_begins: std::sync::Arc::new(1.into()),
+            // Longer than the store timeout: the abandon sent inline times out.
+            abandon_delay: Duration::from_millis(400),
+            ..Default::default()
+        })
+        .store_timeout(Duration::from_millis(200))
+    });
+    let retries_before = release_retries();
+    assert_eq!(
+        send(&server, route, Some("k"), "{}").await.status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
     for _ in 0..500 {
-        let retries = counter(
-            "idempotency_background_retries_total",
-            &[("operation", "release")],
-        );
-        if retries > retries_before {
+        if release_retries() > retries_before {
             return;
         }
         actix_rt::time::sleep(Duration::from_millis(10)).await;
     }
     panic!("no background retry was counted in 5 s");
+}
+
+fn release_retries() -> u64 {
+    counter(
+        "idempotency_background_retries_total",
+        &[("operation", "release")],
+    )
 }
 
 #[actix_web::test]

@@ -1196,6 +1196,71 @@ async fn redis_stopped_runs_unprotected_fail_open() {
     assert_eq!(runs.get(), 1);
 }
 
+/// While no connection to Redis can be had, a keyed request's `begin` never leaves the
+/// process: it holds nothing, so nothing is abandoned for it (failing closed) and no
+/// fail-open run goes on under its token. Each such request used to leave a task retrying
+/// an abandon for a lease (thousands a second in an outage, as the refusals take
+/// microseconds), and those wrote a marker per request once Redis was back.
+#[actix_web::test]
+async fn requests_refused_while_redis_is_down_leave_it_nothing_to_write_when_it_returns() {
+    let closed: fn(Idempotency) -> Idempotency = |i| i.store_timeout(Duration::from_millis(500));
+    let open: fn(Idempotency) -> Idempotency = |i| {
+        i.store_timeout(Duration::from_millis(500))
+            .on_store_error(FailMode::Open)
+    };
+    for (configure, answered) in [
+        (closed, StatusCode::SERVICE_UNAVAILABLE),
+        (open, StatusCode::CREATED),
+    ] {
+        let mut redis = PrivateRedis::start().await;
+        let runs = RunCounter::default();
+        let server = serve(app_factory(
+            RedisStore::pool(&redis.url()).unwrap(),
+            unique_prefix("down_nothing_sent"),
+            runs.clone(),
+            IdempotentRoute::new,
+            configure,
+        ));
+        let client = awc::Client::default();
+        let url = server.url("/orders");
+        assert_eq!(
+            post(&client, &url, "before").await.status,
+            StatusCode::CREATED
+        );
+
+        redis.stop();
+        for n in 0..10 {
+            let reply = post(&client, &url, &format!("down-{n}")).await;
+            assert_eq!(reply.status, answered);
+        }
+        let ran_while_down = runs.get() - 1;
+
+        // Back, empty (it keeps nothing on disk). An abandon retries at most a second apart:
+        // after 2.5 s every one still pending has landed.
+        redis.restart().await;
+        actix_rt::time::sleep(Duration::from_millis(2500)).await;
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg("*")
+            .query_async(&mut redis.connection().await)
+            .await
+            .unwrap();
+        assert!(keys.is_empty(), "written after the outage: {keys:?}");
+        assert_eq!(
+            ran_while_down,
+            if answered == StatusCode::CREATED {
+                10
+            } else {
+                0
+            }
+        );
+        // And the app serves again.
+        assert_eq!(
+            post(&client, &url, "after").await.status,
+            StatusCode::CREATED
+        );
+    }
+}
+
 #[actix_web::test]
 async fn redis_restarted_mid_request_still_delivers_the_response() {
     let mut redis = PrivateRedis::start().await;

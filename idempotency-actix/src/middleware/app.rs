@@ -270,6 +270,47 @@ impl Idempotency {
         Ok(self)
     }
 
+    /// The most characters a key may have (default [`MAX_KEY_LENGTH`](crate::MAX_KEY_LENGTH),
+    /// 255, as DESIGN's key rules and common APIs have it); a longer key is answered 400
+    /// (`invalid-key`) and runs nothing. For clients whose keys are longer (a signed token,
+    /// a composite business id). Whatever its length, a key is stored as a 32-byte digest, so
+    /// the limit costs no store memory; a key longer than the server's limit on a request's
+    /// head (Actix refuses a head over 32 KiB with 431) never reaches the middleware. Count
+    /// the key without the sf-string quotes and escapes; document the same limit with
+    /// `IdempotencyOpenApi::max_key_length` (feature `utoipa`).
+    ///
+    /// # Panics
+    ///
+    /// If `characters` is zero (no key could be taken).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use actix_web::{App, HttpResponse, http::Method, test, web};
+    /// use idempotency_actix::Idempotency;
+    ///
+    /// # #[actix_web::main]
+    /// # async fn main() {
+    /// let idempotency = Idempotency::memory().max_key_length(512);
+    /// let app = App::new().wrap(idempotency.protect_methods([Method::POST]));
+    /// let app = test::init_service(app.route("/", web::post().to(HttpResponse::Created))).await;
+    /// let send = |key: String| test::TestRequest::post().insert_header(("Idempotency-Key", key));
+    /// let taken = test::call_service(&app, send("k".repeat(512)).to_request()).await;
+    /// assert_eq!(taken.status(), 201);
+    /// let refused = test::call_service(&app, send("k".repeat(513)).to_request()).await;
+    /// assert_eq!(refused.status(), 400);
+    /// # }
+    /// ```
+    #[must_use]
+    pub fn max_key_length(mut self, characters: usize) -> Self {
+        assert!(
+            characters > 0,
+            "Idempotency::max_key_length must be at least 1"
+        );
+        self.settings.max_key_length = characters;
+        self
+    }
+
     /// The prefix of every storage key (default `idempotency:`): separates apps, or tests,
     /// that share one Redis. On Redis Cluster it should hold no hash tag (`{…}`): the
     /// records would all hash to that tag's one slot, on one primary.

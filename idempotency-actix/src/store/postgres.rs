@@ -1725,7 +1725,13 @@ impl IdempotencyStore for PostgresStore {
         lease: Duration,
     ) -> Result<(BeginOutcome, Option<Duration>), StoreError> {
         again_while_unserializable(|| async {
-            let connection = self.pool.get().await.map_err(|error| no_connection(&self.pool, error))?;
+            // Marked as never sent where no connection can be had (the statements of earlier
+            // attempts, which failed to serialize, were rolled back).
+            let connection = self
+                .pool
+                .get()
+                .await
+                .map_err(|error| no_connection(&self.pool, error).not_sent())?;
             let begun = match self
                 .begin_on(&connection, key, fingerprint, token, lease)
                 .await

@@ -280,14 +280,14 @@ impl Transport for RedisClusterStore {
             // The shared connection is made first: it follows the cluster's nodes from then
             // on, so the exchange can go on it where no connection of its own can be made
             // (the seed nodes gone since; see `Spares::send`).
-            let shared = self.connection().await?;
+            let shared = self.connection().await.map_err(StoreError::not_sent)?;
             return self
                 .spares
                 .send(exchange, || self.open(), Some(shared), &self.library)
                 .await;
         }
         // The connection reconnects and retries by itself (within its overall timeout).
-        let mut connection = self.connection().await?;
+        let mut connection = self.connection().await.map_err(StoreError::not_sent)?;
         match exchange.send(&mut connection).await {
             Ok(reply) => Ok(reply),
             Err(error) => {

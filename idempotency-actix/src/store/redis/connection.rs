@@ -68,6 +68,17 @@ pub(super) enum StoreConnection {
     Multiplexed(MultiplexedConnection),
 }
 
+impl StoreConnection {
+    /// Whether the connection is known to have failed before anything more is sent on it
+    /// (the store's own connection knows; redis-rs's is found out by sending).
+    fn has_failed(&self) -> bool {
+        match self {
+            Self::Direct(connection) => connection.has_failed(),
+            Self::Multiplexed(_) => false,
+        }
+    }
+}
+
 impl Carrier for StoreConnection {
     fn send_packed<'a>(&'a mut self, command: &'a PackedCommand) -> RedisFuture<'a, Value> {
         match self {
@@ -132,8 +143,11 @@ impl SharedConnection {
     /// [`protocol::connection_is_dead`]), replaces it and sends once more (every request of
     /// the protocol is safe to send twice). A redis-rs connection that went silent (see
     /// [`SilenceWatch`]) is replaced before the request is sent.
+    ///
+    /// Where no connection can be had for it, its error is marked as never sent
+    /// ([`StoreError::not_sent`]).
     pub(super) async fn send(&self, request: &Exchange) -> Result<Reply, StoreError> {
-        let mut generation = self.connection().await?;
+        let mut generation = self.connection().await.map_err(StoreError::not_sent)?;
         if let Some(watch) = &generation.silence
             && watch.is_silent(Instant::now())
         {
@@ -141,7 +155,18 @@ impl SharedConnection {
                 "idempotency: the Redis server has not answered a request past its deadline \
                  for a while; replacing the connection"
             );
-            generation = self.replace(generation.number).await?;
+            generation = self
+                .replace(generation.number)
+                .await
+                .map_err(StoreError::not_sent)?;
+        } else if generation.connection.has_failed() {
+            // Failed under an earlier request (the server went away): replaced before this
+            // request is sent, so that where no connection can be had it is known unsent.
+            tracing::debug!("idempotency: Redis connection lost; reconnecting");
+            generation = self
+                .replace(generation.number)
+                .await
+                .map_err(StoreError::not_sent)?;
         }
         let Generation {
             connection,

@@ -170,6 +170,12 @@ impl DirectConnection {
         Ok(connection)
     }
 
+    /// Whether the connection has failed: every request sent on it from now on is refused
+    /// before anything is written.
+    pub(super) fn has_failed(&self) -> bool {
+        self.owner.shared.lock().failed.is_some()
+    }
+
     /// Queues the bytes `pack` writes, answered by `replies` replies; the answer comes on the
     /// receiver.
     fn queue(

@@ -71,9 +71,11 @@ impl LibraryMissing {
 }
 
 /// Whether `error` is the refusal of a connection that found the functions missing (see
-/// [`MissingLibrary::open`]).
+/// [`MissingLibrary::open`]), marked as never sent or not.
 pub(crate) fn is_missing(error: &StoreError) -> bool {
-    matches!(error, StoreError::Unavailable(source) if source.is::<LibraryMissing>())
+    error
+        .unavailable_source()
+        .is_some_and(|source| source.is::<LibraryMissing>())
 }
 
 impl std::fmt::Display for LibraryMissing {

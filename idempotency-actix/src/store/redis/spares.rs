@@ -77,9 +77,12 @@ impl<C: Carrier> Spares<C> {
         };
         let (mut connection, reused) = match idle {
             Some(connection) => (connection, true),
+            // Nothing sent yet: an error without a fallback is marked so.
             None => match open().await {
                 Ok(connection) => (connection, false),
-                Err(error) => return Self::send_on_fallback(exchange, fallback, error).await,
+                Err(error) => {
+                    return Self::send_on_fallback(exchange, fallback, error.not_sent()).await;
+                }
             },
         };
         let mut reply = exchange.send(&mut connection).await;
