@@ -20,6 +20,7 @@ use futures_util::StreamExt;
 use futures_util::future::{Either, FutureExt, select};
 use tracing::Instrument;
 
+use crate::background_retry::{self, Retried, retry_in_background};
 use crate::body::IdempotentBody;
 use crate::capture::{CapturingBody, Commit, framed_size};
 use crate::error::IdempotencyError;
@@ -405,7 +406,7 @@ impl Engine {
                     // Its claim lives in the transaction: rolled back as it is dropped, at
                     // the end of this arm.
                     Some(_rolled_back) => {}
-                    None => self.release(storage_key, token).await,
+                    None => self.release(storage_key, token, policy.lease).await,
                 }
                 let retry_after = self.settings.retry_after;
                 Ok(self.refuse(req, IdempotencyError::ShuttingDown { retry_after }))
@@ -439,6 +440,7 @@ impl Engine {
                 // on a task of its own (see `RunToCompletion`).
                 let engine = Rc::clone(&self);
                 let held = Rc::clone(&lock);
+                let lease = policy.lease;
                 let run = RunToCompletion::new(move || async move {
                     #[cfg(feature = "postgres")]
                     if let Some(transaction) = transaction {
@@ -465,7 +467,7 @@ impl Engine {
                         Err(panic) => {
                             let (key, token) = (&held.storage_key, &held.token);
                             engine
-                                .released_after_panic(key, token, panic.as_ref())
+                                .released_after_panic(key, token, held.lease.get(), panic.as_ref())
                                 .await
                         }
                     }
@@ -473,7 +475,7 @@ impl Engine {
                 match run.await {
                     Ok(handled) => handled,
                     Err(panic) => {
-                        self.released_after_panic(storage_key, token, panic.as_ref())
+                        self.released_after_panic(storage_key, token, lease, panic.as_ref())
                             .await
                     }
                 }
@@ -884,9 +886,11 @@ impl Engine {
             %error,
             "idempotency store failed while a retry waited for its key's run; answering 409 instead of running the handler beside it (fail-open)"
         );
-        // Nothing was written by a `begin` the store refused or that found a record this
-        // version cannot read: no token to give up.
-        if !matches!(error, StoreError::Refused(_) | StoreError::Corrupt(_)) {
+        // Nothing was written by a `begin` the store refused, that found a record this
+        // version cannot read or that was never sent: no token to give up.
+        if !matches!(error, StoreError::Refused(_) | StoreError::Corrupt(_))
+            && !error.was_not_sent()
+        {
             let remember_for = policy.marker_lifetime();
             self.abandon_token_in_background(storage_key, *token, policy.lease, remember_for);
         }
@@ -899,13 +903,14 @@ impl Engine {
         &self,
         storage_key: &StorageKey,
         token: &LeaseToken,
+        lease: Duration,
         panic: &(dyn std::any::Any + Send),
     ) -> Result<Response<B>, actix_web::Error> {
         tracing::error!(
             panic = panic_message(panic),
             "idempotency: the request panicked; key released"
         );
-        self.release(storage_key, token).await;
+        self.release(storage_key, token, lease).await;
         Err(IdempotencyError::HandlerPanicked.into())
     }
 
@@ -943,14 +948,14 @@ impl Engine {
         match outcome {
             Handled::Panicked => {
                 tracing::error!("idempotency: handler panicked; key released");
-                self.release(storage_key, token).await;
+                self.release(storage_key, token, lock.lease.get()).await;
                 // No clone of the request may be held while an app-level layer's inner
                 // service routes it (routing needs it unshared), so the 500 travels as an
                 // error that Actix renders with `IdempotencyError::error_response`.
                 Err(IdempotencyError::HandlerPanicked.into())
             }
             Handled::Failed(error) => {
-                self.release(storage_key, token).await;
+                self.release(storage_key, token, lock.lease.get()).await;
                 Err(error)
             }
             Handled::FailedStored { error, stored, ttl } => {
@@ -966,7 +971,7 @@ impl Engine {
                     status = response.status().as_u16(),
                     "idempotency: response not stored (error or informational); key released"
                 );
-                self.release(storage_key, token).await;
+                self.release(storage_key, token, lock.lease.get()).await;
                 Ok(response)
             }
             Handled::Stored {
@@ -1213,29 +1218,17 @@ impl Engine {
         // another record holds the key, and a late `begin` it failed to cover only locks
         // the key for a lease, with no handler run.
         actix_rt::spawn(async move {
-            let mut pause = Duration::from_millis(50);
-            let mut answered = false;
-            while Instant::now() + pause < deadline {
-                actix_rt::time::sleep(pause).await;
-                instrument::background_retry(StoreOperation::Release);
-                match within(StoreOperation::Release, timeout, operation()).await {
-                    Ok(true) => {
-                        tracing::info!("idempotency: a begin that did not answer is abandoned");
-                        return;
-                    }
-                    Ok(false) => answered = true,
-                    Err(_) => {}
+            let kind = StoreOperation::Release;
+            match retry_in_background(kind, timeout, deadline, operation, |done| *done).await {
+                Retried::Done => {
+                    tracing::info!("idempotency: a begin that did not answer is abandoned");
                 }
-                pause = (pause * 2).min(Duration::from_secs(1));
-            }
-            if answered {
-                tracing::debug!(
+                Retried::Answered => tracing::debug!(
                     "idempotency: another record held the key while a begin that did not answer was abandoned"
-                );
-            } else {
-                tracing::error!(
-                    "idempotency: store unreachable for a whole lease; the record expires by itself"
-                );
+                ),
+                Retried::Unanswered => background_retry::log_unanswered(
+                    "a begin that did not answer is not abandoned (a record it wrote expires by itself)",
+                ),
             }
         });
     }
@@ -1244,8 +1237,13 @@ impl Engine {
     /// bounded by the store timeout. It runs to its end even if whoever awaits it stops
     /// waiting (the client left, and Actix dropped the request's future): cut short, it would
     /// leave the key answering 409 for a whole lease with no handler running. It counts as
-    /// work in progress until it is done, so that a drain waits for it too.
-    async fn release(&self, storage_key: &StorageKey, token: &LeaseToken) {
+    /// work in progress until it is done, so that a drain waits for it too. One that fails
+    /// (the store unreachable, or slower than its timeout) is sent again in the background
+    /// until the store answers, for at most `lease` (by then the record has expired): the
+    /// key is free soon after the store is back, rather than answering 409 for the rest of
+    /// the lease. Those retries are not work in progress: a drain does not wait on a store
+    /// that is down.
+    async fn release(&self, storage_key: &StorageKey, token: &LeaseToken, lease: Duration) {
         let store = Rc::clone(&self.store);
         let (key, token) = (storage_key.clone(), *token);
         let timeout = self.settings.store_timeout;
@@ -1256,10 +1254,27 @@ impl Engine {
                 timeout,
                 store.release(&key, &token),
             );
-            if let Err(error) = released.await {
-                tracing::error!(%error, "idempotency: release failed; the key frees itself when its lease expires");
-            }
+            let failed = released.await.err();
             drop(in_progress);
+            if let Some(error) = failed {
+                tracing::warn!(%error, "idempotency: release failed; sent again in the background until the store answers");
+                let deadline = Instant::now() + lease;
+                let step = move || {
+                    let (store, key) = (Rc::clone(&store), key.clone());
+                    async move { store.release(&key, &token).await }
+                };
+                actix_rt::spawn(async move {
+                    let kind = StoreOperation::Release;
+                    match retry_in_background(kind, timeout, deadline, step, |_| true).await {
+                        Retried::Done | Retried::Answered => {
+                            tracing::info!("idempotency: a release that failed is done");
+                        }
+                        Retried::Unanswered => background_retry::log_unanswered(
+                            "a release that failed is not done (the key frees itself as its lease expires)",
+                        ),
+                    }
+                });
+            }
         });
         if let Err(panic) = release.await {
             tracing::error!(
@@ -1654,7 +1669,7 @@ impl Drop for RenewalOnItsWay<'_> {
 }
 
 /// Runs a store operation for at most `limit`, timed as `kind`.
-async fn within<T>(
+pub(crate) async fn within<T>(
     kind: StoreOperation,
     limit: Duration,
     operation: impl Future<Output = Result<T, StoreError>>,

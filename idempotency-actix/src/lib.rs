@@ -230,6 +230,7 @@
 // The crate's docs above link the Redis store's types, which a build without the `redis`
 // feature does not have; its docs show them as plain names.
 #![cfg_attr(not(feature = "redis"), allow(rustdoc::broken_intra_doc_links))]
+mod background_retry;
 mod body;
 mod built_in_box;
 mod capture;

@@ -148,9 +148,10 @@ async fn a_key_given_back_while_draining_is_released_though_its_client_left() {
 #[actix_rt::test]
 async fn a_key_whose_release_is_lost_while_draining_is_locked_only_briefly() {
     let store = FaultyStore::default();
+    // Every release is lost, those sent again in the background too.
     store
         .lost_releases
-        .store(1, std::sync::atomic::Ordering::SeqCst);
+        .store(u32::MAX, std::sync::atomic::Ordering::SeqCst);
     let routes = GatedRoutes::default();
     let quick_runs = routes.quick_runs.clone();
     let (addr, handle, server) = start(&store, &routes);
@@ -168,7 +169,7 @@ async fn a_key_whose_release_is_lost_while_draining_is_locked_only_briefly() {
     };
     let first = post().await;
     assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE, "{first:?}");
-    assert_eq!(store.releases.get(), 1);
+    assert!(store.releases.get() >= 1);
     // The lock its lost release left: a retry meanwhile is told the key is in flight.
     let meanwhile = post().await;
     assert_eq!(meanwhile.status, StatusCode::CONFLICT, "{meanwhile:?}");

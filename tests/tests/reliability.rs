@@ -445,6 +445,52 @@ fn short_ttl_server_with_a_late_begin(store: &FaultyStore) -> (actix_test::TestS
     (server, runs)
 }
 
+/// A release that fails (the store unreachable, or slower than its timeout, for a moment) is
+/// sent again in the background: once the store answers, the key is free, and a retry runs
+/// the handler again. The key used to answer 409 for the rest of its lease (30 s) after the
+/// store was back.
+#[actix_web::test]
+async fn a_failed_release_is_sent_again_so_that_a_retry_runs_once_the_store_answers() {
+    let store = FaultyStore::default();
+    store
+        .lost_releases
+        .store(1, std::sync::atomic::Ordering::SeqCst);
+    let runs = RunCounter::default();
+    let server = actix_test::start({
+        let (store, runs) = (store.clone(), runs.clone());
+        move || {
+            App::new()
+                .app_data(web::Data::new(runs.clone()))
+                .wrap(Idempotency::new(store.clone()).store_timeout(Duration::from_millis(500)))
+                .service(web::resource("/fails").wrap(IdempotentRoute::new()).route(
+                    web::post().to(|runs: web::Data<RunCounter>| async move {
+                        runs.record();
+                        HttpResponse::InternalServerError().body("failed")
+                    }),
+                ))
+        }
+    });
+    let client = awc::Client::default();
+    let url = server.url("/fails");
+    let first = post(&client, &url, "release-lost").await;
+    assert_eq!(first.status, StatusCode::INTERNAL_SERVER_ERROR);
+    // Its release was lost; the one sent again lands.
+    for _ in 0..200 {
+        if store.releases.get() >= 2 {
+            break;
+        }
+        actix_rt::time::sleep(Duration::from_millis(10)).await;
+    }
+    let retry = post(&client, &url, "release-lost").await;
+    assert_eq!(
+        retry.status,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "{:?}",
+        retry.body
+    );
+    assert_eq!(runs.get(), 2);
+}
+
 /// A `begin` that timed out and lands later, after its request gave its token up (a store
 /// timeout; the marker of the abandoned token refuses it), on a route whose ttl (1 s) is
 /// shorter than its lease (30 s): landing 1.5 s later it finds the marker still there and

@@ -611,7 +611,9 @@ impl Idempotency {
     /// (default [`DEFAULT_MAX_DETACHED`](crate::DEFAULT_MAX_DETACHED), 256): their handlers
     /// finish and commit, so the client's retry gets the replay. While that many are
     /// running, new keyed requests get a 503 problem with `Retry-After` at once, so clients
-    /// that connect, send and hang up cannot pile up unbounded work.
+    /// that connect, send and hang up cannot pile up unbounded work. (Over HTTP/2 Actix runs
+    /// each stream to its end whatever its client does, so such a request stays in flight,
+    /// bounded by [`max_in_flight`](Self::max_in_flight), never detached.)
     ///
     /// A commit that failed and is retried in the background (the response went out
     /// meanwhile) counts here too, until it lands: it holds the stored response, and a store
