@@ -1706,7 +1706,12 @@ pub(crate) async fn within<T>(
     .await;
     // A connection that kept the deadline answers a late command with an error of its own.
     let result = match result {
-        Err(error) if !matches!(error, StoreError::Timeout(_)) && Instant::now() >= deadline => {
+        // Not one that was never sent: that holds whenever it came.
+        Err(error)
+            if !matches!(error, StoreError::Timeout(_))
+                && !error.was_not_sent()
+                && Instant::now() >= deadline =>
+        {
             tracing::debug!(%error, "idempotency: store operation past its deadline");
             Err(StoreError::Timeout(limit))
         }

@@ -28,7 +28,7 @@ use crate::RunCounter;
 /// (a primary that took them and lost them as a failover demoted it); each
 /// `release` is counted in `releases` as it is sent and reaches `inner` only after
 /// `release_delay`; its next `late_begins` fail as a store that times out does and reach
-/// `inner` only `late_by` later, on their own (a `begin` stuck in a connection's queue that
+/// `inner` only `late_by` later, on their own, counted in `late_landed` once they did (a `begin` stuck in a connection's queue that
 /// lands after its request gave it up); its next `lost_releases` never reach `inner` and
 /// fail as a store that times out does (a process stopped before they were sent); each
 /// `abandon` reaches `inner` only after `abandon_delay` and is counted in `abandons` once it
@@ -74,6 +74,8 @@ pub struct FaultyStore {
     pub late_begins: Arc<AtomicU32>,
     /// How long after it timed out a late `begin` lands in `inner`.
     pub late_by: Duration,
+    /// The late `begin`s that reached `inner`, counted once they did.
+    pub late_landed: RunCounter,
     /// How many `release`s are still to be lost.
     pub lost_releases: Arc<AtomicU32>,
     /// How long each `abandon` waits before it reaches `inner`.
@@ -111,10 +113,13 @@ impl IdempotencyStore for FaultyStore {
         if fails(&self.late_begins) {
             let (inner, key, fingerprint, token) =
                 (self.inner.clone(), key.clone(), *fingerprint, *token);
-            let late_by = self.late_by;
+            let (late_by, landed) = (self.late_by, self.late_landed.clone());
             actix_rt::spawn(async move {
                 actix_rt::time::sleep(late_by).await;
-                let _ = inner.begin(&key, &fingerprint, &token, lease).await;
+                // What it finds is for the test to observe through the key: its outcome
+                // went to no one, as a late `begin`'s reply does.
+                let _outcome = inner.begin(&key, &fingerprint, &token, lease).await;
+                landed.record();
             });
             return Err(StoreError::Timeout(Duration::from_secs(2)));
         }

@@ -1093,12 +1093,19 @@ async fn on_redis_cluster_replays_conflicts_mismatches_and_releases() {
     .assert_problem(StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(count(&client, &server, "orders").await, 1);
 
-    // A retry while the first runs: 409 with Retry-After, then the replay.
+    // A retry while the first runs (its in-flight record written): 409 with Retry-After,
+    // then the replay.
     let slow = server.url("/orders?delay_ms=800");
     let key = new_key();
+    let records_before = records_in_cluster(&prefix);
     let (first, second) =
         futures_util::future::join(post_json(&client, &slow, Some(&key), &order), async {
-            actix_rt::time::sleep(Duration::from_millis(300)).await;
+            for _ in 0..500 {
+                if records_in_cluster(&prefix) > records_before {
+                    break;
+                }
+                actix_rt::time::sleep(Duration::from_millis(10)).await;
+            }
             post_json(&client, &slow, Some(&key), &order).await
         })
         .await;

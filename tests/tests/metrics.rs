@@ -322,6 +322,38 @@ async fn store_failures_are_counted_by_fail_mode_and_leave_nothing_to_retry() {
     assert_eq!(release_retries(), retries_before);
 }
 
+/// The same where the server takes the connection and never answers (a hung host behind a
+/// live socket): no connection is made by the store timeout, the `begin` was never sent,
+/// and nothing is abandoned for it. It used to be given up by the engine's own bound as a
+/// timeout, which may have landed, and abandoned in the background for a lease.
+#[actix_web::test]
+async fn a_begin_that_found_no_connection_by_its_deadline_leaves_nothing_to_retry() {
+    let _turn = one_at_a_time();
+    snapshotter();
+    // Listening, never accepting: the kernel completes the handshake, nothing answers.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("redis://{}", silent.local_addr().unwrap());
+    let server = actix_test::start(move || {
+        let pool = RedisStore::pool(&url).unwrap();
+        App::new().service(
+            web::scope("/silent")
+                .wrap(Idempotency::redis(pool).store_timeout(Duration::from_millis(300)))
+                .service(counted(
+                    "/order",
+                    RunCounter::default(),
+                    IdempotentRoute::new(),
+                )),
+        )
+    });
+    let retries_before = release_retries();
+    let reply = send(&server, "/silent/order", Some("k"), "{}").await;
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(requests("/silent/order", Outcome::StoreError), 1);
+    actix_rt::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(release_retries(), retries_before);
+    drop(silent);
+}
+
 /// A `begin` the store answered with an error may have written its lock: its token is
 /// abandoned, and where that does not land at once, retried in the background, counted as
 /// `release`.

@@ -131,6 +131,23 @@ fn serve(setup: Setup) -> actix_test::TestServer {
     actix_test::start(move || setup.clone().app())
 }
 
+/// Posts `key` to `url` until the answer is not 409 (the key's run still going, or its
+/// commit on its way), 20 ms apart: the first other answer.
+///
+/// # Panics
+///
+/// After 10 s of 409s: a test never hangs.
+async fn post_past_409(client: &awc::Client, url: &str, key: &str) -> Reply {
+    for _ in 0..500 {
+        let reply = post(client, url, key).await;
+        if reply.status != StatusCode::CONFLICT {
+            return reply;
+        }
+        actix_rt::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("{url} answered 409 for 10 s");
+}
+
 struct Reply {
     status: StatusCode,
     replayed: bool,
@@ -512,8 +529,7 @@ async fn a_late_begin_on_a_route_with_a_ttl_shorter_than_its_lease_locks_nothing
         "{:?}",
         first.body
     );
-    // The late `begin` lands.
-    actix_rt::time::sleep(Duration::from_millis(2_000)).await;
+    store.late_landed.wait_for(1).await;
     let retry = post(&client, &url, "late").await;
     assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
     assert_eq!(runs.get(), 1);
@@ -552,7 +568,8 @@ async fn a_late_begin_after_a_retry_completed_the_key_locks_nothing_on_a_short_t
     assert!(!retry.replayed);
     // The abandon lands (0.5 s), the record's own ttl ends (1 s), the late `begin` lands
     // (2 s).
-    actix_rt::time::sleep(Duration::from_millis(2_500)).await;
+    store.abandons.wait_for(1).await;
+    store.late_landed.wait_for(1).await;
     let later = post(&client, &url, "late").await;
     assert_eq!(later.status, StatusCode::CREATED, "{:?}", later.body);
     assert!(later.replayed, "the record was not kept: {:?}", later.body);
@@ -620,8 +637,7 @@ async fn a_late_begin_of_a_retry_that_waited_locks_nothing_on_a_short_ttl() {
     let (first, waited) = futures_util::future::join(first, retry_then_release).await;
     assert_eq!(waited.status, StatusCode::CONFLICT, "{:?}", waited.body);
     assert_eq!(first.status, StatusCode::INTERNAL_SERVER_ERROR);
-    // The late `begin` lands.
-    actix_rt::time::sleep(Duration::from_millis(4_500)).await;
+    store.late_landed.wait_for(1).await;
     let later = post(&client, &url, "k").await;
     assert_eq!(later.status, StatusCode::CREATED, "{:?}", later.body);
     assert_eq!(runs.get(), 2);
@@ -651,8 +667,7 @@ async fn a_late_begin_after_a_retry_took_the_key_and_failed_locks_nothing() {
     store.abandons.wait_for(1).await;
     let failed = post(&client, &url, "k").await;
     assert_eq!(failed.status, StatusCode::INTERNAL_SERVER_ERROR);
-    // The late `begin` lands.
-    actix_rt::time::sleep(Duration::from_millis(2_000)).await;
+    store.late_landed.wait_for(1).await;
     let retry = post(&client, &url, "k").await;
     assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
     assert_eq!(retry.body, "run 2");
@@ -722,13 +737,7 @@ async fn fail_open_after_a_begin_that_landed_runs_the_handler_once() {
         duplicate.body
     );
     // The run's response is committed right after it went out: until then, 409.
-    let retry = loop {
-        let retry = post(&client, &url, "k").await;
-        if retry.status != StatusCode::CONFLICT {
-            break retry;
-        }
-        actix_rt::time::sleep(Duration::from_millis(20)).await;
-    };
+    let retry = post_past_409(&client, &url, "k").await;
     assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
     assert!(retry.replayed, "the retry ran the handler again");
     assert_eq!(retry.body, "work 1");
@@ -773,13 +782,7 @@ async fn a_fail_open_run_whose_client_left_runs_to_its_end_and_is_replayed() {
     let client = awc::Client::default();
     let url = server.url("/work");
     // The run's response is committed right after it ends: until then, 409.
-    let retry = loop {
-        let retry = post(&client, &url, "gone").await;
-        if retry.status != StatusCode::CONFLICT {
-            break retry;
-        }
-        actix_rt::time::sleep(Duration::from_millis(20)).await;
-    };
+    let retry = post_past_409(&client, &url, "gone").await;
     assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
     assert!(
         retry.replayed,
@@ -930,10 +933,9 @@ async fn a_client_that_leaves_gets_the_replay_on_retry(leaving: Leaving) {
         Leaving::Resets => reset(socket),
     }
 
-    // The handler keeps running after the disconnect, and commits.
-    actix_rt::time::sleep(Duration::from_millis(900)).await;
+    // The handler keeps running after the disconnect, and commits: until then, 409.
     let client = awc::Client::default();
-    let retry = post(&client, &server.url("/orders?delay_ms=600"), "gone").await;
+    let retry = post_past_409(&client, &server.url("/orders?delay_ms=600"), "gone").await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert!(
         retry.replayed,
@@ -1790,10 +1792,6 @@ async fn failing_open_on_a_full_store_answers_a_panic_and_outlasts_its_client() 
     .unwrap();
     started.wait_for(1).await;
     reset(socket);
-    actix_rt::time::sleep(Duration::from_millis(900)).await;
-    assert_eq!(
-        finished.get(),
-        1,
-        "the handler was cut short when its client left"
-    );
+    // Cut short when its client left, it would never finish (a panic after 10 s).
+    finished.wait_for(1).await;
 }

@@ -16,6 +16,7 @@
 //! pool from [`RedisStore::pool`](crate::RedisStore::pool) with a `redis://` URL), else a
 //! redis-rs multiplexed connection from the pool's connection manager.
 
+use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -145,9 +146,13 @@ impl SharedConnection {
     /// [`SilenceWatch`]) is replaced before the request is sent.
     ///
     /// Where no connection can be had for it, its error is marked as never sent
-    /// ([`StoreError::not_sent`]).
+    /// ([`StoreError::not_sent`]), also where none could be made by the operation's
+    /// deadline (a server that takes the connection and says nothing).
     pub(super) async fn send(&self, request: &Exchange) -> Result<Reply, StoreError> {
-        let mut generation = self.connection().await.map_err(StoreError::not_sent)?;
+        let mut generation = match self.current() {
+            Some(current) => current,
+            None => Self::unsent_by_the_deadline(self.connection()).await?,
+        };
         if let Some(watch) = &generation.silence
             && watch.is_silent(Instant::now())
         {
@@ -155,18 +160,12 @@ impl SharedConnection {
                 "idempotency: the Redis server has not answered a request past its deadline \
                  for a while; replacing the connection"
             );
-            generation = self
-                .replace(generation.number)
-                .await
-                .map_err(StoreError::not_sent)?;
+            generation = Self::unsent_by_the_deadline(self.replace(generation.number)).await?;
         } else if generation.connection.has_failed() {
             // Failed under an earlier request (the server went away): replaced before this
             // request is sent, so that where no connection can be had it is known unsent.
             tracing::debug!("idempotency: Redis connection lost; reconnecting");
-            generation = self
-                .replace(generation.number)
-                .await
-                .map_err(StoreError::not_sent)?;
+            generation = Self::unsent_by_the_deadline(self.replace(generation.number)).await?;
         }
         let Generation {
             connection,
@@ -250,6 +249,28 @@ impl SharedConnection {
         };
         *current = Some(generation.clone());
         generation
+    }
+
+    /// A connection from `opening`, made before a request is sent: its error is marked as
+    /// never sent, as the request has not been, also when no connection is made by the
+    /// deadline of the store operation being polled (a server that takes the connection and
+    /// says nothing), where it gives up at that deadline instead of being dropped by the
+    /// engine's own bound, which could not tell.
+    async fn unsent_by_the_deadline(
+        opening: impl Future<Output = Result<Generation, StoreError>>,
+    ) -> Result<Generation, StoreError> {
+        let opened = match deadline::current() {
+            Some(deadline) => tokio::time::timeout_at(deadline.into(), opening)
+                .await
+                .unwrap_or_else(|_| {
+                    Err(StoreError::Unavailable(
+                        "no connection to the Redis server was made within the store timeout"
+                            .into(),
+                    ))
+                }),
+            None => opening.await,
+        };
+        opened.map_err(StoreError::not_sent)
     }
 
     /// The shared connection, opened by the first request that needs it.

@@ -1041,7 +1041,13 @@ mod tests {
         let (address, _server) = scripted_server(0, b"+OK\r\n").await;
         let mut connection = DirectConnection::open(&address).await.expect("connected");
         // The stray reply arrives while nothing waits; the connection is then out of step.
-        actix_rt::time::sleep(std::time::Duration::from_millis(50)).await;
+        for _ in 0..500 {
+            if connection.has_failed() {
+                break;
+            }
+            actix_rt::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert!(connection.has_failed(), "the stray reply failed nothing");
         let after = connection.req_packed_command(&get("a")).await;
         assert!(after.expect_err("the connection failed").is_io_error());
     }
