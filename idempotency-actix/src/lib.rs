@@ -330,6 +330,38 @@ macro_rules! __transactional {
     };
 }
 
+/// The doctests of the build without `postgres` (`cargo test -p idempotency-actix --doc
+/// --no-default-features`, which CI runs): `#[idempotent(transactional)]` does not compile
+/// there, while the same route without `transactional` does, so the attribute alone is
+/// what fails it. (The message is checked against its text by
+/// `tests/without_postgres.rs`, a `trybuild` test of that build.)
+///
+/// ```compile_fail
+/// use actix_web::{HttpResponse, post};
+/// use idempotency_actix::idempotent;
+///
+/// #[idempotent(transactional)]
+/// #[post("/ledger")]
+/// async fn book() -> HttpResponse {
+///     HttpResponse::Created().finish()
+/// }
+/// # fn main() {}
+/// ```
+///
+/// ```
+/// use actix_web::{HttpResponse, post};
+/// use idempotency_actix::idempotent;
+///
+/// #[idempotent]
+/// #[post("/ledger")]
+/// async fn book() -> HttpResponse {
+///     HttpResponse::Created().finish()
+/// }
+/// # fn main() {}
+/// ```
+#[cfg(all(doctest, not(feature = "postgres")))]
+pub struct TransactionalNeedsPostgres;
+
 /// What `#[idempotent]`'s generated code calls, and what its tests check it against. Not
 /// public API: may change in any release.
 #[doc(hidden)]

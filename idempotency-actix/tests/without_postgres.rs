@@ -3,7 +3,8 @@
 //! committed `.stderr`; regenerate with `TRYBUILD=overwrite` and review the diff).
 //!
 //! Only in that build: `cargo test -p idempotency-actix --no-default-features --test
-//! without_postgres`. The attribute's other cases are in `idempotency-macros/tests/trybuild/`,
+//! without_postgres` (CI checks that the attribute fails there, its message aside, with a
+//! `compile_fail` doctest, `TransactionalNeedsPostgres` in `lib.rs`). The attribute's other cases are in `idempotency-macros/tests/trybuild/`,
 //! whose crate builds this one with `postgres`, as `cargo test --workspace` does.
 
 #![cfg(not(feature = "postgres"))]
