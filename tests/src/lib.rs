@@ -556,7 +556,7 @@ const PORT_TRIES: usize = 5;
 
 /// A loopback port free at the time of asking; a server started on it may still find it
 /// taken (see [`PrivateRedis::wait_until_it_answers`]).
-fn free_loopback_port() -> u16 {
+pub(crate) fn free_loopback_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|listener| listener.local_addr())
         .expect("a free loopback port")

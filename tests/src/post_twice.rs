@@ -1,21 +1,26 @@
-//! [`post_twice`]: a keyed `POST /orders` sent twice to an app on an `Idempotency`.
+//! [`post_twice`]: a keyed `POST /orders` sent twice, over a socket, to an app on an
+//! `Idempotency`.
 
 use actix_web::http::{Method, StatusCode};
-use actix_web::{App, HttpResponse, test, web};
+use actix_web::{App, HttpResponse, web};
 use idempotency_actix::{Idempotency, KeyScope};
 
-use crate::RunCounter;
+use crate::{Reply, RunCounter};
 
-/// What a keyed `POST /orders` gets from an app on `idempotency`, sent twice with one key:
-/// the first status, the retry's, whether the retry was a replay, and how many times the
-/// handler ran.
-pub async fn post_twice(idempotency: Idempotency) -> (StatusCode, StatusCode, bool, usize) {
+/// What a keyed `POST /orders` gets from an app on the `Idempotency` that `idempotency`
+/// makes (on the worker's thread: it is not `Send`; one worker, on a loopback port), sent
+/// twice with one key: the first status, the retry's, whether the retry was a replay
+/// (`Idempotent-Replayed: true`), and how many times the handler ran.
+pub async fn post_twice(
+    idempotency: impl Fn() -> Idempotency + Clone + Send + 'static,
+) -> (StatusCode, StatusCode, bool, usize) {
     let runs = RunCounter::default();
     let counted = runs.clone();
-    let app = test::init_service(
+    let server = actix_test::start_with(actix_test::config().workers(1), move || {
+        let counted = counted.clone();
         App::new()
             .wrap(
-                idempotency
+                idempotency()
                     .scope(KeyScope::global())
                     .protect_methods([Method::POST]),
             )
@@ -25,20 +30,18 @@ pub async fn post_twice(idempotency: Idempotency) -> (StatusCode, StatusCode, bo
                     counted.record();
                     async { HttpResponse::Created().body("made") }
                 }),
-            ),
-    )
-    .await;
-    let request = || {
-        test::TestRequest::post()
-            .uri("/orders")
+            )
+    });
+    let send = || async {
+        let response = server
+            .post("/orders")
             .insert_header(("Idempotency-Key", "order-1"))
-            .to_request()
+            .send()
+            .await
+            .expect("an answer");
+        Reply::read(response).await.expect("the whole response")
     };
-    let first = test::call_service(&app, request()).await;
-    let first_status = first.status();
-    // The record is committed once the body has been read.
-    test::read_body(first).await;
-    let retry = test::call_service(&app, request()).await;
-    let replayed = retry.headers().contains_key("idempotent-replayed");
-    (first_status, retry.status(), replayed, runs.get())
+    let first = send().await;
+    let retry = send().await;
+    (first.status, retry.status, retry.is_replay(), runs.get())
 }

@@ -74,18 +74,34 @@ fn start_private_redis() -> String {
 /// output, so a test runner that waits for a test's output to close (nextest) is not kept
 /// waiting for them after the test.
 ///
+/// The port is free when it is picked, not when the server binds it: an outgoing connection
+/// or another test's server may take it in between. So the server counts as started only
+/// once the one answering on the port is its process (`INFO server`'s `process_id`), and a
+/// server that exited for the port is started again on another.
+///
 /// # Panics
 ///
-/// When the server does not answer within 10 s (with what it logged).
+/// When the server does not answer within 10 s (with what it logged), or could listen on
+/// none of the ports tried.
+pub(crate) fn start_private_server(server: &Path) -> String {
+    for _ in 0..crate::PORT_TRIES {
+        if let Some(url) = start_private_server_on(server, crate::free_loopback_port()) {
+            return url;
+        }
+    }
+    panic!(
+        "{} could not listen on any of {} free loopback ports",
+        server.display(),
+        crate::PORT_TRIES
+    );
+}
+
+/// [`start_private_server`] on `port`: `None` when the server exited (the port was taken).
 #[expect(
     clippy::zombie_processes,
     reason = "the watchdog outlives the test process"
 )]
-pub(crate) fn start_private_server(server: &Path) -> String {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .expect("a free loopback port")
-        .port();
+fn start_private_server_on(server: &Path, port: u16) -> Option<String> {
     let name = server.display();
     let dir = std::env::temp_dir().join(format!(
         "idempotency-actix-test-server-{}-{port}",
@@ -99,10 +115,12 @@ pub(crate) fn start_private_server(server: &Path) -> String {
     let log_too = log
         .try_clone()
         .unwrap_or_else(|error| panic!("cannot share {}: {error}", log_path.display()));
+    let pid_path = dir.join("server.pid");
     // The binary and the directory are the shell's `$0` and `$1`, so they need no quoting.
     let script = format!(
         "\"$0\" --port {port} --bind 127.0.0.1 --save '' --appendonly no --dir \"$1\" & \
-         server=$!; read -r _; kill $server; wait $server; rm -rf \"$1\""
+         server=$!; echo $server > \"$1/server.pid\"; read -r _; kill $server; \
+         wait $server; rm -rf \"$1\""
     );
     let mut watchdog = Command::new("sh")
         .args(["-c", &script])
@@ -113,18 +131,57 @@ pub(crate) fn start_private_server(server: &Path) -> String {
         .stderr(log_too)
         .spawn()
         .unwrap_or_else(|error| panic!("cannot start a private {name}: {error}"));
-    // Held until the process exits: the end of the watchdog's input. (Rust opens pipes
-    // close-on-exec, so no other child inherits it.)
-    std::mem::forget(watchdog.stdin.take());
+    let watchdog_input = watchdog.stdin.take();
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
     let deadline = Instant::now() + Duration::from_secs(10);
     while Instant::now() < deadline {
-        if answers_ping(addr) {
-            eprintln!("tests: started a private {name} on port {port} for this run");
-            return format!("redis://127.0.0.1:{port}");
+        let pid = std::fs::read_to_string(&pid_path)
+            .ok()
+            .and_then(|pid| pid.trim().parse::<u32>().ok());
+        if let Some(pid) = pid {
+            if info_server(addr).is_some_and(|info| crate::info_names_process(&info, pid)) {
+                // Held until the process exits: the end of the watchdog's input. (Rust
+                // opens pipes close-on-exec, so no other child inherits it.)
+                std::mem::forget(watchdog_input);
+                eprintln!("tests: started a private {name} on port {port} for this run");
+                return Some(format!("redis://127.0.0.1:{port}"));
+            }
+            if !Path::new(&format!("/proc/{pid}")).exists() {
+                // It exited: the port was taken. Closing the watchdog's input ends it.
+                drop(watchdog_input);
+                let _ = watchdog.wait();
+                return None;
+            }
         }
         std::thread::sleep(Duration::from_millis(50));
     }
     let logged = std::fs::read_to_string(&log_path).unwrap_or_default();
     panic!("the private {name} on port {port} did not answer within 10 s; it logged:\n{logged}");
+}
+
+/// `INFO server` from the Redis server at `addr`, if one answers it within a short bound.
+fn info_server(addr: SocketAddr) -> Option<String> {
+    let bound = Duration::from_millis(500);
+    let mut stream = TcpStream::connect_timeout(&addr, bound).ok()?;
+    stream.set_read_timeout(Some(bound)).ok()?;
+    stream.set_write_timeout(Some(bound)).ok()?;
+    stream.write_all(b"INFO server\r\n").ok()?;
+    // A bulk string: `$<length>\r\n`, then that many bytes.
+    let mut header = Vec::new();
+    let mut byte = [0u8; 1];
+    while !header.ends_with(b"\r\n") {
+        stream.read_exact(&mut byte).ok()?;
+        header.push(byte[0]);
+        if header.len() > 32 {
+            return None;
+        }
+    }
+    let length: usize = std::str::from_utf8(header.strip_prefix(b"$")?)
+        .ok()?
+        .trim_end()
+        .parse()
+        .ok()?;
+    let mut info = vec![0u8; length];
+    stream.read_exact(&mut info).ok()?;
+    String::from_utf8(info).ok()
 }

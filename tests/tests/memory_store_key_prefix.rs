@@ -18,8 +18,9 @@ fn small_store() -> MemoryStore {
 
 #[actix_web::test]
 async fn a_key_prefix_over_64_bytes_that_the_shards_hold_serves_new_keys() {
-    let idempotency = Idempotency::new(small_store()).key_prefix("p".repeat(200));
-    let (first, retry, replayed, runs) = post_twice(idempotency).await;
+    let store = small_store();
+    let (first, retry, replayed, runs) =
+        post_twice(move || Idempotency::new(store.clone()).key_prefix("p".repeat(200))).await;
     assert_eq!(first, StatusCode::CREATED);
     assert_eq!(retry, StatusCode::CREATED);
     assert!(replayed, "the retry was not a replay");
@@ -39,8 +40,11 @@ async fn a_key_prefix_the_shards_cannot_hold_is_refused_when_set() {
                 "unclear message: {message}"
             );
         }
-        Ok(idempotency) => {
-            let (first, ..) = post_twice(idempotency).await;
+        Ok(_accepted) => {
+            let store = small_store();
+            let (first, ..) =
+                post_twice(move || Idempotency::new(store.clone()).key_prefix("p".repeat(2048)))
+                    .await;
             panic!("the prefix was accepted; a new key then got {first}");
         }
     }

@@ -35,7 +35,7 @@ fn incompressible(len: usize) -> String {
 /// accepted, when the test fails with what a keyed request then got.
 async fn assert_refused(store: PostgresStore, prefix: String, says: &str) {
     let set = catch_unwind(AssertUnwindSafe(|| {
-        Idempotency::postgres(store).key_prefix(prefix)
+        Idempotency::postgres(store.clone()).key_prefix(prefix.clone())
     }));
     match set {
         Err(panic) => {
@@ -46,8 +46,10 @@ async fn assert_refused(store: PostgresStore, prefix: String, says: &str) {
                 .unwrap_or_default();
             assert!(message.contains(says), "unclear message: {message}");
         }
-        Ok(idempotency) => {
-            let (first, ..) = post_twice(idempotency).await;
+        Ok(_accepted) => {
+            let (first, ..) =
+                post_twice(move || Idempotency::postgres(store.clone()).key_prefix(prefix.clone()))
+                    .await;
             panic!("the prefix was accepted; a new key then got {first}");
         }
     }
@@ -56,9 +58,11 @@ async fn assert_refused(store: PostgresStore, prefix: String, says: &str) {
 #[actix_web::test]
 async fn the_longest_key_prefix_serves_new_keys() {
     let database = TestDatabase::create().await;
-    let idempotency =
-        Idempotency::postgres(database.store().await).key_prefix(incompressible(LONGEST));
-    let (first, retry, replayed, runs) = post_twice(idempotency).await;
+    let store = database.store().await;
+    let (first, retry, replayed, runs) = post_twice(move || {
+        Idempotency::postgres(store.clone()).key_prefix(incompressible(LONGEST))
+    })
+    .await;
     assert_eq!(first, StatusCode::CREATED);
     assert_eq!(retry, StatusCode::CREATED);
     assert!(replayed, "the retry was not a replay");

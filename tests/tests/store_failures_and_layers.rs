@@ -10,7 +10,8 @@ use actix_web::web::{self, Bytes};
 use actix_web::{App, HttpResponse};
 use idempotency_actix::{
     BeginOutcome, FailMode, Fingerprint, Idempotency, IdempotencyPolicy, IdempotencyStore,
-    IdempotentRoute, LeaseToken, MemoryStore, RedisStore, StorageKey, StoreError, StoredResponse,
+    IdempotentRoute, Inspector, LeaseToken, MemoryStore, RedisStore, StorageKey, StoreError,
+    StoredResponse,
 };
 use idempotency_actix_tests::{
     FaultyStore, RunCounter, keys_under, redis_connection, redis_pool, unique_prefix,
@@ -578,15 +579,27 @@ async fn a_longer_route_lease_that_fails_to_apply_is_applied_at_the_next_renewal
         })
     };
     // The route's renewal to 60 s fails, so the record still expires 1 s after `begin`,
-    // while the handler runs for 2 s: the duplicate comes after that second.
-    let (first, duplicate) =
+    // while the handler runs for 2 s: the duplicate comes after that second, and the record
+    // it meets has the route's lease (the app's 1 s, renewed, would have a second at most).
+    let (first, (duplicate, lease_left)) =
         futures_util::future::join(send(&server, Method::POST, "/orders", Some("k")), async {
             actix_rt::time::sleep(Duration::from_millis(1500)).await;
-            send(&server, Method::POST, "/orders", Some("k")).await
+            let lease_left = Inspector::new(store.clone())
+                .lookup(b"", "k")
+                .await
+                .unwrap()
+                .expect("the record in flight")
+                .expires_in
+                .expect("its expiry");
+            (
+                send(&server, Method::POST, "/orders", Some("k")).await,
+                lease_left,
+            )
         })
         .await;
     assert_eq!(first.0, StatusCode::CREATED);
     assert_eq!(duplicate.0, StatusCode::CONFLICT, "the duplicate ran");
+    assert!(lease_left > Duration::from_secs(30), "{lease_left:?} left");
     assert_eq!(runs.get(), 1);
 }
 

@@ -960,10 +960,13 @@ async fn a_body_that_runs_past_its_declared_size_is_sent_and_stored_as_that_size
     }
 }
 
+/// What the claim's session asks of the database, as the handler's own connection reads it
+/// (`SHOW`): a host that dies without closing its connection would otherwise hold its key
+/// until the operating system's keepalive (two hours and more) told the database. That the
+/// server then acts on it is PostgreSQL's and the kernel's (no test here can silence a
+/// loopback peer's TCP acknowledgements).
 #[actix_web::test]
-async fn the_database_drops_a_silent_client_within_about_its_lease() {
-    // A host that dies without closing its connection would otherwise hold its key until
-    // the operating system's keepalive (two hours and more) told the database.
+async fn a_claims_session_asks_the_database_to_drop_a_silent_client_within_its_lease() {
     let harness = start(2).await;
     let reply = harness.post("/keepalives", Some("watched")).await;
     assert_eq!(reply.status, StatusCode::OK, "{reply:?}");
