@@ -3,7 +3,10 @@
 use std::sync::LazyLock;
 
 use actix_web::http::header::{HOST, HeaderName};
-use actix_web::{dev::ServiceRequest, http::Method};
+use actix_web::{
+    dev::ServiceRequest,
+    http::{Method, Version},
+};
 use blake3::hazmat::ContextKey;
 
 use crate::gathered_hasher::GatheredHasher;
@@ -161,11 +164,12 @@ impl FingerprintParts {
     /// Also fingerprints the value of the header `name` (all its values, in order): a
     /// [`HeaderName`], or a string checked to be one.
     ///
-    /// `host` is the request's authority, as Actix's own `guard::Host` reads it: its `Host`
-    /// header, or on HTTP/2, which carries the authority in the request's URI instead
-    /// (`:authority`) and usually sends no `Host`, that authority. So routes told apart by
-    /// host (virtual hosts) answer a key reused on another host 422 over either protocol,
-    /// and a retry over the other protocol is the same request.
+    /// `host` is the request's authority, as Actix's own `guard::Host` reads it: on HTTP/2,
+    /// which carries it in the request's URI (`:authority`) and usually sends no `Host`
+    /// header, that authority (a `Host` header beside it is not read, as the guard does not
+    /// read it); on HTTP/1, the `Host` header. So routes told apart by host (virtual hosts)
+    /// answer a key reused on another host 422 over either protocol, and a retry over the
+    /// other protocol is the same request.
     ///
     /// # Errors
     ///
@@ -191,18 +195,17 @@ impl FingerprintParts {
             .headers
             .iter()
             .map(|name| {
-                let mut joined: Vec<u8> = req
-                    .headers()
-                    .get_all(name)
-                    .flat_map(|value| value.as_bytes().iter().copied().chain([b'\n']))
-                    .collect();
-                if joined.is_empty()
-                    && *name == HOST
-                    && let Some(authority) = req.uri().authority()
-                {
-                    joined.extend_from_slice(authority.as_str().as_bytes());
-                    joined.push(b'\n');
-                }
+                let authority = (*name == HOST && req.version() >= Version::HTTP_2)
+                    .then(|| req.uri().authority())
+                    .flatten();
+                let joined = match authority {
+                    Some(authority) => [authority.as_str().as_bytes(), b"\n"].concat(),
+                    None => req
+                        .headers()
+                        .get_all(name)
+                        .flat_map(|value| value.as_bytes().iter().copied().chain([b'\n']))
+                        .collect(),
+                };
                 (name.as_str(), joined)
             })
             .collect();
@@ -319,6 +322,13 @@ mod tests {
             parts.of(&req, b"{}")
         };
         assert_ne!(over_http2("a.example"), over_http2("b.example"));
+        // A `Host` header beside the authority is not read, as `guard::Host` does not.
+        let with_another_host = TestRequest::post()
+            .uri("http://b.example/orders")
+            .version(actix_web::http::Version::HTTP_2)
+            .insert_header(("host", "a.example"))
+            .to_srv_request();
+        assert_eq!(parts.of(&with_another_host, b"{}"), over_http2("b.example"));
         assert_eq!(over_http2("a.example:8443"), over_http1("a.example:8443"));
         assert_ne!(over_http2("a.example"), over_http1("b.example"));
         // Without the part, hosts do not matter.

@@ -146,7 +146,7 @@ fn start_private_server_on(server: &Path, port: u16) -> Option<String> {
                 eprintln!("tests: started a private {name} on port {port} for this run");
                 return Some(format!("redis://127.0.0.1:{port}"));
             }
-            if !Path::new(&format!("/proc/{pid}")).exists() {
+            if has_exited(pid) {
                 // It exited: the port was taken. Closing the watchdog's input ends it.
                 drop(watchdog_input);
                 let _ = watchdog.wait();
@@ -157,6 +157,16 @@ fn start_private_server_on(server: &Path, port: u16) -> Option<String> {
     }
     let logged = std::fs::read_to_string(&log_path).unwrap_or_default();
     panic!("the private {name} on port {port} did not answer within 10 s; it logged:\n{logged}");
+}
+
+/// Whether process `pid` has exited: gone, or a zombie (the watchdog shell, waiting on its
+/// input, does not reap the server it started).
+fn has_exited(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |stat| {
+        // `pid (name) state …`: the state follows the name's closing parenthesis.
+        stat.rsplit_once(')')
+            .is_none_or(|(_, rest)| rest.trim_start().starts_with('Z'))
+    })
 }
 
 /// `INFO server` from the Redis server at `addr`, if one answers it within a short bound.
@@ -184,4 +194,21 @@ fn info_server(addr: SocketAddr) -> Option<String> {
     let mut info = vec![0u8; length];
     stream.read_exact(&mut info).ok()?;
     String::from_utf8(info).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A server whose port was taken before it bound it exits; the start moves on at once
+    /// (it waited the whole 10 s for it and then panicked, failing the binary).
+    #[test]
+    fn a_server_that_finds_its_port_taken_is_given_up_at_once() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
+        let port = taken.local_addr().expect("its address").port();
+        assert_eq!(
+            start_private_server_on(Path::new("redis-server"), port),
+            None
+        );
+    }
 }
