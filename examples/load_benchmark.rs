@@ -894,8 +894,10 @@ fn load_average() -> String {
         .unwrap_or_default()
 }
 
-/// Builds the example `name` (release; the reference server, the comparator) and returns its
-/// path, next to this executable.
+/// Builds the example `name` (release; the reference server, the comparator) and returns the
+/// path cargo built it at: read from cargo's own report of the build, not guessed from this
+/// executable's directory, which for a benchmark run without `--release` holds a debug
+/// build of it (perhaps stale) that would be measured instead.
 fn build_example(name: &str) -> Result<PathBuf, Error> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     // A group of its own, so that a stop signal stops its `rustc`s too.
@@ -907,22 +909,43 @@ fn build_example(name: &str) -> Result<PathBuf, Error> {
             "idempotency-actix-examples",
             "--example",
             name,
+            "--message-format=json-render-diagnostics",
         ])
         .stdin(Stdio::null())
+        .stdout(Stdio::piped())
         .spawn()?;
+    // Read as it comes (one line per crate built, more than a pipe holds).
+    let report = child.stdout.take().ok_or("no output from cargo")?;
+    let wanted = name.to_owned();
+    let reader = std::thread::spawn(move || {
+        BufReader::new(report)
+            .lines()
+            .map_while(Result::ok)
+            .filter_map(|line| executable_of(&line, &wanted))
+            .last()
+    });
     let status = wait_or_stop(&mut child, true)?;
     if !status.success() {
         return Err(format!("building the example {name} failed").into());
     }
-    let here = std::env::current_exe()?;
-    let path = here
-        .parent()
-        .ok_or("this executable has no directory")?
-        .join(name);
+    let path = reader
+        .join()
+        .map_err(|_| "reading cargo's report failed")?
+        .ok_or_else(|| format!("cargo named no executable for the example {name}"))?;
     if !path.exists() {
         return Err(format!("no {name} at {}", path.display()).into());
     }
     Ok(path)
+}
+
+/// The executable of the example `name` in `line`, a message of cargo's JSON report, if
+/// that is what the line reports.
+fn executable_of(line: &str, name: &str) -> Option<PathBuf> {
+    let message: serde_json::Value = serde_json::from_str(line).ok()?;
+    if message["reason"] != "compiler-artifact" || message["target"]["name"] != name {
+        return None;
+    }
+    message["executable"].as_str().map(PathBuf::from)
 }
 
 /// A `redis-server` of the benchmark's own, on a free loopback port.

@@ -953,6 +953,24 @@ fn a_signed_count_and_an_empty_method_entry_are_refused() {
     }
 }
 
+/// With `DATABASE_URL`, a key prefix longer than the table's index can key is refused at
+/// start (status 2, before the server says it listens). It used to pass the configuration
+/// and panic every worker as it built its app, after "listening on" was printed (status 1).
+#[test]
+fn a_key_prefix_too_long_for_the_database_is_refused_at_start() {
+    let prefix = "p".repeat(idempotency_actix::PostgresStore::MAX_KEY_PREFIX_BYTES + 1);
+    let (code, stderr) = exit_of(&[
+        (
+            "DATABASE_URL",
+            "postgres://postgres@127.0.0.1:5432/postgres",
+        ),
+        ("IDEMPOTENCY_PREFIX", &prefix),
+    ]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("invalid IDEMPOTENCY_PREFIX="), "{stderr}");
+    assert!(stderr.contains("at most 2628 bytes"), "{stderr}");
+}
+
 /// The in-memory store answers replays from the process already: a replay cache in front of
 /// it would do nothing, so asking for one is refused.
 #[test]

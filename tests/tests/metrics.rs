@@ -15,7 +15,8 @@ use std::time::Duration;
 use actix_web::http::StatusCode;
 use actix_web::{App, HttpResponse, web};
 use idempotency_actix::{
-    FailMode, Idempotency, IdempotencyPolicy, IdempotentRoute, MemoryStore, Outcome, RedisStore,
+    FailMode, Idempotency, IdempotencyPolicy, IdempotentRoute, MemoryStore, Outcome, PostgresStore,
+    RedisStore,
 };
 use idempotency_actix_tests::{Gate, Reply, RunCounter, reset};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
@@ -352,6 +353,37 @@ async fn a_begin_that_found_no_connection_by_its_deadline_leaves_nothing_to_retr
     actix_rt::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(release_retries(), retries_before);
     drop(silent);
+}
+
+/// A transactional route's claim whose pool gives no connection (nothing listens) was never
+/// sent either: nothing is abandoned for it. It was abandoned inline and then in the
+/// background for a lease, competing for the pool with the requests.
+#[actix_web::test]
+async fn a_transactional_claim_that_found_no_connection_leaves_nothing_to_retry() {
+    let _turn = one_at_a_time();
+    snapshotter();
+    let server = actix_test::start(|| {
+        let pool = PostgresStore::pool("postgres://postgres@127.0.0.1:1/none").unwrap();
+        let transactional = IdempotencyPolicy::default().transactional();
+        App::new().service(
+            web::scope("/tx")
+                .wrap(
+                    Idempotency::postgres(PostgresStore::new(pool))
+                        .store_timeout(Duration::from_millis(300)),
+                )
+                .service(counted(
+                    "/order",
+                    RunCounter::default(),
+                    IdempotentRoute::with_policy(transactional),
+                )),
+        )
+    });
+    let retries_before = release_retries();
+    let reply = send(&server, "/tx/order", Some("k"), "{}").await;
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(requests("/tx/order", Outcome::StoreError), 1);
+    actix_rt::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(release_retries(), retries_before);
 }
 
 /// A `begin` the store answered with an error may have written its lock: its token is

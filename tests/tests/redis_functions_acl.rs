@@ -319,6 +319,45 @@ async fn deleted_under_an_open_cluster_connection(cluster: RedisCluster, first: 
     .await;
 }
 
+/// A primary added to a Redis 7 cluster whose functions were loaded before it joined, and
+/// given slots: it has no functions (a reshard moves keys, not functions), and for a user
+/// who may not load them no step on the keys it holds could be fenced. The store's probe
+/// asks every primary that serves slots, so keyed requests are refused (503, no handler
+/// run) until someone who may loads them, as where every primary lacks them. It asked one
+/// node at random, which mostly had them: the keys on the new primary ran their handlers,
+/// unfenced, and ran them again for a retry after the lease. (Three attempts, a retry
+/// interval apart, each probing anew.)
+#[actix_web::test]
+async fn a_primary_added_without_the_functions_refuses_a_user_who_cannot_load_them() {
+    let _turn = beside_each_other();
+    let cluster = RedisCluster::start_redis7();
+    let admin_client = cluster.client();
+    let loader = FloodServer::start(move || Idempotency::redis_cluster(admin_client.clone()), 64);
+    assert_eq!(
+        loader.post("/orders", "load").await.status,
+        StatusCode::CREATED
+    );
+    let from = cluster.primaries()[0].port;
+    let added = cluster.add_empty_primary();
+    cluster.move_slots(from, added, 200);
+    let client = add_the_user_who_cannot_load_to_the_cluster(&cluster);
+
+    let app = FloodServer::start(move || Idempotency::redis_cluster(client.clone()), 64);
+    for attempt in 0..3 {
+        let keys: Vec<String> = (0..10).map(|n| format!("added-{attempt}-{n}")).collect();
+        let replies = join_all(keys.iter().map(|key| app.post("/orders", key))).await;
+        for (key, reply) in keys.iter().zip(replies) {
+            assert_eq!(
+                reply.status,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "{key}: {reply:?}"
+            );
+        }
+        actix_rt::time::sleep(Duration::from_millis(1_100)).await;
+    }
+    assert_eq!(app.runs.get(), 0, "a handler ran with nothing to fence it");
+}
+
 /// The first keyed request after the functions are deleted, whose step finds them missing.
 #[derive(Clone, Copy, Debug)]
 enum FirstStep {

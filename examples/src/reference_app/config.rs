@@ -4,6 +4,7 @@ use std::ffi::OsString;
 use std::num::{NonZeroU32, NonZeroUsize};
 
 use actix_web::http::Method;
+use idempotency_actix::PostgresStore;
 use tracing_subscriber::filter::LevelFilter;
 
 /// The methods `IDEMPOTENCY_METHODS` may name: the unsafe ones (safe methods are never
@@ -327,6 +328,23 @@ impl ServerConfig {
         }
 
         config.key_prefix = var("IDEMPOTENCY_PREFIX", "a key prefix")?;
+        // Checked here, not only by the store once the workers build their apps: the server
+        // would have said it listens, and then stopped (status 1).
+        if let Some(prefix) = &config.key_prefix
+            && config.database_url.is_some()
+            && prefix.len() > PostgresStore::MAX_KEY_PREFIX_BYTES
+        {
+            return Err(invalid(
+                "IDEMPOTENCY_PREFIX",
+                &format!("{}…", prefix.chars().take(32).collect::<String>()),
+                &format!(
+                    "at most {} bytes with DATABASE_URL (the table's index holds no longer \
+                     keys); this one is {} bytes",
+                    PostgresStore::MAX_KEY_PREFIX_BYTES,
+                    prefix.len()
+                ),
+            ));
+        }
 
         const LEVEL: &str = "one of off, error, warn, info, debug, trace";
         if let Some(value) = var("LOG_LEVEL", LEVEL)? {

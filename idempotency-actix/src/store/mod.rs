@@ -32,7 +32,7 @@ use crate::scope::StorageKey;
 pub(crate) mod deadline;
 mod inspection;
 mod memory;
-mod not_sent;
+pub(crate) mod not_sent;
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
 #[cfg(feature = "redis")]

@@ -2,8 +2,9 @@
 
 use std::error::Error;
 use std::fmt;
+use std::future::Future;
 
-use super::StoreError;
+use super::{StoreError, deadline};
 
 /// The source of a [`StoreError::Unavailable`] whose operation was never sent: no connection
 /// could be had for it (the server refused or reset the attempt, its credentials were
@@ -69,6 +70,31 @@ impl StoreError {
             _ => None,
         }
     }
+}
+
+/// A connection from `opening`, made before an operation is sent on it: its error is marked
+/// as never sent, as the operation has not been, also when no connection is made by the
+/// deadline of the store operation being polled (a server that takes connections and says
+/// nothing, a pool whose connections are all in use), where it gives up at that deadline
+/// rather than be dropped by the engine's own bound, which could not tell.
+#[cfg_attr(not(any(feature = "redis", feature = "postgres")), allow(dead_code))]
+pub(crate) async fn unsent_by_the_deadline<C>(
+    opening: impl Future<Output = Result<C, StoreError>>,
+) -> Result<C, StoreError> {
+    let opened = match deadline::current() {
+        Some(deadline) => {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            actix_rt::time::timeout(left, opening)
+                .await
+                .unwrap_or_else(|_| {
+                    Err(StoreError::Unavailable(
+                        "no connection to the store was made within the store timeout".into(),
+                    ))
+                })
+        }
+        None => opening.await,
+    };
+    opened.map_err(StoreError::not_sent)
 }
 
 #[cfg(test)]

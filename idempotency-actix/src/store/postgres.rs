@@ -10,6 +10,7 @@ use tokio_postgres::error::Severity;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{NoTls, Row};
 
+use super::not_sent::unsent_by_the_deadline;
 use super::{BeginOutcome, Deletion, IdempotencyStore, LeaseToken, RecordSnapshot, StoreError};
 use crate::fingerprint::Fingerprint;
 use crate::lost_record;
@@ -582,6 +583,23 @@ impl Statements {
 }
 
 impl PostgresStore {
+    /// The longest key prefix, in bytes, this store takes
+    /// ([`Idempotency::key_prefix`](crate::Idempotency::key_prefix) panics over it): its
+    /// storage keys, the prefix and a 64-character digest, must fit an entry of the table's
+    /// primary key index. For an app that reads its prefix from its configuration and
+    /// checks it there.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use idempotency_actix::PostgresStore;
+    ///
+    /// let prefix = std::env::var("IDEMPOTENCY_PREFIX").unwrap_or_else(|_| "shop:".to_owned());
+    /// assert!(prefix.len() <= PostgresStore::MAX_KEY_PREFIX_BYTES, "IDEMPOTENCY_PREFIX is too long");
+    /// assert_eq!(PostgresStore::MAX_KEY_PREFIX_BYTES, 2628);
+    /// ```
+    pub const MAX_KEY_PREFIX_BYTES: usize = key_prefix::MAX_KEY_PREFIX_BYTES;
+
     /// Panics, saying why, unless this store can key records under `prefix` (see
     /// [`Idempotency::key_prefix`](crate::Idempotency::key_prefix)).
     pub(crate) fn check_key_prefix(&self, prefix: &str) {
@@ -1189,11 +1207,15 @@ impl PostgresStore {
         token: &LeaseToken,
         lease: Duration,
     ) -> Result<(BeginOutcome, Option<OpenTransaction>), StoreError> {
+        // Marked as never sent where no connection can be had by the operation's deadline.
         let transaction = OpenTransaction::on(
-            self.pool
-                .get_owned()
-                .await
-                .map_err(|error| no_connection(&self.pool, error))?,
+            unsent_by_the_deadline(async {
+                self.pool
+                    .get_owned()
+                    .await
+                    .map_err(|error| no_connection(&self.pool, error))
+            })
+            .await?,
         );
         let (mut transaction, (outcome, claimed_row)) = match self
             .claim_on(&transaction, key, fingerprint, token, lease)
@@ -1725,13 +1747,16 @@ impl IdempotencyStore for PostgresStore {
         lease: Duration,
     ) -> Result<(BeginOutcome, Option<Duration>), StoreError> {
         again_while_unserializable(|| async {
-            // Marked as never sent where no connection can be had (the statements of earlier
-            // attempts, which failed to serialize, were rolled back).
-            let connection = self
-                .pool
-                .get()
-                .await
-                .map_err(|error| no_connection(&self.pool, error).not_sent())?;
+            // Marked as never sent where no connection can be had by the operation's deadline
+            // (the statements of earlier attempts, which failed to serialize, were rolled
+            // back).
+            let connection = unsent_by_the_deadline(async {
+                self.pool
+                    .get()
+                    .await
+                    .map_err(|error| no_connection(&self.pool, error))
+            })
+            .await?;
             let begun = match self
                 .begin_on(&connection, key, fingerprint, token, lease)
                 .await

@@ -76,7 +76,10 @@ const FIRST_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// primary (while one is unreachable, that load fails, and the step with it). A Redis user
 /// that may not load them is refused as on [`RedisStore`](crate::RedisStore): keyed
 /// requests get 503 before any handler runs until someone who may has loaded them, and the
-/// store makes a new connection to look again once a second at most.
+/// store makes a new connection to look again once a second at most. Whether they are
+/// there is asked of every primary that serves slots (`CLUSTER NODES`), so a primary
+/// added with none, or restarted without them, refuses such a user as a cluster without
+/// any does; where the user may not run `CLUSTER NODES`, of one node.
 ///
 /// With [`replicated_writes`](Self::replicated_writes), `WAIT` is pipelined behind each
 /// write on the connection of the key's primary, so it counts that primary's replicas.

@@ -16,7 +16,6 @@
 //! pool from [`RedisStore::pool`](crate::RedisStore::pool) with a `redis://` URL), else a
 //! redis-rs multiplexed connection from the pool's connection manager.
 
-use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -30,10 +29,11 @@ use super::direct::DirectConnection;
 use super::exchange::{Exchange, Reply};
 use super::missing_library::MissingLibrary;
 use super::packed::{Carrier, PackedCommand};
-use super::protocol;
+use super::protocol::{self, LibraryProbe};
 use super::silence::SilenceWatch;
 use super::spares::Spares;
 use super::steps::Transport;
+use crate::store::not_sent::unsent_by_the_deadline;
 use crate::store::{StoreError, deadline};
 
 /// The connection a store shares between its requests.
@@ -79,6 +79,8 @@ impl StoreConnection {
         }
     }
 }
+
+impl LibraryProbe for StoreConnection {}
 
 impl Carrier for StoreConnection {
     fn send_packed<'a>(&'a mut self, command: &'a PackedCommand) -> RedisFuture<'a, Value> {
@@ -151,7 +153,7 @@ impl SharedConnection {
     pub(super) async fn send(&self, request: &Exchange) -> Result<Reply, StoreError> {
         let mut generation = match self.current() {
             Some(current) => current,
-            None => Self::unsent_by_the_deadline(self.connection()).await?,
+            None => unsent_by_the_deadline(self.connection()).await?,
         };
         if let Some(watch) = &generation.silence
             && watch.is_silent(Instant::now())
@@ -160,12 +162,12 @@ impl SharedConnection {
                 "idempotency: the Redis server has not answered a request past its deadline \
                  for a while; replacing the connection"
             );
-            generation = Self::unsent_by_the_deadline(self.replace(generation.number)).await?;
+            generation = unsent_by_the_deadline(self.replace(generation.number)).await?;
         } else if generation.connection.has_failed() {
             // Failed under an earlier request (the server went away): replaced before this
             // request is sent, so that where no connection can be had it is known unsent.
             tracing::debug!("idempotency: Redis connection lost; reconnecting");
-            generation = Self::unsent_by_the_deadline(self.replace(generation.number)).await?;
+            generation = unsent_by_the_deadline(self.replace(generation.number)).await?;
         }
         let Generation {
             connection,
@@ -249,28 +251,6 @@ impl SharedConnection {
         };
         *current = Some(generation.clone());
         generation
-    }
-
-    /// A connection from `opening`, made before a request is sent: its error is marked as
-    /// never sent, as the request has not been, also when no connection is made by the
-    /// deadline of the store operation being polled (a server that takes the connection and
-    /// says nothing), where it gives up at that deadline instead of being dropped by the
-    /// engine's own bound, which could not tell.
-    async fn unsent_by_the_deadline(
-        opening: impl Future<Output = Result<Generation, StoreError>>,
-    ) -> Result<Generation, StoreError> {
-        let opened = match deadline::current() {
-            Some(deadline) => tokio::time::timeout_at(deadline.into(), opening)
-                .await
-                .unwrap_or_else(|_| {
-                    Err(StoreError::Unavailable(
-                        "no connection to the Redis server was made within the store timeout"
-                            .into(),
-                    ))
-                }),
-            None => opening.await,
-        };
-        opened.map_err(StoreError::not_sent)
     }
 
     /// The shared connection, opened by the first request that needs it.

@@ -17,9 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use redis::aio::ConnectionLike;
-
-use super::protocol::{self, Library};
+use super::protocol::{self, Library, LibraryProbe};
 use crate::store::StoreError;
 
 /// How long a store refuses keyed requests without opening a connection after one found
@@ -102,7 +100,7 @@ impl MissingLibrary {
     /// with `open` left unpolled (no connection opened).
     pub(crate) async fn open<C, Opened>(&self, open: Opened) -> Result<C, StoreError>
     where
-        C: ConnectionLike,
+        C: LibraryProbe,
         Opened: Future<Output = Result<C, StoreError>>,
     {
         if let Some(missing) = self.recent(Instant::now()) {
@@ -133,7 +131,7 @@ impl MissingLibrary {
     /// (`OOM`) or for a key of another type (`WRONGTYPE`) is not looked into.
     pub(crate) async fn missing_after(
         &self,
-        connection: &mut impl ConnectionLike,
+        connection: &mut impl LibraryProbe,
         error: &redis::RedisError,
     ) -> bool {
         if error
@@ -142,7 +140,7 @@ impl MissingLibrary {
         {
             return false;
         }
-        let missing = match protocol::probe_library(connection).await {
+        let missing = match connection.probe_library().await {
             Library::Missing => LibraryMissing::found(error),
             Library::Forbidden(refusal) => LibraryMissing::forbidden(&refusal),
             Library::Callable => return false,

@@ -11,6 +11,8 @@ mod cluster;
 mod conditional_set;
 mod connection;
 mod direct;
+#[cfg(feature = "redis-cluster")]
+mod every_primary;
 mod exchange;
 mod inspection;
 mod missing_library;

@@ -316,13 +316,13 @@ pub(crate) async fn load_library(
 /// writes, so a step that wrote nothing rewrites its record before its `WAIT`: see
 /// [`rewrite`].) Keep it so.
 pub(crate) async fn load_library_ahead(
-    connection: &mut impl redis::aio::ConnectionLike,
+    connection: &mut impl LibraryProbe,
 ) -> Result<(), LibraryMissing> {
     let Err(error) = load_library(connection).await else {
         return Ok(());
     };
     if error.code() != Some("OOM") {
-        match probe_library(connection).await {
+        match connection.probe_library().await {
             Library::Missing => return Err(LibraryMissing::found(&error)),
             Library::Forbidden(refusal) => return Err(LibraryMissing::forbidden(&refusal)),
             Library::Callable => {}
@@ -359,24 +359,67 @@ pub(crate) enum Library {
 /// run their handlers with no lease renewed, nor any key given back. Any other answer
 /// counts as callable: the steps then find out for themselves.
 pub(crate) async fn probe_library(connection: &mut impl redis::aio::ConnectionLike) -> Library {
-    let probe = |command: &str, function: &str| {
+    let read_only = LibraryProbeStep::ReadOnly
+        .command()
+        .query_async(connection)
+        .await;
+    if let Some(found) = LibraryProbeStep::ReadOnly.decides(read_only) {
+        return found;
+    }
+    let call = LibraryProbeStep::Call
+        .command()
+        .query_async(connection)
+        .await;
+    LibraryProbeStep::Call
+        .decides(call)
+        .unwrap_or(Library::Callable)
+}
+
+/// The two commands of [`probe_library`], in their order, for a connection that sends each
+/// where it chooses (a cluster's, to each primary).
+#[derive(Clone, Copy)]
+pub(crate) enum LibraryProbeStep {
+    /// `FCALL_RO` of a function with no key.
+    ReadOnly,
+    /// `FCALL` of `renew` with no key.
+    Call,
+}
+
+impl LibraryProbeStep {
+    pub(crate) fn command(self) -> redis::Cmd {
+        let (command, function) = match self {
+            Self::ReadOnly => ("FCALL_RO", "idempotency_actix_2_r9_commit"),
+            Self::Call => ("FCALL", "idempotency_actix_2_r9_renew"),
+        };
         let mut probe = redis::cmd(command);
         probe.arg(function).arg(0);
         probe
-    };
-    let read_only: redis::RedisResult<Value> = probe("FCALL_RO", "idempotency_actix_2_r9_commit")
-        .query_async(connection)
-        .await;
-    if matches!(&read_only, Err(error) if is_function_not_found(error)) {
-        return Library::Missing;
     }
-    let call: redis::RedisResult<Value> = probe("FCALL", "idempotency_actix_2_r9_renew")
-        .query_async(connection)
-        .await;
-    match call {
-        Err(error) if is_function_not_found(&error) => Library::Missing,
-        Err(error) if error.code() == Some("NOPERM") => Library::Forbidden(error),
-        _ => Library::Callable,
+
+    /// What the step's `answer` tells, if it decides: the read-only step only that the
+    /// functions are missing, the call also that they may not be called (and nothing where
+    /// neither: callable, as far as the probe can tell).
+    pub(crate) fn decides(self, answer: redis::RedisResult<Value>) -> Option<Library> {
+        match (self, answer) {
+            (_, Err(error)) if is_function_not_found(&error) => Some(Library::Missing),
+            (Self::Call, Err(error)) if error.code() == Some("NOPERM") => {
+                Some(Library::Forbidden(error))
+            }
+            _ => None,
+        }
+    }
+}
+
+/// A connection the store can ask what its servers have of [`LIBRARY`]: one server's, which
+/// [`probe_library`] asks; a cluster's asks every primary, as a key may live on any of them
+/// (a primary added to the cluster, or restarted, without the functions).
+pub(crate) trait LibraryProbe: redis::aio::ConnectionLike {
+    /// What the connection's servers have of [`LIBRARY`], and whether its user may call it.
+    async fn probe_library(&mut self) -> Library
+    where
+        Self: Sized,
+    {
+        probe_library(self).await
     }
 }
 

@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use super::exchange::{Exchange, Reply};
 use super::missing_library::MissingLibrary;
 use super::packed::Carrier;
+use super::protocol::LibraryProbe;
 use super::{missing_library, protocol};
 use crate::store::StoreError;
 
@@ -32,7 +33,7 @@ pub(crate) struct Spares<C> {
     times_found: AtomicU64,
 }
 
-impl<C: Carrier> Spares<C> {
+impl<C: Carrier + LibraryProbe> Spares<C> {
     pub(crate) fn new() -> Self {
         Self {
             idle: Mutex::new(Vec::new()),
