@@ -484,6 +484,47 @@ async fn a_table_of_the_longest_name_gets_its_expiry_index() {
     acquire(&store, "k").await;
 }
 
+/// A table made by hand without the check on its state: its owner's `migrate()` adds it, so
+/// the table counts as up to date and a role that may not create anything migrates it at
+/// start. (`migrate()` only replaced a check that lacked the marker state, never added a
+/// missing one: the table never counted as up to date, and such a role's `migrate()` ran
+/// the DDL, was refused, and the app did not start.)
+#[actix_web::test]
+async fn a_table_made_without_the_state_check_gets_it_from_its_owners_migrate() {
+    let role = TestRole::create().await;
+    let database = TestDatabase::create().await;
+    let owners = database.store().await;
+    let admin = database.connection().await;
+    let check: String = admin
+        .query_one(
+            "SELECT conname::text FROM pg_constraint
+             WHERE conrelid = 'idempotency_records'::regclass AND contype = 'c'
+               AND pg_get_constraintdef(oid) LIKE '%state%'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    admin
+        .batch_execute(&format!(
+            "ALTER TABLE idempotency_records DROP CONSTRAINT \"{check}\""
+        ))
+        .await
+        .unwrap();
+    owners.migrate().await.unwrap();
+    admin
+        .batch_execute(&format!(
+            "REVOKE CREATE ON SCHEMA public FROM PUBLIC;
+             GRANT SELECT, INSERT, UPDATE, DELETE ON idempotency_records TO {}",
+            role.name
+        ))
+        .await
+        .unwrap();
+    let store = role.store(&database);
+    store.migrate().await.unwrap();
+    acquire(&store, "k").await;
+}
+
 #[actix_web::test]
 async fn names_that_are_not_identifiers_never_reach_sql() {
     let database = TestDatabase::create().await;
