@@ -375,6 +375,19 @@ impl TestRole {
         role
     }
 
+    /// Lets this role read and write `table` (in schema `public`) and create nothing in its
+    /// schema, as a DBA grants an app's role, on `admin`'s database.
+    async fn may_only_use(&self, admin: &tokio_postgres::Client, table: &str) {
+        admin
+            .batch_execute(&format!(
+                "REVOKE CREATE ON SCHEMA public FROM PUBLIC;
+                 GRANT SELECT, INSERT, UPDATE, DELETE ON \"{table}\" TO {}",
+                self.name
+            ))
+            .await
+            .unwrap();
+    }
+
     /// A store on `database` that connects as this role.
     fn store(&self, database: &TestDatabase) -> PostgresStore {
         let mut config: tokio_postgres::Config = database.url().parse().unwrap();
@@ -422,16 +435,8 @@ async fn migrate_needs_no_right_to_create_where_the_table_is_up_to_date() {
     let database = TestDatabase::create().await;
     // The table, migrated by its owner.
     database.store().await;
-    database
-        .connection()
-        .await
-        .batch_execute(&format!(
-            "REVOKE CREATE ON SCHEMA public FROM PUBLIC;
-             GRANT SELECT, INSERT, UPDATE, DELETE ON idempotency_records TO {}",
-            role.name
-        ))
-        .await
-        .unwrap();
+    role.may_only_use(&database.connection().await, "idempotency_records")
+        .await;
     let store = role.store(&database);
     store.migrate().await.unwrap();
     let token = acquire(&store, "k").await;
@@ -471,14 +476,7 @@ async fn a_table_of_the_longest_name_gets_its_expiry_index() {
         .unwrap()
         .get(0);
     assert_eq!(indexed, 1, "the expiry index");
-    admin
-        .batch_execute(&format!(
-            "REVOKE CREATE ON SCHEMA public FROM PUBLIC;
-             GRANT SELECT, INSERT, UPDATE, DELETE ON \"{name}\" TO {}",
-            role.name
-        ))
-        .await
-        .unwrap();
+    role.may_only_use(&admin, &name).await;
     let store = role.store(&database).table(&name).unwrap();
     store.migrate().await.unwrap();
     acquire(&store, "k").await;
@@ -512,14 +510,7 @@ async fn a_table_made_without_the_state_check_gets_it_from_its_owners_migrate() 
         .await
         .unwrap();
     owners.migrate().await.unwrap();
-    admin
-        .batch_execute(&format!(
-            "REVOKE CREATE ON SCHEMA public FROM PUBLIC;
-             GRANT SELECT, INSERT, UPDATE, DELETE ON idempotency_records TO {}",
-            role.name
-        ))
-        .await
-        .unwrap();
+    role.may_only_use(&admin, "idempotency_records").await;
     let store = role.store(&database);
     store.migrate().await.unwrap();
     acquire(&store, "k").await;
