@@ -147,6 +147,10 @@ pub(crate) struct Claimed {
     /// `begin` that did not answer, one it may hold); `None` when it runs the handler
     /// without one (no key, or fail-open after a store that refused the `begin`).
     pub(crate) lock: Option<Rc<HeldLock>>,
+    /// The size of the body read, where the handler runs without a lock (failing open with
+    /// no token to run under): a route layer further in refuses a body over its own smaller
+    /// limit then too, as it does against a lock's.
+    pub(crate) body_len: Option<usize>,
 }
 
 /// The lock an outer layer holds for a request, shared with the route layer further in.
@@ -295,6 +299,7 @@ impl Engine {
             Claimed {
                 key_present: true,
                 lock: None,
+                body_len: None,
             },
         );
 
@@ -531,9 +536,20 @@ impl Engine {
                     {
                         // Nothing was written (a full store, a record this version cannot
                         // read holds the key, or the `begin` never left this process: no
-                        // connection could be had): no token to run under. Still a keyed request's
+                        // connection could be had): no token to run under. A route layer
+                        // further in still applies its smaller body limit (the claim says
+                        // how much was read). Still a keyed request's
                         // run: it goes on to its end should the client leave (its side
                         // effects are not left half done), and a panic is answered 500.
+                        claim(
+                            &req,
+                            &self,
+                            Claimed {
+                                key_present: true,
+                                lock: None,
+                                body_len: Some(body_len),
+                            },
+                        );
                         let run = RunToCompletion::new(move || async move {
                             let _slot = slot;
                             service.call(req).await.map(with_handler_body)
@@ -1807,6 +1823,7 @@ pub(crate) fn claim_with_lock(req: &ServiceRequest, engine: &Rc<Engine>, lock: &
     let claimed = Claimed {
         key_present: true,
         lock: Some(Rc::clone(lock)),
+        body_len: None,
     };
     claim(req, engine, claimed);
 }
@@ -1818,6 +1835,7 @@ fn claim_without_key(req: &ServiceRequest, engine: &Rc<Engine>) {
     let claimed = Claimed {
         key_present: false,
         lock: None,
+        body_len: None,
     };
     claim(req, engine, claimed);
 }

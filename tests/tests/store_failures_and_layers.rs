@@ -644,6 +644,55 @@ async fn a_route_refusal_under_an_app_layer_that_stores_errors_is_not_stored() {
     assert_eq!(runs.get(), 0);
 }
 
+/// The route's smaller body limit applies also where the app layer fails open with no
+/// token to run under (a store that refused the `begin`, or could not be reached): 413, and
+/// the handler does not run, as when the `begin` timed out or the route layer claims the
+/// request itself. It ran the handler on the whole body.
+#[actix_web::test]
+async fn a_route_body_limit_holds_when_the_app_layer_fails_open_without_a_lock() {
+    let runs = RunCounter::default();
+    let server = {
+        let runs = runs.clone();
+        actix_test::start(move || {
+            let store = FaultyStore {
+                refused_begins: std::sync::Arc::new(u32::MAX.into()),
+                ..FaultyStore::default()
+            };
+            App::new()
+                .app_data(web::Data::new(runs.clone()))
+                .wrap(
+                    Idempotency::new(store)
+                        .protect_methods([Method::POST])
+                        .on_store_error(FailMode::Open),
+                )
+                .service(
+                    web::resource("/orders")
+                        .wrap(IdempotentRoute::with_policy(
+                            IdempotencyPolicy::default().max_request_body(4),
+                        ))
+                        .route(web::post().to(create)),
+                )
+        })
+    };
+    let (status, _, body) = send(&server, Method::POST, "/orders", Some("k")).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{body:?}");
+    assert_eq!(runs.get(), 0);
+    // A body within the limit runs, unprotected, as failing open does.
+    let mut within = server
+        .post("/orders")
+        .insert_header(("idempotency-key", "k"))
+        .send_body("{}")
+        .await
+        .unwrap();
+    assert_eq!(
+        within.status(),
+        StatusCode::CREATED,
+        "{:?}",
+        within.body().await
+    );
+    assert_eq!(runs.get(), 1);
+}
+
 #[actix_web::test]
 async fn a_record_of_another_version_is_never_taken_over() {
     let (server, prefix, runs) = start_on_redis(

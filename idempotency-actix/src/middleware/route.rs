@@ -249,6 +249,22 @@ where
                     service.call(req).await.map(with_handler_body)
                 }))
             }
+            // A handler run without a lock (failing open with no token to run under) after
+            // a body the claiming layer read: ours may be smaller.
+            Some(Claimed {
+                body_len: Some(body_len),
+                ..
+            }) => match self
+                .policy
+                .max_request_body_override()
+                .filter(|limit| body_len > *limit)
+            {
+                Some(limit) => {
+                    let error = IdempotencyError::RequestBodyTooLarge { limit };
+                    answer::<S, B>(refuse(req.into_parts().0, &error))
+                }
+                None => pass_through(&*self.service, req),
+            },
             Some(_) => pass_through(&*self.service, req),
             None => {
                 let policy = self.policy.apply_to(&engine.settings.defaults);
