@@ -538,9 +538,9 @@ impl Engine {
                         // read holds the key, or the `begin` never left this process: no
                         // connection could be had): no token to run under. A route layer
                         // further in still applies its smaller body limit (the claim says
-                        // how much was read). Still a keyed request's
-                        // run: it goes on to its end should the client leave (its side
-                        // effects are not left half done), and a panic is answered 500.
+                        // how much was read). Still a keyed request's run: it goes on to
+                        // its end should the client leave (its side effects are not left
+                        // half done), and a panic is answered 500.
                         claim(
                             &req,
                             &self,
