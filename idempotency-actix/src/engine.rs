@@ -898,10 +898,13 @@ impl Engine {
         if self.settings.fail_mode != FailMode::Open {
             return Err(error);
         }
-        tracing::warn!(
-            %error,
-            "idempotency store failed while a retry waited for its key's run; answering 409 instead of running the handler beside it (fail-open)"
-        );
+        if let Some(unlogged) = self.store_failures.admit(Instant::now()) {
+            tracing::warn!(
+                %error,
+                unlogged,
+                "idempotency store failed while a retry waited for its key's run; answering 409 instead of running the handler beside it (fail-open)"
+            );
+        }
         // Nothing was written by a `begin` the store refused, that found a record this
         // version cannot read or that was never sent: no token to give up.
         if !matches!(error, StoreError::Refused(_) | StoreError::Corrupt(_))

@@ -83,7 +83,9 @@ pub enum Outcome {
     /// ([`Idempotency::drain`](crate::Idempotency::drain)); the handler did not run.
     ShuttingDown,
     /// The client left before anything was decided for its request: while its body was
-    /// still arriving, while its `begin` was on its way to the store (its token is then
+    /// still arriving (its connection reset: one that only closes its side before its body is
+    /// all sent gets a 400, [`BodyUnreadable`](Self::BodyUnreadable), as Actix reads a body
+    /// cut short), while its `begin` was on its way to the store (its token is then
     /// abandoned in the background), or while it waited for another request with its key
     /// ([`wait_for_completion`](crate::IdempotencyPolicy::wait_for_completion)). The handler
     /// did not run for it. A request the server drops as it stops (at the end of its

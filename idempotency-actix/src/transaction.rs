@@ -399,7 +399,11 @@ impl Engine {
         let transaction = match opened {
             Ok(transaction) => transaction,
             Err(error) => {
-                tracing::error!(%error, "idempotency: no transaction for a transactional route; answering 503");
+                // Rate-limited with the other store failures: in an outage every request
+                // of the route comes here.
+                if let Some(unlogged) = self.store_failures.admit(std::time::Instant::now()) {
+                    tracing::error!(%error, unlogged, "idempotency: no transaction for a transactional route; answering 503");
+                }
                 let retry_after = self.settings.retry_after;
                 let error = IdempotencyError::TransactionUnavailable {
                     source: error,

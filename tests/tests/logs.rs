@@ -190,6 +190,46 @@ async fn a_store_that_is_down_is_logged_once_per_interval_not_per_request() {
     }
 }
 
+/// A transactional route whose database is down: each keyless request gets its 503 (no
+/// transaction to run in), and the error is logged once per interval with the other store
+/// failures, not once per request (which it was: an outage wrote a line per request).
+#[actix_web::test]
+async fn a_transactional_route_whose_database_is_down_is_logged_once_per_interval() {
+    log();
+    let route = "/ledger-down";
+    let server = actix_test::start_with(actix_test::config().workers(1), move || {
+        // Nothing listens on port 1.
+        let pool =
+            idempotency_actix::PostgresStore::pool("postgres://postgres@127.0.0.1:1/none").unwrap();
+        App::new()
+            .wrap(
+                Idempotency::postgres(idempotency_actix::PostgresStore::new(pool))
+                    .scope(KeyScope::global())
+                    .store_timeout(std::time::Duration::from_millis(300)),
+            )
+            .service(
+                web::resource(route)
+                    .wrap(IdempotentRoute::with_policy(
+                        idempotency_actix::IdempotencyPolicy::default().transactional(),
+                    ))
+                    .route(web::post().to(takes_a_transaction)),
+            )
+    });
+    for _ in 0..6 {
+        let answer = server.post(route).send_body("{}").await.unwrap();
+        assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
+    }
+    let span = format!("idempotency{{http.route=\"{route}\"}}");
+    let logged = logged();
+    let lines: Vec<&str> = logged
+        .lines()
+        .filter(|line| {
+            line.contains(&span) && line.contains("no transaction for a transactional route")
+        })
+        .collect();
+    assert_eq!(lines.len(), 1, "{lines:#?}");
+}
+
 /// A fail-open run after a `begin` that landed but did not answer has its response committed
 /// in the background, which is logged at INFO. The README says events name the storage key at
 /// DEBUG level only: that event named it, so a log at INFO carried one per such run.

@@ -2,6 +2,8 @@
 
 use std::future::{Ready, ready};
 use std::rc::Rc;
+use std::sync::LazyLock;
+use std::time::Instant;
 
 use actix_service::{Service, Transform, forward_ready};
 use actix_web::HttpMessage;
@@ -11,7 +13,12 @@ use actix_web::dev::{ServiceRequest, ServiceResponse};
 use super::{IdempotencyFuture, answer, pass_through, process, refuse_claimed_further_out};
 use crate::engine::{Claimed, EngineHandle, Response, is_safe_method, refuse, with_handler_body};
 use crate::error::IdempotencyError;
+use crate::log_interval::LogInterval;
 use crate::policy::IdempotencyPolicy;
+
+/// The line of a route's lease not applied at once, logged at most once per interval for the
+/// process: a store that is down fails it for every request.
+static LEASE_NOT_APPLIED: LazyLock<LogInterval> = LazyLock::new(LogInterval::new);
 
 /// Route-level idempotency: protects the route it wraps with its own policy, on the store of
 /// the [`Idempotency`](crate::Idempotency) above it.
@@ -243,8 +250,10 @@ where
                 }
                 let service = Rc::clone(&self.service);
                 IdempotencyFuture::processing(Box::pin(async move {
-                    if let Err(error) = lock.renew().await {
-                        tracing::warn!(%error, "idempotency: could not apply the route's lease; retried at the next renewal tick");
+                    if let Err(error) = lock.renew().await
+                        && let Some(unlogged) = LEASE_NOT_APPLIED.admit(Instant::now())
+                    {
+                        tracing::warn!(%error, unlogged, "idempotency: could not apply the route's lease; retried at the next renewal tick");
                     }
                     service.call(req).await.map(with_handler_body)
                 }))

@@ -16,7 +16,7 @@
 //! pool from [`RedisStore::pool`](crate::RedisStore::pool) with a `redis://` URL), else a
 //! redis-rs multiplexed connection from the pool's connection manager.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Instant;
 
 use futures_util::lock::Mutex as AsyncMutex;
@@ -33,8 +33,12 @@ use super::protocol::{self, LibraryProbe};
 use super::silence::SilenceWatch;
 use super::spares::Spares;
 use super::steps::Transport;
+use crate::log_interval::LogInterval;
 use crate::store::not_sent::unsent_by_the_deadline;
 use crate::store::{StoreError, deadline};
+
+/// The line of a connection found silent, logged at most once per interval for the process.
+static SILENT: LazyLock<LogInterval> = LazyLock::new(LogInterval::new);
 
 /// The connection a store shares between its requests.
 pub(super) struct SharedConnection {
@@ -158,10 +162,15 @@ impl SharedConnection {
         if let Some(watch) = &generation.silence
             && watch.is_silent(Instant::now())
         {
-            tracing::warn!(
-                "idempotency: the Redis server has not answered a request past its deadline \
-                 for a while; replacing the connection"
-            );
+            // Once per interval: while no new connection can be made, every request finds
+            // the silent one still current.
+            if let Some(unlogged) = SILENT.admit(Instant::now()) {
+                tracing::warn!(
+                    unlogged,
+                    "idempotency: the Redis server has not answered a request past its \
+                     deadline for a while; replacing the connection"
+                );
+            }
             generation = unsent_by_the_deadline(self.replace(generation.number)).await?;
         } else if generation.connection.has_failed() {
             // Failed under an earlier request (the server went away): replaced before this

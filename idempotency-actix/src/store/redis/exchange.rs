@@ -7,7 +7,13 @@ use redis::Value;
 use super::packed::Carrier;
 use super::protocol::{self, Request};
 use super::replication::{NotReplicated, ReplicatedWrites};
+use crate::log_interval::LogInterval;
 use crate::store::StoreError;
+
+/// The line of a write that fell short of its replicas (`or_warn`), logged at most once per
+/// interval for the process.
+static NOT_REPLICATED: std::sync::LazyLock<LogInterval> =
+    std::sync::LazyLock::new(LogInterval::new);
 
 /// A request, and the replicas its write must reach before it counts as done.
 pub(crate) struct Exchange {
@@ -124,7 +130,10 @@ impl Acknowledgement {
         if wait.is_strict() {
             return Err(StoreError::Unavailable(Box::new(shortfall)));
         }
-        tracing::warn!(%shortfall, "idempotency: write not replicated as asked; going on");
+        // Once per interval: while a replica is out, every write falls short.
+        if let Some(unlogged) = NOT_REPLICATED.admit(std::time::Instant::now()) {
+            tracing::warn!(%shortfall, unlogged, "idempotency: write not replicated as asked; going on");
+        }
         Ok(())
     }
 }
