@@ -604,13 +604,22 @@ async fn functions_found_missing_by_a_renewal_refuse_the_begins_on_kept_spare_co
         async move { app.post("/slow", "slow").await }
     });
     app.slow_runs.wait_for(1).await;
+    let logged_before = errors_logged(MISSING_FUNCTIONS_LOGGED);
     let _: () = redis::cmd("FUNCTION")
         .arg("FLUSH")
         .query_async(&mut replicated.admin)
         .await
         .expect("FUNCTION FLUSH");
-    // Its renewals find the functions missing.
-    actix_rt::time::sleep(Duration::from_secs(1)).await;
+    // Its renewals find the functions missing (and say so in the log): waited for, so that
+    // a late renewal cannot leave the next `begin` to a spare connection kept from before.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while errors_logged(MISSING_FUNCTIONS_LOGGED) == logged_before {
+        assert!(
+            Instant::now() < deadline,
+            "no renewal found the functions missing in 10 s"
+        );
+        actix_rt::time::sleep(Duration::from_millis(20)).await;
+    }
     let after = app.post("/orders", "after").await;
     app.gate.open();
     let slow = slow.await.expect("the slow request");
