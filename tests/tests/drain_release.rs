@@ -13,6 +13,8 @@
 //! test drains; neither minds the other's).
 
 #![allow(clippy::unwrap_used)]
+// Each test holds its turn (a plain mutex, on its own runtime thread) for its whole run.
+#![allow(clippy::await_holding_lock)]
 
 use std::io::Write;
 use std::time::Duration;
