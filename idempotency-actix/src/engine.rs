@@ -293,15 +293,7 @@ impl Engine {
             }
             Err(error) => return Ok(self.refuse(req, error.into())),
         };
-        claim(
-            &req,
-            &self,
-            Claimed {
-                key_present: true,
-                lock: None,
-                body_len: None,
-            },
-        );
+        claim_keyed(&req, &self, None);
 
         // Whose key it is, before a body is read for a request that will be refused anyway.
         let Some(scope) = self.settings.scope.of(&req) else {
@@ -356,13 +348,13 @@ impl Engine {
         // between two reads would refuse the request without abandoning its token, and a
         // `begin` that landed would hold the key for a lease.
         let draining = work_in_progress::draining();
-        // One that was never sent (no connection could be had for it) holds nothing: no token
-        // to run under or to abandon.
-        let never_sent = matches!(&begun, Err(error) if error.was_not_sent());
+        // One that certainly wrote nothing (refused, over a record this version cannot read,
+        // or never sent) holds nothing: no token to run under or to abandon.
+        let wrote_nothing = matches!(&begun, Err(error) if error.wrote_nothing());
         let runs_under_token = self.settings.fail_mode == FailMode::Open
             && !policy.transactional
             && !draining
-            && !never_sent;
+            && !wrote_nothing;
         match &begun {
             // A `begin` that timed out may have landed or may still land: abandon the token,
             // so that whatever the order the key is not blocked with no handler running. One
@@ -373,11 +365,11 @@ impl Engine {
             Err(StoreError::Timeout(_)) if !runs_under_token => {
                 self.abandon_in_background(&pending)
             }
-            Ok(_) | Err(StoreError::Refused(_) | StoreError::Corrupt(_)) => {}
             // Nor did one that was never sent: the store is unreachable, and an abandon for
             // each request refused meanwhile (in microseconds) would pile up, retried for a
             // lease, and write a marker per request once it is back.
-            Err(_) if never_sent => {}
+            Ok(_) => {}
+            Err(_) if wrote_nothing => {}
             // One the store answered with an error may have written its lock (strict
             // replicated writes whose replicas fell short leave it on the primary): abandoned
             // before the refusal goes out, so that a retry sent at once is not answered 409
@@ -531,9 +523,7 @@ impl Engine {
                         )
                         .await;
                     }
-                    if matches!(error, StoreError::Refused(_) | StoreError::Corrupt(_))
-                        || error.was_not_sent()
-                    {
+                    if error.wrote_nothing() {
                         // Nothing was written (a full store, a record this version cannot
                         // read holds the key, or the `begin` never left this process: no
                         // connection could be had): no token to run under. A route layer
@@ -541,15 +531,7 @@ impl Engine {
                         // how much was read). Still a keyed request's run: it goes on to
                         // its end should the client leave (its side effects are not left
                         // half done), and a panic is answered 500.
-                        claim(
-                            &req,
-                            &self,
-                            Claimed {
-                                key_present: true,
-                                lock: None,
-                                body_len: Some(body_len),
-                            },
-                        );
+                        claim_keyed(&req, &self, Some(body_len));
                         let run = RunToCompletion::new(move || async move {
                             let _slot = slot;
                             service.call(req).await.map(with_handler_body)
@@ -907,9 +889,7 @@ impl Engine {
         }
         // Nothing was written by a `begin` the store refused, that found a record this
         // version cannot read or that was never sent: no token to give up.
-        if !matches!(error, StoreError::Refused(_) | StoreError::Corrupt(_))
-            && !error.was_not_sent()
-        {
+        if !error.wrote_nothing() {
             let remember_for = policy.marker_lifetime();
             self.abandon_token_in_background(storage_key, *token, policy.lease, remember_for);
         }
@@ -1818,6 +1798,17 @@ fn claim(req: &ServiceRequest, engine: &Rc<Engine>, claimed: Claimed) {
             });
         }
     }
+}
+
+/// Claims keyed `req` with no lock (yet), so that layers further in leave it alone; with
+/// the size of its body once read, for a route layer's smaller limit.
+fn claim_keyed(req: &ServiceRequest, engine: &Rc<Engine>, body_len: Option<usize>) {
+    let claimed = Claimed {
+        key_present: true,
+        lock: None,
+        body_len,
+    };
+    claim(req, engine, claimed);
 }
 
 /// Hands `lock` to the layers further in, through the claim made when the request was

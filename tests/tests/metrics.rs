@@ -318,9 +318,7 @@ async fn store_failures_are_counted_by_fail_mode_and_leave_nothing_to_retry() {
     let open = send(&server, "/open/order", Some("k"), "{}").await;
     assert_eq!(open.status, StatusCode::CREATED);
     assert_eq!(requests("/open/order", Outcome::FailOpen), 1);
-    // A background abandon's first retry comes 50 ms after the failure.
-    actix_rt::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(release_retries(), retries_before);
+    assert_no_release_retry_since(retries_before).await;
 }
 
 /// The same where the server takes the connection and never answers (a hung host behind a
@@ -350,8 +348,7 @@ async fn a_begin_that_found_no_connection_by_its_deadline_leaves_nothing_to_retr
     let reply = send(&server, "/silent/order", Some("k"), "{}").await;
     assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(requests("/silent/order", Outcome::StoreError), 1);
-    actix_rt::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(release_retries(), retries_before);
+    assert_no_release_retry_since(retries_before).await;
     drop(silent);
 }
 
@@ -382,8 +379,7 @@ async fn a_transactional_claim_that_found_no_connection_leaves_nothing_to_retry(
     let reply = send(&server, "/tx/order", Some("k"), "{}").await;
     assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(requests("/tx/order", Outcome::StoreError), 1);
-    actix_rt::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(release_retries(), retries_before);
+    assert_no_release_retry_since(retries_before).await;
 }
 
 /// A `begin` the store answered with an error may have written its lock: its token is
@@ -415,6 +411,13 @@ async fn the_abandon_of_a_failed_begin_is_retried_in_the_background() {
         actix_rt::time::sleep(Duration::from_millis(10)).await;
     }
     panic!("no background retry was counted in 5 s");
+}
+
+/// Waits well past a background abandon's first retry (50 ms after a failure), then asserts
+/// that no retry was counted since `before`.
+async fn assert_no_release_retry_since(before: u64) {
+    actix_rt::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(release_retries(), before, "a background retry was counted");
 }
 
 fn release_retries() -> u64 {

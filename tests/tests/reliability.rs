@@ -131,6 +131,34 @@ fn serve(setup: Setup) -> actix_test::TestServer {
     actix_test::start(move || setup.clone().app())
 }
 
+/// A server on `redis` under a prefix of `test`'s, with `configure` applied to its
+/// `Idempotency`, and its handler runs.
+fn served_on(
+    redis: &PrivateRedis,
+    test: &str,
+    configure: fn(Idempotency) -> Idempotency,
+) -> (actix_test::TestServer, RunCounter) {
+    let runs = RunCounter::default();
+    let server = serve(app_factory(
+        RedisStore::pool(&redis.url()).unwrap(),
+        unique_prefix(test),
+        runs.clone(),
+        IdempotentRoute::new,
+        configure,
+    ));
+    (server, runs)
+}
+
+/// [`served_on`] a Redis of its own (to stop and restart).
+async fn on_a_private_redis(
+    test: &str,
+    configure: fn(Idempotency) -> Idempotency,
+) -> (PrivateRedis, RunCounter, actix_test::TestServer) {
+    let redis = PrivateRedis::start().await;
+    let (server, runs) = served_on(&redis, test, configure);
+    (redis, runs, server)
+}
+
 /// Posts `key` to `url` until the answer is not 409 (the key's run still going, or its
 /// commit on its way), 20 ms apart: the first other answer.
 ///
@@ -1189,16 +1217,8 @@ async fn a_streamed_body_whose_drop_panics_completes_its_record() {
 
 #[actix_web::test]
 async fn redis_stopped_is_503_fail_closed_and_the_app_recovers_when_it_returns() {
-    let mut redis = PrivateRedis::start().await;
-    let runs = RunCounter::default();
-    let pool = RedisStore::pool(&redis.url()).unwrap();
-    let server = serve(app_factory(
-        pool,
-        unique_prefix("stopped"),
-        runs.clone(),
-        IdempotentRoute::new,
-        |i| i.store_timeout(Duration::from_millis(500)),
-    ));
+    let (mut redis, runs, server) =
+        on_a_private_redis("stopped", |i| i.store_timeout(Duration::from_millis(500))).await;
     let client = awc::Client::default();
     let url = server.url("/orders");
     assert_eq!(
@@ -1224,18 +1244,11 @@ async fn redis_stopped_is_503_fail_closed_and_the_app_recovers_when_it_returns()
 
 #[actix_web::test]
 async fn redis_stopped_runs_unprotected_fail_open() {
-    let mut redis = PrivateRedis::start().await;
-    let runs = RunCounter::default();
-    let server = serve(app_factory(
-        RedisStore::pool(&redis.url()).unwrap(),
-        unique_prefix("fail_open"),
-        runs.clone(),
-        IdempotentRoute::new,
-        |i| {
-            i.store_timeout(Duration::from_millis(500))
-                .on_store_error(FailMode::Open)
-        },
-    ));
+    let (mut redis, runs, server) = on_a_private_redis("fail_open", |i| {
+        i.store_timeout(Duration::from_millis(500))
+            .on_store_error(FailMode::Open)
+    })
+    .await;
     redis.stop();
     let client = awc::Client::default();
     let reply = post(&client, &server.url("/orders"), "open").await;
@@ -1260,15 +1273,7 @@ async fn requests_refused_while_redis_is_down_leave_it_nothing_to_write_when_it_
         (closed, StatusCode::SERVICE_UNAVAILABLE),
         (open, StatusCode::CREATED),
     ] {
-        let mut redis = PrivateRedis::start().await;
-        let runs = RunCounter::default();
-        let server = serve(app_factory(
-            RedisStore::pool(&redis.url()).unwrap(),
-            unique_prefix("down_nothing_sent"),
-            runs.clone(),
-            IdempotentRoute::new,
-            configure,
-        ));
+        let (mut redis, runs, server) = on_a_private_redis("down_nothing_sent", configure).await;
         let client = awc::Client::default();
         let url = server.url("/orders");
         assert_eq!(
@@ -1311,15 +1316,10 @@ async fn requests_refused_while_redis_is_down_leave_it_nothing_to_write_when_it_
 
 #[actix_web::test]
 async fn redis_restarted_mid_request_still_delivers_the_response() {
-    let mut redis = PrivateRedis::start().await;
-    let runs = RunCounter::default();
-    let server = serve(app_factory(
-        RedisStore::pool(&redis.url()).unwrap(),
-        unique_prefix("restart_mid"),
-        runs.clone(),
-        IdempotentRoute::new,
-        |i| i.store_timeout(Duration::from_millis(500)),
-    ));
+    let (mut redis, runs, server) = on_a_private_redis("restart_mid", |i| {
+        i.store_timeout(Duration::from_millis(500))
+    })
+    .await;
     let client = awc::Client::default();
     let url = server.url("/orders?delay_ms=800");
     let (reply, ()) = futures_util::future::join(post(&client, &url, "mid"), async {
@@ -1392,14 +1392,7 @@ async fn warmed_up(
     test: &str,
     configure: fn(Idempotency) -> Idempotency,
 ) -> (actix_test::TestServer, String, RunCounter) {
-    let runs = RunCounter::default();
-    let server = serve(app_factory(
-        RedisStore::pool(&redis.url()).unwrap(),
-        unique_prefix(test),
-        runs.clone(),
-        IdempotentRoute::new,
-        configure,
-    ));
+    let (server, runs) = served_on(redis, test, configure);
     let url = server.url("/orders");
     assert_eq!(
         post(&awc::Client::default(), &url, "warm").await.status,

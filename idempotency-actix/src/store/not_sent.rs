@@ -58,6 +58,14 @@ impl StoreError {
         matches!(self, Self::Unavailable(source) if source.is::<NotSent>())
     }
 
+    /// Whether a `begin` that failed with `self` certainly wrote nothing, so that it holds
+    /// no key and has no token to abandon or run under: the store refused it (a full
+    /// store), it found a record this version cannot read (an `abandon` there could write a
+    /// marker over those bytes and free the key), or it was never sent.
+    pub(crate) fn wrote_nothing(&self) -> bool {
+        matches!(self, Self::Refused(_) | Self::Corrupt(_)) || self.was_not_sent()
+    }
+
     /// The source of an [`Unavailable`](StoreError::Unavailable) error, whether or not it
     /// is marked [`NotSent`].
     #[cfg_attr(not(feature = "redis"), allow(dead_code))]
