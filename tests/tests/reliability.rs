@@ -1297,7 +1297,10 @@ async fn requests_refused_while_redis_is_down_leave_it_nothing_to_write_when_it_
             .query_async(&mut redis.connection().await)
             .await
             .unwrap();
-        assert!(keys.is_empty(), "written after the outage: {keys:?}");
+        // The first request may have been written to the socket before the connection knew
+        // Redis had gone (then it may have landed, and its token is rightly abandoned): one
+        // marker at most, where every request left one before.
+        assert!(keys.len() <= 1, "written after the outage: {keys:?}");
         assert_eq!(
             ran_while_down,
             if answered == StatusCode::CREATED {
