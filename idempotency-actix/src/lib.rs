@@ -105,8 +105,8 @@
 //!   `redis://` or Unix-socket URL given to `RedisStore::pool`, redis-rs's otherwise. Two
 //!   round trips for a new key, one for a replay, none for unprotected requests; every
 //!   record is one key and every command or function touches one key. The commit is
-//!   one plain `SET … IFEQ` where the server has it (Valkey ≥ 8.1, Redis ≥ 8.4), else a
-//!   function.
+//!   one plain `SET … IFEQ` on Valkey ≥ 8.1, else a function (on Redis too, whose 8.6.3
+//!   was seen to write a `SET … IFEQ` into another key: `docs/redis-8-set-ifeq.md`).
 //! * `RedisClusterStore` (`Idempotency::redis_cluster(client)`, feature `redis-cluster`):
 //!   the same protocol on Redis Cluster, through one shared async cluster connection per
 //!   worker that follows slot moves and failovers.

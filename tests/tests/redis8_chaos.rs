@@ -1,12 +1,13 @@
-//! The store on a current Redis (8.6, which has `SET … IFEQ`: `begin` and the commit are
-//! plain commands there, and only renew, release and abandon call the store's functions),
-//! under what a payments app must survive, on servers of the test's own.
+//! The store on a current Redis (8.6, which has `SET … IFEQ`, though the store commits by
+//! function there: see `docs/redis-8-set-ifeq.md`), under what a payments app must
+//! survive, on servers of the test's own.
 //!
 //! A Redis user that may not call functions (`-@scripting`), or that may call them
 //! (`+fcall`) while no one has loaded them, has its keyed requests refused with 503 before
 //! any handler runs, on Redis 8.6 as on Redis 7 and Valkey. Where the commit is `SET … IFEQ`
-//! its `begin`, commits and replays would work, but no lease could be renewed (a duplicate
-//! runs the handler again once a slow request outlives its lease) and no key given back.
+//! (Valkey ≥ 8.1) its `begin`, commits and replays would work, but no lease could be renewed
+//! (a duplicate runs the handler again once a slow request outlives its lease) and no key
+//! given back.
 //! Once the user is granted `FCALL` (or someone loads the functions), the same app is
 //! served.
 //!

@@ -157,8 +157,8 @@ async fn functions_deleted_under_an_open_connection_refuse_the_requests_after_th
     deleted_under_an_open_connection(PrivateRedis::start().await, FirstStep::Release).await;
 }
 
-/// The same on Redis 8.6, whose `begin` and commit (`SET … IFEQ`) need no function: the
-/// requests served after the deletion until a step needs them run fenced.
+/// The same on Redis 8.6, which has `SET … IFEQ` but is committed to by function (see
+/// `docs/redis-8-set-ifeq.md`).
 #[actix_web::test]
 async fn on_redis_8_functions_deleted_under_an_open_connection_refuse_the_requests_after_the_first()
 {

@@ -13,6 +13,7 @@ use super::exchange::{Exchange, Reply};
 use super::missing_library::MissingLibrary;
 use super::protocol;
 use super::replication::ReplicatedWrites;
+use super::server_kind::ServerKind;
 use super::spares::Spares;
 use super::steps::{Steps, Transport, idempotency_store_on_steps};
 use crate::store::StoreError;
@@ -265,15 +266,21 @@ impl RedisClusterStore {
     /// A new cluster connection, bounded by the first-connect timeout, with the functions
     /// loaded on every primary (`FUNCTION LOAD` goes to all of them). None while a
     /// connection that found the functions missing is recent (see [`MissingLibrary`]).
+    /// Which server the cluster runs, and so whether commits may try `SET … IFEQ`, is
+    /// asked of one of its nodes on each.
     async fn open(&self) -> Result<ClusterConnection, StoreError> {
-        self.library
+        let mut opened = self
+            .library
             .open(async {
                 actix_rt::time::timeout(FIRST_CONNECT_TIMEOUT, self.client.get_async_connection())
                     .await
                     .map_err(|_| StoreError::Timeout(FIRST_CONNECT_TIMEOUT))?
                     .map_err(protocol::store_error)
             })
-            .await
+            .await?;
+        let server = ServerKind::of(&mut opened).await;
+        self.conditional_set.reconsider(server);
+        Ok(opened)
     }
 }
 

@@ -30,6 +30,7 @@ use super::exchange::{Exchange, Reply};
 use super::missing_library::MissingLibrary;
 use super::packed::{Carrier, PackedCommand};
 use super::protocol::{self, LibraryProbe};
+use super::server_kind::ServerKind;
 use super::silence::SilenceWatch;
 use super::spares::Spares;
 use super::steps::Transport;
@@ -290,10 +291,11 @@ impl SharedConnection {
     /// A new connection, driven by this thread: the store's own when the pool knows its
     /// server's address, else one from the pool's connection manager. None while a
     /// connection that found the functions missing is recent (see [`MissingLibrary`]).
-    /// Whether the server takes `SET … IFEQ` is learnt again on each (perhaps another
-    /// server, or the same one upgraded), the shared connection's and the spares' alike.
+    /// Which server it reached, and so whether commits may try `SET … IFEQ`, is learnt
+    /// again on each (perhaps another server, or the same one upgraded), the shared
+    /// connection's and the spares' alike.
     async fn open(&self) -> Result<StoreConnection, StoreError> {
-        let opened = self
+        let mut opened = self
             .library
             .open(async {
                 Ok(match self.pool.server() {
@@ -306,7 +308,8 @@ impl SharedConnection {
                 })
             })
             .await?;
-        self.conditional_set.reconsider();
+        let server = ServerKind::of(&mut opened).await;
+        self.conditional_set.reconsider(server);
         Ok(opened)
     }
 

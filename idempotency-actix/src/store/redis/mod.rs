@@ -22,6 +22,7 @@ mod protocol;
 mod record;
 mod replication;
 mod reply;
+mod server_kind;
 mod silence;
 mod socket;
 mod spares;
@@ -48,10 +49,12 @@ use self::steps::Steps;
 ///
 /// Round trips: a new key costs two, a replay one, an unprotected request none. `begin` is
 /// one plain `SET key record NX PX lease GET`. `commit` is one plain
-/// `SET key <completed record> IFEQ <in-flight record> PX ttl` where the server has `IFEQ`
-/// (Valkey ≥ 8.1, Redis ≥ 8.4; a server without it refuses the first commit as a syntax
-/// error, writing nothing, and the store commits by function until its connection is opened
-/// anew, as after a server's upgrade). `renew`,
+/// `SET key <completed record> IFEQ <in-flight record> PX ttl` on Valkey ≥ 8.1, which each
+/// connection learns with `HELLO` as it opens (a Valkey without `IFEQ` refuses the first
+/// commit as a syntax error, writing nothing, and the store commits by function until its
+/// connection is opened anew, as after a server's upgrade). On Redis, whatever its version,
+/// `commit` is a function: Redis 8.6.3 was seen to write a `SET … IFEQ` into another key
+/// (`docs/redis-8-set-ifeq.md`). `renew`,
 /// `release`, and `commit` elsewhere, are each one `FCALL` of a short Lua function fenced by
 /// the lease token (the library `idempotency_actix_2_r9`, which the store loads with
 /// `FUNCTION LOAD` when it opens a connection, and again if a server lacks it later). A
@@ -170,9 +173,9 @@ impl RedisStore {
     }
 
     /// Commits (and rewrites records for replicated writes) by function from the start, as
-    /// on a server without `SET … IFEQ` (Redis before 8.4, Valkey before 8.1), which this
-    /// store otherwise learns from the first commit such a server refuses: for tests that
-    /// run that protocol on a newer server. This store only, not its clones.
+    /// on Redis or a Valkey without `SET … IFEQ` (before 8.1), which this store otherwise
+    /// learns from each connection's `HELLO` and the first commit such a Valkey refuses: for
+    /// tests that run that protocol on a newer Valkey. This store only, not its clones.
     #[doc(hidden)]
     #[must_use]
     pub fn commits_by_function(self) -> Self {

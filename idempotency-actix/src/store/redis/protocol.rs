@@ -5,7 +5,7 @@
 //! | step | what Redis runs | cost inside Redis |
 //! |---|---|---|
 //! | `begin` | `SET key <in-flight record> NX PX lease GET` | one plain command |
-//! | `commit` (Valkey ≥ 8.1, Redis ≥ 8.4) | `SET key <completed record> IFEQ <in-flight record> PX ttl` | one plain command |
+//! | `commit` (Valkey ≥ 8.1) | `SET key <completed record> IFEQ <in-flight record> PX ttl` | one plain command |
 //! | `commit` (other servers) | `FCALL`: `GET`, compare with the in-flight record, then `SET key <completed record> PX ttl` | one short function |
 //! | `renew` | `FCALL`: `GET`, then `PEXPIRE` | one short function |
 //! | `release` | `FCALL`: `GET`, then `DEL` (or, for a key taken over a marker, `SET key <marker> PXAT <its expiry>`) | one short function |
@@ -557,7 +557,8 @@ fn claim_over(key: &StorageKey, marker: Vec<u8>, record: Vec<u8>, expiry: Durati
 /// lost or the commit was sent twice.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum CommitBy {
-    /// One plain command, where the server has `SET … IFEQ` (Valkey ≥ 8.1, Redis ≥ 8.4):
+    /// One plain command, on Valkey ≥ 8.1 (Redis ≥ 8.4 has `SET … IFEQ` too, but is not
+    /// trusted with it: see `server_kind`):
     /// `SET key <completed record> IFEQ <in-flight record> PX ttl` writes what the function
     /// writes, under the same condition. Its reply decodes with [`written`]. A server
     /// without `IFEQ` answers a syntax error ([`is_syntax_error`]) and writes nothing.
@@ -709,7 +710,7 @@ pub(crate) fn recreated(
 /// nothing (see `Steps::rewritten_for_replicas`). Since Redis 7.2 (and on Valkey) `WAIT`
 /// counts only what its own connection's writes were replicated to: after a command that
 /// wrote nothing it answers at once. Nothing is written if the record is no longer exactly
-/// `record`. `SET … IFEQ … KEEPTTL` where the server has it (Valkey ≥ 8.1, Redis ≥ 8.4;
+/// `record`. `SET … IFEQ … KEEPTTL` where commits go by it (Valkey ≥ 8.1;
 /// refused by a full server, as every `SET` is), the library's `rewrite` elsewhere; its
 /// reply decodes with [`rewritten`].
 pub(crate) fn rewrite(by: CommitBy, key: &StorageKey, record: &[u8]) -> Request {

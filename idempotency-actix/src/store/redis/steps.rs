@@ -534,6 +534,7 @@ mod tests {
     use crate::key::IdempotencyKey;
     use crate::store::redis::exchange::Acknowledgement;
     use crate::store::redis::record;
+    use crate::store::redis::server_kind::ServerKind;
 
     /// A transport that answers each request with the next of `replies`, whatever it is.
     struct Scripted {
@@ -583,7 +584,7 @@ mod tests {
             record::in_flight(&self.fingerprint, &self.token)
         }
 
-        /// Sends the commit (by `SET … IFEQ`, the first way tried), under `replication`, to a
+        /// Sends the commit (by `SET … IFEQ`, the first way tried on Valkey), under `replication`, to a
         /// store that answers with `replies` in turn.
         async fn sent_to(
             &self,
@@ -594,6 +595,7 @@ mod tests {
                 replies: RefCell::new(replies),
             };
             let conditional_set = ConditionalSet::default();
+            conditional_set.reconsider(ServerKind::Valkey);
             let steps = Steps {
                 transport: &transport,
                 replication,
