@@ -95,7 +95,8 @@ pub fn redis8_pool() -> RedisPool {
 }
 
 /// Whether the server behind `connection` takes `SET … IFEQ` (Valkey ≥ 8.1, Redis ≥ 8.4),
-/// learnt as the store learns it: one without it refuses the command as a syntax error. The
+/// whether or not the store sends it there (Valkey only): one without it refuses the
+/// command as a syntax error. The
 /// `SET` names a key of its own that does not exist, so it writes nothing either way.
 ///
 /// # Panics
@@ -432,8 +433,8 @@ impl PrivateRedis {
         info.is_ok_and(|info| info_names_process(&info, self.child.id()))
     }
 
-    /// Whether it takes `SET … IFEQ` (Valkey ≥ 8.1, Redis ≥ 8.4), learnt as the store
-    /// learns it (see [`takes_conditional_set`]).
+    /// Whether it takes `SET … IFEQ` (Valkey ≥ 8.1, Redis ≥ 8.4; see
+    /// [`takes_conditional_set`]).
     pub async fn takes_conditional_set(&self) -> bool {
         takes_conditional_set(&mut self.connection().await).await
     }

@@ -1,5 +1,6 @@
-//! The servers with `SET … IFEQ`, which Redis 7 does not have, for the tests of the commit
-//! by it: Valkey ≥ 8.1 and Redis ≥ 8.4.
+//! The servers with `SET … IFEQ`, which Redis 7 does not have: Valkey ≥ 8.1, where the
+//! store commits by it, and Redis ≥ 8.4, where it has it but the store commits by function
+//! (`docs/redis-8-set-ifeq.md`).
 //!
 //! Valkey is `VALKEY_SERVER` when set, else `valkey-server` on the `PATH`. Debian 13 and
 //! later package it (`apt-get install -y valkey-server`); on older systems

@@ -105,8 +105,8 @@ async fn served(app: &FloodServer) {
     assert_eq!(app.runs.get(), 1);
 }
 
-/// A user without `@scripting` on a server that has the functions: refused (its `SET`s
-/// alone would serve, replays included, with no lease renewed), then served once granted
+/// A user without `@scripting` on a server that has the functions: refused (on Valkey its
+/// `SET`s alone would serve, replays included, with no lease renewed), then served once granted
 /// `FCALL` (though still not `FCALL_RO` nor `FUNCTION`).
 #[actix_web::test]
 async fn a_user_who_may_not_call_functions_is_refused_until_granted_fcall() {

@@ -1,4 +1,4 @@
-//! The Redis Cluster store on Redis 8.6 nodes (commits by `SET … IFEQ`) under failovers, with
+//! The Redis Cluster store on Redis 8.6 nodes (committed to by function) under failovers, with
 //! the reference server: a primary stopped while commits wait for it, its replica promoted,
 //! then the old primary woken.
 //!

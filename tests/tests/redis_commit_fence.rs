@@ -1,5 +1,5 @@
-//! The Redis commit's fence: the function (Redis 7) or `SET … IFEQ` (Valkey ≥ 8.1, Redis
-//! ≥ 8.4) writes the completed record only where it finds, byte for byte, the in-flight
+//! The Redis commit's fence: the function (Redis, every version) or `SET … IFEQ` (Valkey
+//! ≥ 8.1) writes the completed record only where it finds, byte for byte, the in-flight
 //! record that the `begin` of the same token and fingerprint wrote. Runs against the server
 //! at `REDIS_URL` (default 127.0.0.1:6379), a private `valkey-server` and a private Redis
 //! ≥ 8.4, under a key prefix of its own.

@@ -363,10 +363,9 @@ async fn a_primary_added_without_the_functions_refuses_a_user_who_cannot_load_th
 enum FirstStep {
     /// `POST /fail`, whose 500 is not stored: its key is given back by the `release`
     /// function, on every server. (A request served would be committed by a plain
-    /// `SET … IFEQ` on Valkey ≥ 8.1 and Redis ≥ 8.4, which needs no function.)
+    /// `SET … IFEQ` on Valkey ≥ 8.1, which needs no function.)
     Release,
-    /// `POST /orders`, served: its commit is a function call on a server without `IFEQ`
-    /// (Redis 7).
+    /// `POST /orders`, served: its commit is a function call on Redis (every version).
     Commit,
 }
 

@@ -34,7 +34,8 @@ async fn a_lost_record_that_no_one_took_is_written_anew_at_commit_on_valkey() {
     a_lost_record_that_no_one_took_is_written_anew(PrivateRedis::start_valkey(&[]).await).await;
 }
 
-/// On Redis ≥ 8.4, after the `SET … IFEQ` commit wrote nothing.
+/// On Redis 8.6, after the commit (by function there, though it has `SET … IFEQ`) wrote
+/// nothing.
 #[actix_web::test]
 async fn a_lost_record_that_no_one_took_is_written_anew_at_commit_on_redis_8() {
     a_lost_record_that_no_one_took_is_written_anew(PrivateRedis::start_redis8(&[]).await).await;

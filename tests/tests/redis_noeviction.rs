@@ -94,7 +94,9 @@ async fn a_full_valkey_keeps_keys_locked_until_their_commits_land() {
         .await;
 }
 
-/// The same on Redis ≥ 8.4, where the commit is `SET … IFEQ` too.
+/// The same on Redis 8.6, which the store commits to by function though it has
+/// `SET … IFEQ`: this test found Redis 8.6.3 writing such a `SET` into another key
+/// (`docs/redis-8-set-ifeq.md`).
 #[actix_web::test]
 async fn a_full_redis_8_keeps_keys_locked_until_their_commits_land() {
     keys_stay_locked_until_their_commits_land(PrivateRedis::start_redis8(&FULL_AT_4_MB).await)

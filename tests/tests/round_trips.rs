@@ -11,7 +11,8 @@ use std::time::Duration;
 use actix_web::http::Method;
 use actix_web::{App, HttpResponse, web};
 use idempotency_actix::{Idempotency, IdempotencyPolicy, IdempotentRoute, RedisPool, RedisStore};
-use idempotency_actix_tests::PrivateRedis;
+use idempotency_actix_tests::cluster::RedisCluster;
+use idempotency_actix_tests::{FloodServer, PrivateRedis};
 
 async fn create() -> HttpResponse {
     HttpResponse::Created().body("created")
@@ -83,6 +84,139 @@ async fn on_redis_8_a_new_key_commits_by_function() {
     let redis = PrivateRedis::start_redis8(&[]).await;
     assert!(redis.takes_conditional_set().await, "no Redis ≥ 8.4");
     round_trips_on(redis, &NEW_KEY_BY_FUNCTION).await;
+}
+
+/// A Valkey whose `HELLO` was renamed away (`rename-command`; an ACL cannot refuse it, as
+/// it cannot refuse `AUTH`): the store cannot tell Valkey from Redis, and commits by
+/// function, as on Redis.
+#[actix_web::test]
+async fn on_a_valkey_without_hello_a_new_key_commits_by_function() {
+    let valkey = PrivateRedis::start_valkey(&["--rename-command", "HELLO", ""]).await;
+    let server = start(RedisStore::pool(&valkey.url()).unwrap());
+    assert_eq!(post(&server, Method::POST, Some("warm-up")).await, 201);
+    valkey.take_command_counts().await;
+    assert_eq!(post(&server, Method::POST, Some("new")).await, 201);
+    assert_eq!(
+        valkey.take_command_counts().await,
+        counts(&NEW_KEY_BY_FUNCTION),
+        "new key on a Valkey without HELLO"
+    );
+}
+
+/// A commit built for Valkey (`SET … IFEQ`) whose connection finds Valkey gone and Redis
+/// 8.6 in its place (replaced underneath while the handler ran): the new connection learns
+/// it reached Redis before anything is sent, and the commit goes by function. (It was
+/// sent as built: a `SET … IFEQ` to Redis.) The record the `begin` wrote went with Valkey,
+/// so the commit finds the key free and writes the record anew: one `FCALL` of `commit`
+/// (a `GET`), the store's read of the key, one `FCALL` of `claim` (a `GET` and the `SET`),
+/// and no `SET` sent by the store itself.
+#[actix_web::test]
+async fn a_commit_built_for_valkey_goes_by_function_to_the_redis_that_replaced_it() {
+    let mut redis = PrivateRedis::start_valkey(&[]).await;
+    let pool = RedisStore::pool(&redis.url()).unwrap();
+    let server = FloodServer::start(move || Idempotency::redis(pool.clone()), 16);
+    assert_eq!(server.post("/orders", "warm-up").await.status, 201);
+    let held = server.start_slow("replaced").await.unwrap();
+    redis
+        .replace_with(idempotency_actix_tests::redis8_server())
+        .await;
+    redis.take_command_counts().await;
+    server.gate.open();
+    let first = held.await.unwrap();
+    assert_eq!(first.status, 201, "{first:?}");
+    let replay = server.post("/slow", "replaced").await;
+    assert!(replay.is_replay(), "{replay:?}");
+    assert_eq!(replay.body, first.body);
+    let counted = redis.take_command_counts().await;
+    let calls = |name: &str| counted.get(name).copied().unwrap_or(0);
+    assert_eq!(
+        (calls("set"), calls("fcall")),
+        (2, 2),
+        "the commit and the replay's begin on Redis 8: {counted:?}"
+    );
+}
+
+/// The cluster store on Redis 8.6 nodes commits by function too: its connection asks one
+/// node which server the cluster runs. Counted over every node of a cluster of the test's
+/// own: a new key's commit is one `FCALL` (whose function runs a `GET` and a `SET`).
+#[actix_web::test]
+async fn on_a_redis_8_cluster_a_new_key_commits_by_function() {
+    let cluster = RedisCluster::start_redis8();
+    let client = cluster.client();
+    let server = actix_test::start(move || {
+        App::new()
+            .wrap(Idempotency::redis_cluster(client.clone()))
+            .service(
+                web::resource("/orders")
+                    .wrap(IdempotentRoute::new())
+                    .route(web::post().to(create)),
+            )
+    });
+    assert_eq!(post(&server, Method::POST, Some("warm-up")).await, 201);
+    let ports = cluster.ports();
+    cluster_command_counts(&cluster, &ports);
+    assert_eq!(post(&server, Method::POST, Some("new")).await, 201);
+    assert_eq!(
+        cluster_command_counts(&cluster, &ports),
+        counts(&NEW_KEY_BY_FUNCTION),
+        "new key on a Redis 8 cluster"
+    );
+}
+
+/// The commands each node of `cluster` ran since the last call, summed (what replicas apply
+/// from their primaries is not counted: a replica counts no client commands), then resets
+/// the counts; the cluster's own bookkeeping left out.
+fn cluster_command_counts(cluster: &RedisCluster, ports: &[u16]) -> BTreeMap<String, u64> {
+    let mut counted = BTreeMap::new();
+    for &port in ports {
+        let mut connection = cluster.connection(port);
+        let role: String = redis::cmd("ROLE")
+            .query::<Vec<redis::Value>>(&mut connection)
+            .ok()
+            .and_then(|role| match role.first() {
+                Some(redis::Value::BulkString(role)) => {
+                    Some(String::from_utf8_lossy(role).into_owned())
+                }
+                _ => None,
+            })
+            .unwrap_or_default();
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query(&mut connection)
+            .unwrap();
+        let _: () = redis::cmd("CONFIG")
+            .arg("RESETSTAT")
+            .query(&mut connection)
+            .unwrap();
+        if role != "master" {
+            continue;
+        }
+        for line in info.lines() {
+            let Some((name, stats)) = line
+                .strip_prefix("cmdstat_")
+                .and_then(|line| line.split_once(':'))
+            else {
+                continue;
+            };
+            let Some(calls) = stats
+                .split(',')
+                .find_map(|stat| stat.strip_prefix("calls="))
+                .and_then(|calls| calls.parse::<u64>().ok())
+            else {
+                continue;
+            };
+            if [
+                "cluster", "info", "config", "ping", "role", "hello", "function", "readonly",
+                "client", "command",
+            ]
+            .contains(&name.split('|').next().unwrap_or_default())
+            {
+                continue;
+            }
+            *counted.entry(name.to_owned()).or_insert(0) += calls;
+        }
+    }
+    counted
 }
 
 /// A server replaced underneath a running app (stopped, and another started on its port):

@@ -3,8 +3,9 @@
 //! Each test runs once per backend (`memory::…`, `redis::…`, `valkey::…`, `redis8::…`,
 //! `redis_cluster::…`, `valkey_cluster::…`, `redis8_cluster::…`,
 //! `redis_cluster_replicated::…`, `postgres::…`). The Redis runs use the server at
-//! `REDIS_URL` (default 127.0.0.1:6379); the Valkey and Redis 8 runs (the same stores,
-//! committing by `SET … IFEQ`) a private `valkey-server` ≥ 8.1 or Redis ≥ 8.4, or a cluster
+//! `REDIS_URL` (default 127.0.0.1:6379); the Valkey and Redis 8 runs (the same stores; the
+//! single-server store commits by `SET … IFEQ` on Valkey ≥ 8.1, by function on Redis 8) a
+//! private `valkey-server` ≥ 8.1 or Redis ≥ 8.4, or a cluster
 //! of them, that this test binary starts; the cluster runs a local 6-node cluster this test
 //! binary starts (the replicated run waits for each write to reach the primary's replica);
 //! each test under its own key prefix. The PostgreSQL runs use the server at `DATABASE_URL`
@@ -742,7 +743,8 @@ acceptance_suite!(
     valkey,
     idempotency_actix::RedisStore::new(idempotency_actix_tests::valkey_pool())
 );
-// Redis ≥ 8.4: `SET … IFEQ` too, from the server's own prefix (never the one on the PATH).
+// Redis ≥ 8.4, from the server's own prefix (never the one on the PATH): it has
+// `SET … IFEQ`, but the store commits by function there (docs/redis-8-set-ifeq.md).
 acceptance_suite!(
     redis8,
     idempotency_actix::RedisStore::new(idempotency_actix_tests::redis8_pool())
@@ -757,8 +759,7 @@ acceptance_suite!(
         idempotency_actix_tests::cluster::RedisCluster::shared().client()
     )
 );
-// Valkey ≥ 8.1 nodes: the cluster store commits by `SET … IFEQ` through the cluster
-// connection.
+// Valkey ≥ 8.1 nodes (the cluster store commits by function on every server).
 acceptance_suite!(
     valkey_cluster,
     idempotency_actix::RedisClusterStore::new(

@@ -13,7 +13,6 @@ use super::exchange::{Exchange, Reply};
 use super::missing_library::MissingLibrary;
 use super::protocol;
 use super::replication::ReplicatedWrites;
-use super::server_kind::ServerKind;
 use super::spares::Spares;
 use super::steps::{Steps, Transport, idempotency_store_on_steps};
 use crate::store::StoreError;
@@ -112,7 +111,7 @@ pub struct RedisClusterStore {
     /// Whether a connection found the functions missing lately: none is made meanwhile.
     library: MissingLibrary,
     replication: Option<ReplicatedWrites>,
-    /// Whether the cluster's nodes take `SET … IFEQ`, learnt from the first commit.
+    /// Commits by function, always (see [`RedisClusterStore::new`]).
     conditional_set: ConditionalSet,
 }
 
@@ -161,6 +160,12 @@ impl RedisClusterStore {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn new(client: RedisClusterClient) -> Self {
+        // By function on every server: the cluster connection follows the nodes without
+        // reopening, so it cannot ask each node it reaches which server it is (a Redis 8
+        // primary among Valkey ones, mid-migration), and only Valkey is trusted with
+        // `SET … IFEQ` (see `server_kind`).
+        let conditional_set = ConditionalSet::default();
+        conditional_set.by_function_only();
         Self {
             client,
             connection: Mutex::new(None),
@@ -168,7 +173,7 @@ impl RedisClusterStore {
             spares: Spares::new(),
             library: MissingLibrary::default(),
             replication: None,
-            conditional_set: ConditionalSet::default(),
+            conditional_set,
         }
     }
 
@@ -266,21 +271,15 @@ impl RedisClusterStore {
     /// A new cluster connection, bounded by the first-connect timeout, with the functions
     /// loaded on every primary (`FUNCTION LOAD` goes to all of them). None while a
     /// connection that found the functions missing is recent (see [`MissingLibrary`]).
-    /// Which server the cluster runs, and so whether commits may try `SET … IFEQ`, is
-    /// asked of one of its nodes on each.
     async fn open(&self) -> Result<ClusterConnection, StoreError> {
-        let mut opened = self
-            .library
+        self.library
             .open(async {
                 actix_rt::time::timeout(FIRST_CONNECT_TIMEOUT, self.client.get_async_connection())
                     .await
                     .map_err(|_| StoreError::Timeout(FIRST_CONNECT_TIMEOUT))?
                     .map_err(protocol::store_error)
             })
-            .await?;
-        let server = ServerKind::of(&mut opened).await;
-        self.conditional_set.reconsider(server);
-        Ok(opened)
+            .await
     }
 }
 

@@ -52,8 +52,8 @@ pub(super) struct SharedConnection {
     spares: Spares<StoreConnection>,
     /// Whether a connection found the functions missing lately: none is opened meanwhile.
     library: MissingLibrary,
-    /// Whether the server takes `SET … IFEQ`, learnt from a commit, and asked again on
-    /// each connection opened anew.
+    /// Whether commits go by `SET … IFEQ`: on Valkey, as each connection opened learns, until
+    /// it refuses it.
     conditional_set: ConditionalSet,
 }
 
@@ -67,20 +67,37 @@ struct Generation {
     silence: Option<Arc<SilenceWatch>>,
 }
 
+/// A connection of the store, and the server it reached.
+#[derive(Clone)]
+pub(super) struct StoreConnection {
+    link: Link,
+    /// Which server the connection reached, asked as it opened: only Valkey is sent
+    /// `SET … IFEQ` (see `server_kind`).
+    server: ServerKind,
+}
+
 /// The store's own connection, or redis-rs's.
 #[derive(Clone)]
-pub(super) enum StoreConnection {
+enum Link {
     Direct(DirectConnection),
     Multiplexed(MultiplexedConnection),
 }
 
 impl StoreConnection {
+    /// `link`, to a server not asked yet (taken for one not trusted with `SET … IFEQ`).
+    fn new(link: Link) -> Self {
+        Self {
+            link,
+            server: ServerKind::Other,
+        }
+    }
+
     /// Whether the connection is known to have failed before anything more is sent on it
     /// (the store's own connection knows; redis-rs's is found out by sending).
     fn has_failed(&self) -> bool {
-        match self {
-            Self::Direct(connection) => connection.has_failed(),
-            Self::Multiplexed(_) => false,
+        match &self.link {
+            Link::Direct(connection) => connection.has_failed(),
+            Link::Multiplexed(_) => false,
         }
     }
 }
@@ -89,18 +106,22 @@ impl LibraryProbe for StoreConnection {}
 
 impl Carrier for StoreConnection {
     fn send_packed<'a>(&'a mut self, command: &'a PackedCommand) -> RedisFuture<'a, Value> {
-        match self {
-            Self::Direct(connection) => connection.send_packed(command),
-            Self::Multiplexed(connection) => connection.send_packed(command),
+        match &mut self.link {
+            Link::Direct(connection) => connection.send_packed(command),
+            Link::Multiplexed(connection) => connection.send_packed(command),
         }
+    }
+
+    fn trusts_conditional_set(&self) -> bool {
+        self.server == ServerKind::Valkey
     }
 }
 
 impl ConnectionLike for StoreConnection {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
-        match self {
-            Self::Direct(connection) => connection.req_packed_command(cmd),
-            Self::Multiplexed(connection) => connection.req_packed_command(cmd),
+        match &mut self.link {
+            Link::Direct(connection) => connection.req_packed_command(cmd),
+            Link::Multiplexed(connection) => connection.req_packed_command(cmd),
         }
     }
 
@@ -110,18 +131,18 @@ impl ConnectionLike for StoreConnection {
         offset: usize,
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
-        match self {
-            Self::Direct(connection) => connection.req_packed_commands(pipeline, offset, count),
-            Self::Multiplexed(connection) => {
+        match &mut self.link {
+            Link::Direct(connection) => connection.req_packed_commands(pipeline, offset, count),
+            Link::Multiplexed(connection) => {
                 connection.req_packed_commands(pipeline, offset, count)
             }
         }
     }
 
     fn get_db(&self) -> i64 {
-        match self {
-            Self::Direct(connection) => connection.get_db(),
-            Self::Multiplexed(connection) => connection.get_db(),
+        match &self.link {
+            Link::Direct(connection) => connection.get_db(),
+            Link::Multiplexed(connection) => connection.get_db(),
         }
     }
 }
@@ -179,6 +200,11 @@ impl SharedConnection {
             tracing::debug!("idempotency: Redis connection lost; reconnecting");
             generation = unsent_by_the_deadline(self.replace(generation.number)).await?;
         }
+        // Not a `SET … IFEQ` to a server not trusted with it (one that replaced the server
+        // the request was built for): the step sends its function instead.
+        request
+            .may_go_on(&generation.connection)
+            .map_err(protocol::store_error)?;
         let Generation {
             connection,
             number,
@@ -250,9 +276,9 @@ impl SharedConnection {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let number = current.as_ref().map_or(0, |old| old.number + 1);
-        let silence = match connection {
-            StoreConnection::Direct(_) => None,
-            StoreConnection::Multiplexed(_) => Some(Arc::default()),
+        let silence = match connection.link {
+            Link::Direct(_) => None,
+            Link::Multiplexed(_) => Some(Arc::default()),
         };
         let generation = Generation {
             connection,
@@ -298,18 +324,18 @@ impl SharedConnection {
         let mut opened = self
             .library
             .open(async {
-                Ok(match self.pool.server() {
-                    Some(server) => StoreConnection::Direct(
+                Ok(StoreConnection::new(match self.pool.server() {
+                    Some(server) => Link::Direct(
                         DirectConnection::open(server)
                             .await
                             .map_err(protocol::store_error)?,
                     ),
-                    None => StoreConnection::Multiplexed(self.open_multiplexed().await?),
-                })
+                    None => Link::Multiplexed(self.open_multiplexed().await?),
+                }))
             })
             .await?;
-        let server = ServerKind::of(&mut opened).await;
-        self.conditional_set.reconsider(server);
+        opened.server = ServerKind::of(&mut opened).await;
+        self.conditional_set.reconsider(opened.server);
         Ok(opened)
     }
 
@@ -354,8 +380,8 @@ impl Drop for Watched {
     /// A `PING` behind it is answered after it (replies come in order), and its reply tells
     /// the watch (see [`SilenceWatch::probe`]).
     fn drop(&mut self) {
-        if let (Some(watch), StoreConnection::Multiplexed(connection)) =
-            (self.silence.take(), &self.connection)
+        if let (Some(watch), Link::Multiplexed(connection)) =
+            (self.silence.take(), &self.connection.link)
         {
             watch.probe(connection.clone());
         }

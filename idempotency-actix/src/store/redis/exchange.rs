@@ -45,6 +45,11 @@ impl Exchange {
         Self::new(request, None)
     }
 
+    /// Whether it may be sent on `connection` (see [`Request::may_go_on`]).
+    pub(crate) fn may_go_on(&self, connection: &impl Carrier) -> redis::RedisResult<()> {
+        self.request.may_go_on(connection)
+    }
+
     /// Whether it calls a function of the store's library.
     pub(crate) fn calls_function(&self) -> bool {
         matches!(self.request, Request::Function(_))
@@ -58,6 +63,7 @@ impl Exchange {
     /// Sends it on `connection`: one round trip (plus, the first time a server meets the
     /// store's functions, one to load them).
     pub(crate) async fn send(&self, connection: &mut impl Carrier) -> redis::RedisResult<Reply> {
+        self.may_go_on(connection)?;
         let Some(wait) = self.wait else {
             return Ok(Reply {
                 value: self.request.send(connection).await?,

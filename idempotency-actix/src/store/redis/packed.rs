@@ -165,6 +165,13 @@ pub(crate) trait Carrier: ConnectionLike {
     fn send_packed<'a>(&'a mut self, command: &'a PackedCommand) -> RedisFuture<'a, Value> {
         self.req_packed_command(command.command())
     }
+
+    /// Whether the connection reached a server trusted with `SET … IFEQ` (Valkey; see
+    /// `server_kind`): a request by it is sent on no other (see
+    /// [`Exchange::send`](super::exchange::Exchange::send)). None unless it says so.
+    fn trusts_conditional_set(&self) -> bool {
+        false
+    }
 }
 
 impl Carrier for redis::aio::MultiplexedConnection {}

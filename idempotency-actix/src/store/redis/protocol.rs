@@ -18,8 +18,9 @@
 //! replay). The other steps are fenced by the token, a compare-and-write that only a script
 //! or function does atomically on Redis 7.0; each reads the record with `GET`, and the
 //! record it expects, an in-flight one, is the fixed-size header alone. `commit` is a plain
-//! command where the server has one for it, `SET … IFEQ`, which compares the whole record
-//! (see `conditional_set`).
+//! command on Valkey ≥ 8.1, `SET … IFEQ`, which compares the whole record (see
+//! `conditional_set`; Redis ≥ 8.4 has it too but is not trusted with it, see
+//! `server_kind`).
 //!
 //! Every request touches one key and is safe to send twice with the same arguments (a
 //! retry after a connection dropped before the reply came): a repeated `begin` finds its
@@ -44,6 +45,11 @@ use crate::store::{BeginOutcome, LeaseToken, StoreError};
 pub(crate) enum Request {
     /// A plain command.
     Command(PackedCommand),
+    /// A `SET … IFEQ` (a commit, or a rewrite for replicated writes): sent only on a
+    /// connection to a server trusted with it (Valkey; see `server_kind`), refused with
+    /// [`conditional_set_not_trusted`] before anything is written on any other, so that
+    /// the step sends its function instead.
+    ConditionalSet(PackedCommand),
     /// An `FCALL` of a function of [`LIBRARY`], loaded first if the server does not have it.
     Function(PackedCommand),
 }
@@ -56,12 +62,26 @@ impl Request {
 
     fn packed(&self) -> &PackedCommand {
         match self {
-            Self::Command(command) | Self::Function(command) => command,
+            Self::Command(command) | Self::ConditionalSet(command) | Self::Function(command) => {
+                command
+            }
+        }
+    }
+
+    /// Whether it may be sent on `connection`: a `SET … IFEQ` only to a server trusted with
+    /// it.
+    pub(crate) fn may_go_on(&self, connection: &impl Carrier) -> redis::RedisResult<()> {
+        match self {
+            Self::ConditionalSet(_) if !connection.trusts_conditional_set() => {
+                Err(conditional_set_not_trusted())
+            }
+            _ => Ok(()),
         }
     }
 
     /// Sends the request on `connection` and returns the raw reply.
     pub(crate) async fn send(&self, connection: &mut impl Carrier) -> redis::RedisResult<Value> {
+        self.may_go_on(connection)?;
         let reply = connection.send_packed(self.packed()).await?.extract_error();
         match (self, reply) {
             (Self::Function(call), Err(error)) if is_function_not_found(&error) => {
@@ -592,7 +612,7 @@ pub(crate) fn commit(
                 .arg("PX")
                 .number(record::millis(ttl))
                 .done();
-            Request::Command(command)
+            Request::ConditionalSet(command)
         }
         CommitBy::Function => {
             let bytes = in_flight.len() + completed.len();
@@ -724,7 +744,7 @@ pub(crate) fn rewrite(by: CommitBy, key: &StorageKey, record: &[u8]) -> Request 
                 .arg(record)
                 .arg("KEEPTTL")
                 .done();
-            Request::Command(command)
+            Request::ConditionalSet(command)
         }
         CommitBy::Function => {
             let call = function("idempotency_actix_2_r9_rewrite", key, 1, record.len())
@@ -768,18 +788,38 @@ pub(crate) fn committed(by: CommitBy, reply: Value) -> Result<Committed, StoreEr
     }
 }
 
+/// Why a `SET … IFEQ` was not sent (see [`conditional_set_not_trusted`]).
+const NOT_TRUSTED: &str = "the connection's server is not trusted with it (only Valkey is)";
+
+/// The refusal of a `SET … IFEQ` on a connection to a server not trusted with it (see
+/// [`Request::ConditionalSet`]): nothing was sent.
+fn conditional_set_not_trusted() -> redis::RedisError {
+    redis::RedisError::from((
+        redis::ErrorKind::Client,
+        "SET … IFEQ not sent",
+        NOT_TRUSTED.to_owned(),
+    ))
+}
+
+/// Whether a request by [`CommitBy::ConditionalSet`] was not sent because its connection's
+/// server is not trusted with `SET … IFEQ` (see [`Request::ConditionalSet`]): the step is
+/// sent by function instead.
+pub(crate) fn was_not_trusted_with_conditional_set(error: &StoreError) -> bool {
+    redis_error_of(error).is_some_and(|error| error.detail() == Some(NOT_TRUSTED))
+}
+
 /// Whether Redis refused the command as a syntax error: what a server without
 /// `SET … IFEQ` answers to a commit by [`CommitBy::ConditionalSet`], writing nothing.
 pub(crate) fn is_syntax_error(error: &StoreError) -> bool {
+    redis_error_of(error)
+        .is_some_and(|error| error.code() == Some("ERR") && error.detail() == Some("syntax error"))
+}
+
+/// The Redis error a store error carries, if it carries one.
+fn redis_error_of(error: &StoreError) -> Option<&redis::RedisError> {
     match error {
-        StoreError::Unavailable(source) => {
-            source
-                .downcast_ref::<redis::RedisError>()
-                .is_some_and(|error| {
-                    error.code() == Some("ERR") && error.detail() == Some("syntax error")
-                })
-        }
-        _ => false,
+        StoreError::Unavailable(source) => source.downcast_ref::<redis::RedisError>(),
+        _ => None,
     }
 }
 

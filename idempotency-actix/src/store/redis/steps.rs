@@ -28,7 +28,7 @@ pub(crate) trait Transport {
     async fn send(&self, exchange: &Exchange) -> Result<Reply, StoreError>;
 }
 
-/// A transport, the store's replication setting, and whether its server takes `SET … IFEQ`.
+/// A transport, the store's replication setting, and whether commits go by `SET … IFEQ`.
 pub(crate) struct Steps<'a, T> {
     pub(crate) transport: &'a T,
     pub(crate) replication: Option<ReplicatedWrites>,
@@ -127,8 +127,8 @@ impl<T: Transport> Steps<'_, T> {
         })
     }
 
-    /// Writes `record` over itself (`protocol::rewrite`: `SET … IFEQ` where the server takes
-    /// it, else the library's function), waiting for the replicas behind it, so that a
+    /// Writes `record` over itself (`protocol::rewrite`: `SET … IFEQ` where commits go by it,
+    /// on Valkey, else the library's function), waiting for the replicas behind it, so that a
     /// `WAIT` on this connection counts a record another connection wrote, or that the step
     /// before found and left as it was: `false` when the record is no longer exactly
     /// `record` (nothing written).
@@ -148,10 +148,12 @@ impl<T: Transport> Steps<'_, T> {
         Ok(true)
     }
 
-    /// Sends the request `build` makes for the way this server takes a compare-and-write
-    /// (`SET … IFEQ`, until a server refuses it as a syntax error, writing nothing; the
-    /// library's function from then on, see [`ConditionalSet`]), waiting for the replicas
-    /// behind it; with the way its reply is to be read.
+    /// Sends the request `build` makes for the way the store sends a compare-and-write
+    /// (`SET … IFEQ` on Valkey, until it refuses it as a syntax error, writing nothing; the
+    /// library's function elsewhere and from then on, see [`ConditionalSet`]), waiting for
+    /// the replicas behind it; with the way its reply is to be read. A `SET … IFEQ` that its
+    /// connection would not send (the server there is not Valkey: replaced underneath since
+    /// the request was built) goes by function at once.
     async fn send_conditional(
         &self,
         build: impl Fn(CommitBy) -> protocol::Request,
@@ -163,6 +165,14 @@ impl<T: Transport> Steps<'_, T> {
                 .send(&Exchange::new(build(by), self.replication))
                 .await
             {
+                // Its connection reached a server not trusted with it (another than the one
+                // the store last learnt of: replaced underneath), which was sent nothing.
+                Err(error)
+                    if by == CommitBy::ConditionalSet
+                        && protocol::was_not_trusted_with_conditional_set(&error) =>
+                {
+                    by = CommitBy::Function;
+                }
                 Err(error)
                     if by == CommitBy::ConditionalSet && protocol::is_syntax_error(&error) =>
                 {
