@@ -211,8 +211,9 @@ struct StalledReplica {
 enum Server {
     /// Valkey ≥ 8.1: commits by `SET … IFEQ`; `WAIT` counts the connection's own writes.
     Valkey,
-    /// Valkey ≥ 8.1 with commits by function: what Redis 7.2 to 8.2 and Valkey before 8.1
-    /// are, no `IFEQ` and a `WAIT` that counts the connection's own writes.
+    /// Valkey ≥ 8.1 with commits by function: what Redis 7.2 and later (every Redis is
+    /// committed to by function) and Valkey before 8.1 are to the store, a `WAIT` that
+    /// counts the connection's own writes.
     ValkeyByFunction,
     /// Redis without `IFEQ` ([`PrivateRedis::start_redis7`], whatever the `PATH`'s
     /// `redis-server` is): commits by function; on Redis 7.0 `WAIT` counts the server's
