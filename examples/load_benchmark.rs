@@ -83,8 +83,9 @@
 //! Environment: `BENCH_SECONDS` [8] per mode, `BENCH_ROUNDS` [1], `BENCH_CONNECTIONS` [32],
 //! `BENCH_MODES` [all], `BENCH_DATABASE_URL` [`postgres://postgres@127.0.0.1:5432/postgres`],
 //! `BENCH_REDIS_SERVER` [`redis-server`]: the binary of every Redis server it starts (the
-//! private one, the replica, the cluster's nodes), e.g. `valkey-server`, whose commits are
-//! one `SET … IFEQ` instead of a function.
+//! private one, the replica, the cluster's nodes), e.g. `valkey-server`, where the
+//! single-server store commits by one `SET … IFEQ` instead of a function (the cluster
+//! store commits by function on every server).
 //! Needs `wrk`, `redis-server` and `redis-cli` (`apt-get install -y wrk redis-server`); the
 //! PostgreSQL modes need `psql` (`apt-get install -y postgresql-client`) and a server to
 //! connect to.

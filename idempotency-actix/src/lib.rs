@@ -108,8 +108,8 @@
 //!   one plain `SET … IFEQ` on Valkey ≥ 8.1, else a function (on Redis too, whose 8.6.3
 //!   was seen to write a `SET … IFEQ` into another key: `docs/redis-8-set-ifeq.md`).
 //! * `RedisClusterStore` (`Idempotency::redis_cluster(client)`, feature `redis-cluster`):
-//!   the same protocol on Redis Cluster, through one shared async cluster connection per
-//!   worker that follows slot moves and failovers.
+//!   the same protocol on Redis Cluster (the commit always by function), through one
+//!   shared async cluster connection per worker that follows slot moves and failovers.
 //! * [`ReplicatedWrites`] (for either Redis store): each write waits for replicas, in the
 //!   same round trip, so a failover to a replica that acknowledged it does not lose a lock
 //!   or a committed record (a commit not acknowledged in time still sends its response and

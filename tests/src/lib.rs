@@ -433,6 +433,22 @@ impl PrivateRedis {
         info.is_ok_and(|info| info_names_process(&info, self.child.id()))
     }
 
+    /// Whether it is Valkey, as `HELLO`'s `server` field names it (the store commits by
+    /// `SET … IFEQ` on Valkey ≥ 8.1 only).
+    pub async fn is_valkey(&self) -> bool {
+        let hello: redis::Value = redis::cmd("HELLO")
+            .query_async(&mut self.connection().await)
+            .await
+            .expect("HELLO");
+        let redis::Value::Array(fields) = hello else {
+            panic!("HELLO answered {hello:?}");
+        };
+        fields.chunks_exact(2).any(|pair| {
+            pair[0] == redis::Value::BulkString(b"server".to_vec())
+                && pair[1] == redis::Value::BulkString(b"valkey".to_vec())
+        })
+    }
+
     /// Whether it takes `SET … IFEQ` (Valkey ≥ 8.1, Redis ≥ 8.4; see
     /// [`takes_conditional_set`]).
     pub async fn takes_conditional_set(&self) -> bool {

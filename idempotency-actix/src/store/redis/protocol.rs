@@ -793,7 +793,7 @@ const NOT_TRUSTED: &str = "the connection's server is not trusted with it (only 
 
 /// The refusal of a `SET … IFEQ` on a connection to a server not trusted with it (see
 /// [`Request::ConditionalSet`]): nothing was sent.
-fn conditional_set_not_trusted() -> redis::RedisError {
+pub(crate) fn conditional_set_not_trusted() -> redis::RedisError {
     redis::RedisError::from((
         redis::ErrorKind::Client,
         "SET … IFEQ not sent",
@@ -1163,5 +1163,91 @@ mod tests {
         assert!(written(Value::Okay).unwrap());
         assert!(written(Value::SimpleString("OK".to_owned())).unwrap());
         assert!(!written(Value::Nil).unwrap());
+    }
+
+    /// A connection that counts what is sent on it and answers `OK`, trusted with
+    /// `SET … IFEQ` or not.
+    struct Counting {
+        trusted: bool,
+        sent: usize,
+    }
+
+    impl redis::aio::ConnectionLike for Counting {
+        fn req_packed_command<'a>(
+            &'a mut self,
+            _cmd: &'a redis::Cmd,
+        ) -> redis::RedisFuture<'a, Value> {
+            self.sent += 1;
+            Box::pin(async { Ok(Value::Okay) })
+        }
+
+        fn req_packed_commands<'a>(
+            &'a mut self,
+            _pipeline: &'a redis::Pipeline,
+            _offset: usize,
+            _count: usize,
+        ) -> redis::RedisFuture<'a, Vec<Value>> {
+            self.sent += 1;
+            Box::pin(async { Ok(vec![Value::Okay]) })
+        }
+
+        fn get_db(&self) -> i64 {
+            0
+        }
+    }
+
+    impl Carrier for Counting {
+        fn trusts_conditional_set(&self) -> bool {
+            self.trusted
+        }
+    }
+
+    /// A commit by `SET … IFEQ` goes out only on a connection to a server trusted with it;
+    /// on any other nothing is sent, and the refusal says so (the step then sends its
+    /// function). The function form goes out on either.
+    #[actix_rt::test]
+    async fn set_ifeq_is_sent_only_where_the_server_is_trusted_with_it() {
+        let key = StorageKey::new("idem:", b"", &crate::IdempotencyKey::parse(b"k").unwrap());
+        let (print, token) = (Fingerprint::from_bytes([1; 32]), LeaseToken::generate());
+        let response = StoredResponse {
+            status: StatusCode::CREATED,
+            headers: Vec::new(),
+            body: None,
+        };
+        let ttl = Duration::from_secs(60);
+        let by_set = commit(
+            CommitBy::ConditionalSet,
+            &key,
+            &print,
+            &token,
+            &response,
+            ttl,
+        );
+        let by_function = commit(CommitBy::Function, &key, &print, &token, &response, ttl);
+
+        let mut redis = Counting {
+            trusted: false,
+            sent: 0,
+        };
+        let refused = by_set.send(&mut redis).await.expect_err("refused");
+        let refused = StoreError::Unavailable(Box::new(refused));
+        assert!(was_not_trusted_with_conditional_set(&refused), "{refused}");
+        assert!(!is_syntax_error(&refused));
+        assert_eq!(redis.sent, 0, "nothing sent for the refused SET … IFEQ");
+        by_function
+            .send(&mut redis)
+            .await
+            .expect("the function goes out");
+        assert_eq!(redis.sent, 1);
+
+        let mut valkey = Counting {
+            trusted: true,
+            sent: 0,
+        };
+        by_set
+            .send(&mut valkey)
+            .await
+            .expect("SET … IFEQ goes out to Valkey");
+        assert_eq!(valkey.sent, 1);
     }
 }

@@ -17,8 +17,9 @@ use redis::aio::ConnectionLike;
 pub(crate) enum ServerKind {
     /// Valkey: commits try `SET … IFEQ` (Valkey 8.1 and later take it).
     Valkey,
-    /// Redis, another server, or one that did not say (`HELLO` refused by the user's ACL,
-    /// say): commits go by function.
+    /// Redis, another server, or one that did not say (`HELLO` renamed away, say: no ACL
+    /// refuses it), or a Valkey that calls itself Redis (`extended-redis-compatibility`):
+    /// commits go by function.
     Other,
 }
 

@@ -561,6 +561,99 @@ mod tests {
         }
     }
 
+    /// A transport that answers each request with the next of `answers`, and notes for
+    /// each whether it called a function.
+    struct ScriptedResults {
+        answers: RefCell<Vec<Result<redis::Value, StoreError>>>,
+        called_function: RefCell<Vec<bool>>,
+    }
+
+    impl Transport for ScriptedResults {
+        async fn send(&self, exchange: &Exchange) -> Result<Reply, StoreError> {
+            self.called_function
+                .borrow_mut()
+                .push(exchange.calls_function());
+            let value = self.answers.borrow_mut().remove(0)?;
+            Ok(Reply {
+                value,
+                replication: Acknowledgement::none(),
+            })
+        }
+    }
+
+    /// Commits `commit` by `SET … IFEQ` first (the store last learnt of Valkey), to a
+    /// transport that answers `answers` in turn: the outcome, whether each request sent
+    /// called a function, and how the next commit would go.
+    async fn conditional_commit(
+        commit: &Commit,
+        answers: Vec<Result<redis::Value, StoreError>>,
+    ) -> (Result<bool, StoreError>, Vec<bool>, CommitBy) {
+        let transport = ScriptedResults {
+            answers: RefCell::new(answers),
+            called_function: RefCell::new(Vec::new()),
+        };
+        let conditional_set = ConditionalSet::default();
+        conditional_set.reconsider(ServerKind::Valkey);
+        let steps = Steps {
+            transport: &transport,
+            replication: None,
+            conditional_set: &conditional_set,
+        };
+        let committed = steps
+            .commit(
+                &commit.key,
+                &commit.fingerprint,
+                &commit.token,
+                &commit.response,
+                TTL,
+            )
+            .await;
+        (
+            committed,
+            transport.called_function.into_inner(),
+            conditional_set.commit_by(),
+        )
+    }
+
+    /// A Valkey without `SET … IFEQ` (before 8.1) refuses it as a syntax error, writing
+    /// nothing: the commit goes by function, and so do the next ones.
+    #[actix_rt::test]
+    async fn a_set_ifeq_refused_as_a_syntax_error_goes_by_function_from_then_on() {
+        let syntax_error = redis::RedisError::from((
+            redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError),
+            "An error was signalled by the server",
+            "syntax error".to_owned(),
+        ));
+        let syntax_error: Result<redis::Value, StoreError> =
+            Err(protocol::store_error(syntax_error));
+        assert!(
+            protocol::is_syntax_error(syntax_error.as_ref().expect_err("an error")),
+            "the scripted refusal is what a server without IFEQ answers"
+        );
+        let (committed, called_function, next) =
+            conditional_commit(&Commit::new(), vec![syntax_error, Ok(redis::Value::Int(1))]).await;
+        assert!(matches!(committed, Ok(true)), "{committed:?}");
+        assert_eq!(called_function, [false, true]);
+        assert_eq!(next, CommitBy::Function);
+    }
+
+    /// A `SET … IFEQ` that its connection would not send (the server there is not Valkey:
+    /// replaced underneath since the request was built) goes by function at once; the next
+    /// commit goes as the last connection opened says.
+    #[actix_rt::test]
+    async fn a_set_ifeq_its_connection_would_not_send_goes_by_function() {
+        let not_trusted =
+            StoreError::Unavailable(Box::new(protocol::conditional_set_not_trusted()));
+        let (committed, called_function, next) = conditional_commit(
+            &Commit::new(),
+            vec![Err(not_trusted), Ok(redis::Value::Int(1))],
+        )
+        .await;
+        assert!(matches!(committed, Ok(true)), "{committed:?}");
+        assert_eq!(called_function, [false, true]);
+        assert_eq!(next, CommitBy::ConditionalSet);
+    }
+
     const TTL: Duration = Duration::from_secs(60);
 
     /// One request's commit: its key, fingerprint, token and response.
