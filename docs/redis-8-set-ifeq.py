@@ -14,6 +14,10 @@ value afterwards is not what the command asked for.
     SERVER=/opt/redis-8.6/bin/redis-server python3 docs/redis-8-set-ifeq.py 7601          # by SET … IFEQ
     SERVER=/opt/redis-8.6/bin/redis-server COMMIT=fcall python3 docs/redis-8-set-ifeq.py 7602
     SERVER=valkey-server python3 docs/redis-8-set-ifeq.py 7603
+
+ONE_BY_ONE=1 sends the three final commits one round trip each instead of in one pipeline;
+NO_RENEW=1 writes the in-flight records without a lease and renews nothing (no Lua, no
+TTL).
 """
 import os
 import random
@@ -28,6 +32,7 @@ PORT = int(sys.argv[1]) if len(sys.argv) > 1 else 7601
 SERVER = os.environ.get("SERVER", "/opt/redis-8.6/bin/redis-server")
 COMMIT = os.environ.get("COMMIT", "ifeq")
 TRIALS = int(os.environ.get("TRIALS", "30"))
+NO_RENEW = bool(os.environ.get("NO_RENEW"))
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROTOCOL = os.path.join(HERE, "..", "idempotency-actix", "src", "store", "redis", "protocol.rs")
 LIBRARY = re.search(r'pub\(crate\) const LIBRARY: &str = r"(.*?)";\n', open(PROTOCOL).read(), re.S).group(1)
@@ -101,7 +106,8 @@ def trial(number):
     completed = [b"\x02c" + fingerprint + b" " + token.encode() + b"\x00" * 20
                  + b'{"slow":%d}' % (index + 1) for index, token in enumerate(tokens)]
     for key, record in zip(keys, in_flight):
-        assert store.command("SET", key, record, "NX", "PX", 1000, "GET") is None
+        lease = [] if NO_RENEW else ["PX", 1000]
+        assert store.command("SET", key, record, "NX", *lease, "GET") is None
     lock, stop = threading.Lock(), threading.Event()
 
     def renew():
@@ -112,7 +118,8 @@ def trial(number):
             time.sleep(0.3)
 
     renewals = threading.Thread(target=renew)
-    renewals.start()
+    if not NO_RENEW:
+        renewals.start()
     fillers = []
     for size in (16384, 1024, 64):
         value = b"f" * size
@@ -134,9 +141,13 @@ def trial(number):
             store.command("GET", key)
     test.command("DEL", *fillers)
     with lock:
-        replies = store.pipeline(commits(keys, completed, in_flight))
+        if os.environ.get("ONE_BY_ONE"):
+            replies = [store.pipeline([c])[0] for c in commits(keys, completed, in_flight)]
+        else:
+            replies = store.pipeline(commits(keys, completed, in_flight))
     stop.set()
-    renewals.join()
+    if not NO_RENEW:
+        renewals.join()
     found = [test.command("GET", key) for key in keys]
     wrong = [index for index in range(3) if found[index] != completed[index]]
     if not wrong:
