@@ -509,18 +509,27 @@ impl PrivateRedis {
             .query_async(&mut connection)
             .await
             .expect("CONFIG RESETSTAT");
-        info.lines()
-            .filter_map(|line| {
-                let (name, stats) = line.strip_prefix("cmdstat_")?.split_once(':')?;
-                let calls = stats.split(',').find_map(|s| s.strip_prefix("calls="))?;
-                Some((name.to_owned(), calls.parse().ok()?))
-            })
-            .filter(|(name, _)| {
-                let command = name.split('|').next().unwrap_or_default();
-                !BOOKKEEPING.contains(&command)
-            })
-            .collect()
+        command_counts_in(&info, &[])
     }
+}
+
+/// The calls of each command in `info` (an `INFO commandstats` reply), the bookkeeping
+/// commands ([`BOOKKEEPING`], and `also_left_out`) left out.
+pub fn command_counts_in(
+    info: &str,
+    also_left_out: &[&str],
+) -> std::collections::BTreeMap<String, u64> {
+    info.lines()
+        .filter_map(|line| {
+            let (name, stats) = line.strip_prefix("cmdstat_")?.split_once(':')?;
+            let calls = stats.split(',').find_map(|s| s.strip_prefix("calls="))?;
+            Some((name.to_owned(), calls.parse().ok()?))
+        })
+        .filter(|(name, _)| {
+            let command = name.split('|').next().unwrap_or_default();
+            !BOOKKEEPING.contains(&command) && !also_left_out.contains(&command)
+        })
+        .collect()
 }
 
 /// Whether `info` (an `INFO server` reply) is that of the server process `pid`: a server

@@ -12,7 +12,7 @@ use actix_web::http::Method;
 use actix_web::{App, HttpResponse, web};
 use idempotency_actix::{Idempotency, IdempotencyPolicy, IdempotentRoute, RedisPool, RedisStore};
 use idempotency_actix_tests::cluster::RedisCluster;
-use idempotency_actix_tests::{FloodServer, PrivateRedis};
+use idempotency_actix_tests::{FloodServer, PrivateRedis, command_counts_in};
 
 async fn create() -> HttpResponse {
     HttpResponse::Created().body("created")
@@ -211,29 +211,13 @@ fn cluster_command_counts(cluster: &RedisCluster, ports: &[u16]) -> BTreeMap<Str
         if role != "master" {
             continue;
         }
-        for line in info.lines() {
-            let Some((name, stats)) = line
-                .strip_prefix("cmdstat_")
-                .and_then(|line| line.split_once(':'))
-            else {
-                continue;
-            };
-            let Some(calls) = stats
-                .split(',')
-                .find_map(|stat| stat.strip_prefix("calls="))
-                .and_then(|calls| calls.parse::<u64>().ok())
-            else {
-                continue;
-            };
-            if [
-                "cluster", "info", "config", "ping", "role", "hello", "function", "readonly",
-                "client", "command",
-            ]
-            .contains(&name.split('|').next().unwrap_or_default())
-            {
-                continue;
-            }
-            *counted.entry(name.to_owned()).or_insert(0) += calls;
+        // The cluster's own traffic: the bus, slot maps, and the replicas' `REPLCONF ACK`s
+        // to their primary.
+        let cluster_bookkeeping = [
+            "cluster", "ping", "role", "function", "readonly", "command", "replconf",
+        ];
+        for (name, calls) in command_counts_in(&info, &cluster_bookkeeping) {
+            *counted.entry(name).or_insert(0) += calls;
         }
     }
     counted

@@ -79,9 +79,10 @@ impl Request {
         }
     }
 
-    /// Sends the request on `connection` and returns the raw reply.
+    /// Sends the request on `connection` and returns the raw reply. Whether it may go there
+    /// at all is [`Exchange::send`](super::exchange::Exchange::send)'s to check, the one
+    /// way every step sends.
     pub(crate) async fn send(&self, connection: &mut impl Carrier) -> redis::RedisResult<Value> {
-        self.may_go_on(connection)?;
         let reply = connection.send_packed(self.packed()).await?.extract_error();
         match (self, reply) {
             (Self::Function(call), Err(error)) if is_function_not_found(&error) => {
@@ -907,6 +908,7 @@ mod tests {
     use actix_web::http::StatusCode;
 
     use super::*;
+    use crate::store::redis::exchange::Exchange;
 
     /// The in-flight record of `holder` as the library's `claim` writes it over the marker
     /// of `abandoned`: the record, the marker's expiry, the marker.
@@ -1225,11 +1227,12 @@ mod tests {
         );
         let by_function = commit(CommitBy::Function, &key, &print, &token, &response, ttl);
 
+        let (by_set, by_function) = (Exchange::plain(by_set), Exchange::plain(by_function));
         let mut redis = Counting {
             trusted: false,
             sent: 0,
         };
-        let refused = by_set.send(&mut redis).await.expect_err("refused");
+        let refused = by_set.send(&mut redis).await.err().expect("refused");
         let refused = StoreError::Unavailable(Box::new(refused));
         assert!(was_not_trusted_with_conditional_set(&refused), "{refused}");
         assert!(!is_syntax_error(&refused));
