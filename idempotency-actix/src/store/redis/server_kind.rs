@@ -7,7 +7,10 @@
 //! of ours: `docs/redis-8-set-ifeq.md`). For this store that is one request's response
 //! replayed for another key (another client's payment), and a lost record, so on Redis
 //! the commit goes by function, whatever the version: the function's `GET` and `SET` did
-//! not show it in the same runs.
+//! not show it in the same runs. The cause, in the server's source: `SET … IFEQ` writes
+//! through the hash-table slot it found before looking the key up again to compare, and
+//! that second lookup can move another key into the slot while the table shrinks; the
+//! function's `SET`s and the `begin` take no such second look (the document's "The cause").
 
 use redis::Value;
 use redis::aio::ConnectionLike;
