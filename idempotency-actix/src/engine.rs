@@ -25,7 +25,9 @@ use crate::body::IdempotentBody;
 use crate::capture::{CapturingBody, Commit, framed_size};
 use crate::error::IdempotencyError;
 use crate::fingerprint::{Fingerprint, FingerprintParts};
-use crate::instrument::{self, LockHeld, Outcome, RequestRecord, StoreOperation, StoreTimer};
+use crate::instrument::{
+    self, LockHeld, Outcome, RequestRecord, RequestState, StoreOperation, StoreTimer,
+};
 use crate::key::IdempotencyKey;
 use crate::log_interval::LogInterval;
 use crate::lost_record::{self, NoticedBy};
@@ -124,18 +126,34 @@ pub(crate) struct Engine {
     pub(crate) store_failures: LogInterval,
 }
 
-/// Request extension: the engine of the nearest `Idempotency` above, for route layers, and
-/// the claim of the layer that took charge of the request, if one did.
+/// Request extension: the engine of the nearest `Idempotency` above, for route layers, the
+/// claim of the layer that took charge of the request, if one did, and the record of the
+/// layer that processes it, if one does.
 ///
-/// One extension for both: a request's extensions have room for three before they grow
-/// (a rehash, about 550 instructions), and Actix's method guard and the request's
-/// instrumentation take two.
+/// One extension for all three: each extension costs the request an allocation and an
+/// insertion, and a request's extensions have room for three before they grow (a rehash,
+/// about 550 instructions), one of them Actix's method guard's.
 pub(crate) struct EngineHandle {
     pub(crate) engine: Rc<Engine>,
     pub(crate) claimed: Option<Claimed>,
     /// The claim was made by an `Idempotency` further out than `engine`'s, with its own
     /// store and settings: a route under `engine` must not take it as its own.
     pub(crate) claimed_further_out: bool,
+    /// The request's record (its route label and outcome), for the layers that decide
+    /// what becomes of it (`instrument::decided`).
+    pub(crate) record: Option<Rc<RequestState>>,
+}
+
+impl EngineHandle {
+    /// A handle for `engine` with no claim and no record yet.
+    pub(crate) fn new(engine: &Rc<Engine>) -> Self {
+        Self {
+            engine: Rc::clone(engine),
+            claimed: None,
+            claimed_further_out: false,
+            record: None,
+        }
+    }
 }
 
 /// A layer has taken charge of this request, so layers further in leave it alone (a request
@@ -151,6 +169,17 @@ pub(crate) struct Claimed {
     /// no token to run under): a route layer further in refuses a body over its own smaller
     /// limit then too, as it does against a lock's.
     pub(crate) body_len: Option<usize>,
+}
+
+impl Claimed {
+    /// The claim of a request that goes on without a key: no lock, no body read.
+    fn without_key() -> Self {
+        Self {
+            key_present: false,
+            lock: None,
+            body_len: None,
+        }
+    }
 }
 
 /// The lock an outer layer holds for a request, shared with the route layer further in.
@@ -232,6 +261,9 @@ impl Engine {
         B: MessageBody + 'static,
     {
         let record = RequestRecord::start(&req);
+        update_handle(&req, &self, |handle| {
+            handle.record = Some(record.shared_state())
+        });
         // Marks the request's slot detached if this future is dropped before it is done.
         let client = ClientAttached::new(None);
         // Each branch builds `protect`'s future where it is awaited (see `wanted_span`).
@@ -255,7 +287,12 @@ impl Engine {
     /// follow.
     pub(crate) fn start_without_key(self: &Rc<Self>, req: &ServiceRequest) -> RequestRecord {
         let record = RequestRecord::start(req);
-        claim_without_key(req, self);
+        let state = record.shared_state();
+        state.decide(Outcome::NoKey);
+        update_handle(req, self, |handle| {
+            handle.record = Some(state);
+            handle.claimed = Some(Claimed::without_key());
+        });
         record
     }
 
@@ -1784,20 +1821,27 @@ fn opens_a_tunnel(req: &ServiceRequest, declared: Option<u64>) -> bool {
         && declared.is_none_or(|length| length == 0)
 }
 
-/// Claims `req` for `engine`, in the handle the layer that took it left (updated in place:
-/// no second extension); a request without one gets one.
-fn claim(req: &ServiceRequest, engine: &Rc<Engine>, claimed: Claimed) {
+/// Updates the handle the layer that took `req` left (in place: no second extension); a
+/// request without one gets one, for `engine`.
+fn update_handle(
+    req: &ServiceRequest,
+    engine: &Rc<Engine>,
+    update: impl FnOnce(&mut EngineHandle),
+) {
     let mut extensions = req.extensions_mut();
     match extensions.get_mut::<EngineHandle>() {
-        Some(handle) => handle.claimed = Some(claimed),
+        Some(handle) => update(handle),
         None => {
-            extensions.insert(EngineHandle {
-                engine: Rc::clone(engine),
-                claimed: Some(claimed),
-                claimed_further_out: false,
-            });
+            let mut handle = EngineHandle::new(engine);
+            update(&mut handle);
+            extensions.insert(handle);
         }
     }
+}
+
+/// Claims `req` for `engine` (see [`update_handle`]).
+fn claim(req: &ServiceRequest, engine: &Rc<Engine>, claimed: Claimed) {
+    update_handle(req, engine, |handle| handle.claimed = Some(claimed));
 }
 
 /// Claims keyed `req` with no lock (yet), so that layers further in leave it alone; with
@@ -1825,13 +1869,12 @@ pub(crate) fn claim_with_lock(req: &ServiceRequest, engine: &Rc<Engine>, lock: &
 /// Records that `req` goes on without a key, and claims it so that layers further in leave
 /// it alone.
 fn claim_without_key(req: &ServiceRequest, engine: &Rc<Engine>) {
-    instrument::decided(&req.extensions(), Outcome::NoKey);
-    let claimed = Claimed {
-        key_present: false,
-        lock: None,
-        body_len: None,
-    };
-    claim(req, engine, claimed);
+    update_handle(req, engine, |handle| {
+        if let Some(record) = &handle.record {
+            record.decide(Outcome::NoKey);
+        }
+        handle.claimed = Some(Claimed::without_key());
+    });
 }
 
 /// The safe methods (RFC 9110 §9.2.1, and `QUERY` by the IETF draft "The HTTP QUERY

@@ -23,6 +23,7 @@ use actix_web::dev::{Extensions, ServiceRequest, ServiceResponse};
 use actix_web::{HttpMessage, HttpRequest};
 use tracing::Span;
 
+use crate::engine::EngineHandle;
 use crate::error::IdempotencyError;
 use crate::store::StoreError;
 
@@ -333,15 +334,19 @@ pub(crate) struct RequestRecord {
     finished: bool,
 }
 
-/// What [`RequestRecord`] shares with the layers through the request's extensions.
-struct RequestState {
+/// What [`RequestRecord`] shares with the layers, through the request's
+/// [`EngineHandle`]: its route label and the outcome decided so far.
+pub(crate) struct RequestState {
     #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
     route: Option<String>,
     outcome: Cell<Option<Outcome>>,
 }
 
 impl RequestRecord {
-    /// Opens the request's span and makes its outcome cell reachable by later layers.
+    /// Opens the request's span. The caller makes its [`shared_state`](Self::shared_state)
+    /// reachable by later layers, in the request's [`EngineHandle`] (one extension for the
+    /// engine, the claim and the record: each extension a request gets costs an allocation
+    /// and an insertion).
     pub(crate) fn start(req: &ServiceRequest) -> Self {
         let span = tracing::info_span!(
             "idempotency",
@@ -363,12 +368,16 @@ impl RequestRecord {
             route,
             outcome: Cell::new(None),
         });
-        req.extensions_mut().insert(Rc::clone(&state));
         Self {
             span,
             state,
             finished: false,
         }
+    }
+
+    /// What the layers further in reach of this record (see [`decided`]).
+    pub(crate) fn shared_state(&self) -> Rc<RequestState> {
+        Rc::clone(&self.state)
     }
 
     /// The request's span, if a subscriber wants it: the request's processing runs in it
@@ -427,10 +436,24 @@ impl Drop for RequestRecord {
     }
 }
 
+impl RequestState {
+    /// Records `outcome` as what became of the request (the last decision wins).
+    pub(crate) fn decide(&self, outcome: Outcome) {
+        self.outcome.set(Some(outcome));
+    }
+}
+
+/// The record's state of the request whose extensions these are, if one started.
+fn state_in(extensions: &Extensions) -> Option<&RequestState> {
+    extensions
+        .get::<EngineHandle>()
+        .and_then(|handle| handle.record.as_deref())
+}
+
 /// Records what became of the request whose extensions these are.
 pub(crate) fn decided(extensions: &Extensions, outcome: Outcome) {
-    if let Some(state) = extensions.get::<Rc<RequestState>>() {
-        state.outcome.set(Some(outcome));
+    if let Some(state) = state_in(extensions) {
+        state.decide(outcome);
     }
 }
 
@@ -441,8 +464,8 @@ pub(crate) fn refused(request: &HttpRequest, error: &IdempotencyError) {
         return;
     };
     let extensions = request.extensions();
-    if extensions.contains::<Rc<RequestState>>() {
-        decided(&extensions, outcome);
+    if let Some(state) = state_in(&extensions) {
+        state.decide(outcome);
     } else {
         count_now(request, outcome);
     }
@@ -471,8 +494,7 @@ impl LockHeld {
     pub(crate) fn enter(extensions: &Extensions) -> Self {
         #[cfg(feature = "metrics")]
         {
-            let state = extensions.get::<Rc<RequestState>>();
-            let route = state.and_then(|state| state.route.as_deref());
+            let route = state_in(extensions).and_then(|state| state.route.as_deref());
             let gauge = crate::metric_handles::in_flight(route.unwrap_or(UNMATCHED_ROUTE));
             gauge.increment(1.0);
             Self { gauge }

@@ -888,11 +888,7 @@ where
                     handle.claimed.is_some()
                 }
                 None => {
-                    extensions.insert(EngineHandle {
-                        engine: Rc::clone(&self.engine),
-                        claimed: None,
-                        claimed_further_out: false,
-                    });
+                    extensions.insert(EngineHandle::new(&self.engine));
                     false
                 }
             }
