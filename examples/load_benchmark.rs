@@ -86,16 +86,16 @@
 //! private one, the replica, the cluster's nodes), e.g. `valkey-server`, where the
 //! single-server store commits by one `SET … IFEQ` instead of a function (the cluster
 //! store commits by function on every server).
-//! `MIMALLOC_PAGE_FULL_RETAIN` [0]: passed to every server it starts (the reference server
-//! and the comparator run on mimalloc). With mimalloc's default (2), a run could pay about
-//! 2 500 instructions per request (a tenth of an unprotected one) for a fresh allocator
-//! page per request, or not, by chance, in any mode, the baseline included: Actix's JSON
+//! `MIMALLOC_PAGE_FULL_RETAIN` [0]: passed to the reference server and the comparator, which
+//! run on mimalloc. With mimalloc's default (2), a run could pay about 2 500 instructions
+//! per request (a tenth of an unprotected one) for a fresh allocator page per request, or
+//! not, by chance, in any mode whose handler runs, the baseline included: Actix's JSON
 //! extractor takes an 8 KiB buffer per request and frees it; mimalloc keeps up to that
 //! many *full* pages of a small size in the size's queue, and frees a page that empties
 //! at once unless it is alone in its queue; so when full pages of the connections' own
 //! 8 KiB buffers stayed in the queue, the page the extractor's buffer had to itself was
-//! freed with it and made anew for the next request. With 0 no run pays it, and ratios
-//! compare the middleware's work, not the allocator's luck (`docs/performance.md`, "The
+//! freed with it and made anew for the next request. With 0 none of the runs counted paid
+//! it, and ratios compare the middleware's work, not the allocator's luck (`docs/performance.md`, "The
 //! allocator's page per request").
 //! Needs `wrk`, `redis-server` and `redis-cli` (`apt-get install -y wrk redis-server`); the
 //! PostgreSQL modes need `psql` (`apt-get install -y postgresql-client`) and a server to
@@ -873,7 +873,7 @@ fn redis_server() -> String {
 }
 
 /// mimalloc's option that keeps full pages in their size class's queue (see the module's
-/// docs), set for every server the benchmark starts.
+/// docs), set for the reference server and the comparator.
 const PAGE_FULL_RETAIN: &str = "MIMALLOC_PAGE_FULL_RETAIN";
 
 /// The value of [`PAGE_FULL_RETAIN`] for the servers: the environment's, else 0.

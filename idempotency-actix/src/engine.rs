@@ -11,7 +11,7 @@ use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use actix_web::body::{BodySize, BoxBody, MessageBody};
-use actix_web::dev::{Payload, Service, ServiceRequest, ServiceResponse};
+use actix_web::dev::{Extensions, Payload, Service, ServiceRequest, ServiceResponse};
 use actix_web::http::header::{self, HeaderName};
 use actix_web::http::{ConnectionType, StatusCode};
 use actix_web::web::{Bytes, BytesMut};
@@ -154,6 +154,15 @@ impl EngineHandle {
             record: None,
         }
     }
+}
+
+/// The record's state of the request whose extensions these are, if a layer started one:
+/// what `instrument` decides into and reads the route label of, without knowing how the
+/// handle is laid out.
+pub(crate) fn record_state(extensions: &Extensions) -> Option<&RequestState> {
+    extensions
+        .get::<EngineHandle>()
+        .and_then(|handle| handle.record.as_deref())
 }
 
 /// A layer has taken charge of this request, so layers further in leave it alone (a request

@@ -23,7 +23,7 @@ use actix_web::dev::{Extensions, ServiceRequest, ServiceResponse};
 use actix_web::{HttpMessage, HttpRequest};
 use tracing::Span;
 
-use crate::engine::EngineHandle;
+use crate::engine::record_state;
 use crate::error::IdempotencyError;
 use crate::store::StoreError;
 
@@ -335,7 +335,8 @@ pub(crate) struct RequestRecord {
 }
 
 /// What [`RequestRecord`] shares with the layers, through the request's
-/// [`EngineHandle`]: its route label and the outcome decided so far.
+/// [`EngineHandle`](crate::engine::EngineHandle): its route label and the outcome decided
+/// so far.
 pub(crate) struct RequestState {
     #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
     route: Option<String>,
@@ -344,7 +345,8 @@ pub(crate) struct RequestState {
 
 impl RequestRecord {
     /// Opens the request's span. The caller makes its [`shared_state`](Self::shared_state)
-    /// reachable by later layers, in the request's [`EngineHandle`] (one extension for the
+    /// reachable by later layers, in the request's
+    /// [`EngineHandle`](crate::engine::EngineHandle) (one extension for the
     /// engine, the claim and the record: each extension a request gets costs an allocation
     /// and an insertion).
     pub(crate) fn start(req: &ServiceRequest) -> Self {
@@ -443,16 +445,9 @@ impl RequestState {
     }
 }
 
-/// The record's state of the request whose extensions these are, if one started.
-fn state_in(extensions: &Extensions) -> Option<&RequestState> {
-    extensions
-        .get::<EngineHandle>()
-        .and_then(|handle| handle.record.as_deref())
-}
-
 /// Records what became of the request whose extensions these are.
 pub(crate) fn decided(extensions: &Extensions, outcome: Outcome) {
-    if let Some(state) = state_in(extensions) {
+    if let Some(state) = record_state(extensions) {
         state.decide(outcome);
     }
 }
@@ -464,7 +459,7 @@ pub(crate) fn refused(request: &HttpRequest, error: &IdempotencyError) {
         return;
     };
     let extensions = request.extensions();
-    if let Some(state) = state_in(&extensions) {
+    if let Some(state) = record_state(&extensions) {
         state.decide(outcome);
     } else {
         count_now(request, outcome);
@@ -494,7 +489,7 @@ impl LockHeld {
     pub(crate) fn enter(extensions: &Extensions) -> Self {
         #[cfg(feature = "metrics")]
         {
-            let route = state_in(extensions).and_then(|state| state.route.as_deref());
+            let route = record_state(extensions).and_then(|state| state.route.as_deref());
             let gauge = crate::metric_handles::in_flight(route.unwrap_or(UNMATCHED_ROUTE));
             gauge.increment(1.0);
             Self { gauge }

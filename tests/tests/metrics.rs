@@ -12,7 +12,7 @@
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use actix_web::http::StatusCode;
+use actix_web::http::{Method, StatusCode};
 use actix_web::{App, HttpResponse, web};
 use idempotency_actix::{
     FailMode, Idempotency, IdempotencyPolicy, IdempotentRoute, MemoryStore, Outcome, PostgresStore,
@@ -198,31 +198,44 @@ fn counted(
     ))
 }
 
+/// A server whose app is the layer `idempotency` makes around [`counted`] resources, each
+/// a pattern and the route layer `route` makes for it, all counting into `runs`.
+fn start_counted(
+    idempotency: fn() -> Idempotency,
+    resources: &'static [(&'static str, fn() -> IdempotentRoute)],
+    runs: &RunCounter,
+) -> actix_test::TestServer {
+    let runs = runs.clone();
+    actix_test::start(move || {
+        resources
+            .iter()
+            .fold(App::new().wrap(idempotency()), |app, (pattern, route)| {
+                app.service(counted(pattern, runs.clone(), route()))
+            })
+    })
+}
+
+/// A route layer that requires a key.
+fn key_required() -> IdempotentRoute {
+    IdempotentRoute::with_policy(IdempotencyPolicy::default().required())
+}
+
 #[actix_web::test]
 async fn every_outcome_is_counted_once_under_its_route_pattern() {
     let _turn = one_at_a_time();
     snapshotter();
     let runs = RunCounter::default();
-    let server = actix_test::start({
-        let runs = runs.clone();
-        move || {
-            App::new()
-                .wrap(
-                    Idempotency::new(MemoryStore::new())
-                        .policy(IdempotencyPolicy::default().max_request_body(16)),
-                )
-                .service(counted(
-                    "/m/orders/{id}",
-                    runs.clone(),
-                    IdempotentRoute::new(),
-                ))
-                .service(counted(
-                    "/m/payments",
-                    runs.clone(),
-                    IdempotentRoute::with_policy(IdempotencyPolicy::default().required()),
-                ))
-        }
-    });
+    let server = start_counted(
+        || {
+            Idempotency::new(MemoryStore::new())
+                .policy(IdempotencyPolicy::default().max_request_body(16))
+        },
+        &[
+            ("/m/orders/{id}", IdempotentRoute::new),
+            ("/m/payments", key_required),
+        ],
+        &runs,
+    );
     let route = "/m/orders/{id}";
 
     assert_eq!(
@@ -286,6 +299,46 @@ async fn every_outcome_is_counted_once_under_its_route_pattern() {
         "each request counted once, under its pattern, never its raw path"
     );
     assert!(outcomes_of("/m/orders/1").is_empty());
+}
+
+/// Under an `Idempotency` that claims requests before routing (`protect_methods`), what a
+/// route layer further in decides lands in the claiming layer's record: each request is
+/// counted once, under its route's pattern.
+#[actix_web::test]
+async fn an_outcome_a_route_decides_under_an_app_claim_is_counted_once() {
+    let _turn = one_at_a_time();
+    snapshotter();
+    let runs = RunCounter::default();
+    let server = start_counted(
+        || Idempotency::new(MemoryStore::new()).protect_methods([Method::POST]),
+        &[
+            ("/claimed/payments", key_required),
+            ("/claimed/orders/{id}", IdempotentRoute::new),
+        ],
+        &runs,
+    );
+
+    let missing = send(&server, "/claimed/payments", None, "{}").await;
+    assert_eq!(missing.status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        outcomes_of("/claimed/payments"),
+        [("missing_key".to_owned(), 1)],
+        "the route's refusal, not the app's `no_key`, and once"
+    );
+
+    let first = send(&server, "/claimed/orders/1", Some("k"), "{}").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let replay = send(&server, "/claimed/orders/1", Some("k"), "{}").await;
+    assert!(replay.is_replay());
+    assert_eq!(
+        outcomes_of("/claimed/orders/{id}"),
+        [("executed".to_owned(), 1), ("replayed".to_owned(), 1)]
+    );
+    assert_eq!(
+        runs.get(),
+        1,
+        "the keyed request ran once; the refused one never"
+    );
 }
 
 /// Failures of a store that cannot be reached are counted by fail mode; their `begin`s
