@@ -198,11 +198,14 @@ fn counted(
     ))
 }
 
-/// A server whose app is the layer `idempotency` makes around [`counted`] resources, each
-/// a pattern and the route layer `route` makes for it, all counting into `runs`.
+/// A [`counted`] resource: its pattern, and what makes its route layer.
+type CountedResource = (&'static str, fn() -> IdempotentRoute);
+
+/// A server whose app is the layer `idempotency` makes around [`counted`] resources, all
+/// counting into `runs`.
 fn start_counted(
     idempotency: fn() -> Idempotency,
-    resources: &'static [(&'static str, fn() -> IdempotentRoute)],
+    resources: &'static [CountedResource],
     runs: &RunCounter,
 ) -> actix_test::TestServer {
     let runs = runs.clone();
