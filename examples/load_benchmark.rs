@@ -95,8 +95,8 @@
 //! at once unless it is alone in its queue; so when full pages of the connections' own
 //! 8 KiB buffers stayed in the queue, the page the extractor's buffer had to itself was
 //! freed with it and made anew for the next request. With 0 none of the runs counted paid
-//! it, and ratios compare the middleware's work, not the allocator's luck (`docs/performance.md`, "The
-//! allocator's page per request").
+//! it, and ratios compare the middleware's work, not the allocator's luck
+//! (`docs/performance.md`, "The allocator's page per request").
 //! Needs `wrk`, `redis-server` and `redis-cli` (`apt-get install -y wrk redis-server`); the
 //! PostgreSQL modes need `psql` (`apt-get install -y postgresql-client`) and a server to
 //! connect to.

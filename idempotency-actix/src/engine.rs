@@ -296,11 +296,9 @@ impl Engine {
     /// follow.
     pub(crate) fn start_without_key(self: &Rc<Self>, req: &ServiceRequest) -> RequestRecord {
         let record = RequestRecord::start(req);
-        let state = record.shared_state();
-        state.decide(Outcome::NoKey);
         update_handle(req, self, |handle| {
-            handle.record = Some(state);
-            handle.claimed = Some(Claimed::without_key());
+            handle.record = Some(record.shared_state());
+            go_on_without_key(handle);
         });
         record
     }
@@ -1878,12 +1876,16 @@ pub(crate) fn claim_with_lock(req: &ServiceRequest, engine: &Rc<Engine>, lock: &
 /// Records that `req` goes on without a key, and claims it so that layers further in leave
 /// it alone.
 fn claim_without_key(req: &ServiceRequest, engine: &Rc<Engine>) {
-    update_handle(req, engine, |handle| {
-        if let Some(record) = &handle.record {
-            record.decide(Outcome::NoKey);
-        }
-        handle.claimed = Some(Claimed::without_key());
-    });
+    update_handle(req, engine, go_on_without_key);
+}
+
+/// Records in `handle` that its request goes on without a key: the outcome in its record,
+/// if one started, and the claim.
+fn go_on_without_key(handle: &mut EngineHandle) {
+    if let Some(record) = &handle.record {
+        record.decide(Outcome::NoKey);
+    }
+    handle.claimed = Some(Claimed::without_key());
 }
 
 /// The safe methods (RFC 9110 §9.2.1, and `QUERY` by the IETF draft "The HTTP QUERY
