@@ -188,8 +188,34 @@ impl FloodServer {
     /// # Panics
     ///
     /// When an answer is not what the contract promises, with that answer.
-    pub async fn flood(&self, name: &str, count: usize, mut after_each: impl FnMut()) {
+    pub async fn flood(&self, name: &str, count: usize, after_each: impl FnMut()) {
+        self.flood_paced(name, count, None, after_each).await;
+    }
+
+    /// [`flood`](Self::flood) at no more than `keys_per_second` new keys a second, on a
+    /// schedule kept from the first key (a slow answer does not slow the keys after it).
+    ///
+    /// # Panics
+    ///
+    /// As `flood`.
+    pub async fn flood_at_most(&self, name: &str, count: usize, keys_per_second: u32) {
+        self.flood_paced(name, count, Some(keys_per_second), || {})
+            .await;
+    }
+
+    async fn flood_paced(
+        &self,
+        name: &str,
+        count: usize,
+        keys_per_second: Option<u32>,
+        mut after_each: impl FnMut(),
+    ) {
+        let start = actix_rt::time::Instant::now();
         for i in 0..count {
+            if let Some(rate) = keys_per_second {
+                let sent = u32::try_from(i).unwrap_or(u32::MAX);
+                actix_rt::time::sleep_until(start + Duration::from_secs(1) * sent / rate).await;
+            }
             let runs_before = self.runs.get();
             let reply = self.post("/orders", &format!("{name}-{i}")).await;
             assert_eq!(reply.status, StatusCode::CREATED, "new key {i}: {reply:?}");
