@@ -25,6 +25,7 @@ use tracing::Span;
 
 use crate::engine::record_state;
 use crate::error::IdempotencyError;
+use crate::route_label::{LastRouteLabel, RouteLabel};
 use crate::store::StoreError;
 
 /// The `route` label of a request that matched no route pattern.
@@ -339,7 +340,7 @@ pub(crate) struct RequestRecord {
 /// so far.
 pub(crate) struct RequestState {
     #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
-    route: Option<String>,
+    route: Option<RouteLabel>,
     outcome: Cell<Option<Outcome>>,
 }
 
@@ -348,19 +349,16 @@ impl RequestRecord {
     /// reachable by later layers, in the request's
     /// [`EngineHandle`](crate::engine::EngineHandle) (one extension for the
     /// engine, the claim and the record: each extension a request gets costs an allocation
-    /// and an insertion).
-    pub(crate) fn start(req: &ServiceRequest) -> Self {
+    /// and an insertion). `last_route` is the calling layer's: it finds the route label.
+    pub(crate) fn start(req: &ServiceRequest, last_route: &LastRouteLabel) -> Self {
         let span = tracing::info_span!(
             "idempotency",
             http.route = tracing::field::Empty,
             outcome = tracing::field::Empty,
             http.response.status_code = tracing::field::Empty,
         );
-        // The pattern costs a lookup and an allocation: only when someone will read it.
-        let route = (cfg!(feature = "metrics") || !span.is_disabled()).then(|| {
-            req.match_pattern()
-                .unwrap_or_else(|| UNMATCHED_ROUTE.to_owned())
-        });
+        // The pattern may cost a lookup and an allocation: only when someone will read it.
+        let route = (cfg!(feature = "metrics") || !span.is_disabled()).then(|| last_route.of(req));
         if let Some(route) = &route
             && !span.is_disabled()
         {
@@ -422,8 +420,7 @@ impl RequestRecord {
         #[cfg(feature = "metrics")]
         {
             describe_once();
-            let route = self.state.route.as_deref().unwrap_or(UNMATCHED_ROUTE);
-            crate::metric_handles::count_request(route, outcome.as_str());
+            route_handles_of(&self.state).count_request(outcome.as_str());
         }
     }
 }
@@ -474,14 +471,15 @@ fn count_now(request: &HttpRequest, outcome: Outcome) {
         describe_once();
         let route = request.match_pattern();
         let route = route.as_deref().unwrap_or(UNMATCHED_ROUTE);
-        crate::metric_handles::count_request(route, outcome.as_str());
+        crate::metric_handles::route_handles(route).count_request(outcome.as_str());
     }
 }
 
 /// Counts the request in `idempotency_requests_in_flight` until the guard is dropped.
 pub(crate) struct LockHeld {
+    /// The route's metrics, whose gauge the guard moves up and then down again.
     #[cfg(feature = "metrics")]
-    gauge: ::metrics::Gauge,
+    route: Rc<crate::metric_handles::RouteHandles>,
 }
 
 impl LockHeld {
@@ -489,10 +487,12 @@ impl LockHeld {
     pub(crate) fn enter(extensions: &Extensions) -> Self {
         #[cfg(feature = "metrics")]
         {
-            let route = record_state(extensions).and_then(|state| state.route.as_deref());
-            let gauge = crate::metric_handles::in_flight(route.unwrap_or(UNMATCHED_ROUTE));
-            gauge.increment(1.0);
-            Self { gauge }
+            let route = match record_state(extensions) {
+                Some(state) => route_handles_of(state),
+                None => crate::metric_handles::route_handles(UNMATCHED_ROUTE),
+            };
+            route.in_flight().increment(1.0);
+            Self { route }
         }
         #[cfg(not(feature = "metrics"))]
         Self {}
@@ -502,7 +502,16 @@ impl LockHeld {
 #[cfg(feature = "metrics")]
 impl Drop for LockHeld {
     fn drop(&mut self) {
-        self.gauge.decrement(1.0);
+        self.route.in_flight().decrement(1.0);
+    }
+}
+
+/// The request metrics of the route `state` is recorded under.
+#[cfg(feature = "metrics")]
+fn route_handles_of(state: &RequestState) -> Rc<crate::metric_handles::RouteHandles> {
+    match &state.route {
+        Some(route) => route.handles(),
+        None => crate::metric_handles::route_handles(UNMATCHED_ROUTE),
     }
 }
 

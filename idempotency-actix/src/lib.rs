@@ -255,6 +255,7 @@ mod record;
 mod rendered_error;
 mod replay;
 mod replay_cache;
+mod route_label;
 mod run_to_completion;
 mod scope;
 mod store;

@@ -8,9 +8,13 @@
 //! another recorder is in place (one installed later, or a thread-local one in tests).
 //!
 //! A handle is used where it is kept (no clone of it per request: a clone and its drop are
-//! two atomic reference counts).
+//! two atomic reference counts). A route's handles are kept together ([`RouteHandles`]),
+//! and the route label a layer keeps for its path holds them (`route_label`), so a request
+//! to that path reaches them with no lookup (checked, at each use, against the recorder in
+//! place).
 
-use std::cell::RefCell;
+use std::cell::{OnceCell, RefCell};
+use std::rc::Rc;
 
 /// Route patterns are the app's own, few and not chosen by clients, so they are hashed
 /// with foldhash (Actix's own choice for its maps), a fraction of the default SipHash.
@@ -27,10 +31,8 @@ thread_local! {
 struct MetricHandles {
     /// The recorder's address: handles of another recorder are never used.
     recorder: usize,
-    /// `idempotency_requests_total` by route, then outcome.
-    requests: HashMap<String, LabelledHandles<&'static str, Counter>>,
-    /// `idempotency_requests_in_flight` by route.
-    in_flight: HashMap<String, Gauge>,
+    /// The request metrics of each route.
+    routes: HashMap<String, Rc<RouteHandles>>,
     /// `idempotency_store_operation_duration_seconds` by operation and result.
     store_durations: LabelledHandles<(&'static str, &'static str), Histogram>,
     /// `idempotency_evictions_total` by source.
@@ -82,36 +84,62 @@ fn with_handles<T>(f: impl FnOnce(&mut MetricHandles) -> T) -> T {
     })
 }
 
-/// Adds one to the `idempotency_requests_total` counter of `route` and `outcome`, through
-/// the handle in place (no clone of it, so no two atomic reference counts per request).
-pub(crate) fn count_request(route: &str, outcome: &'static str) {
-    with_handles(|handles| {
-        let by_outcome = match handles.requests.get_mut(route) {
-            Some(by_outcome) => by_outcome,
-            None => handles.requests.entry(route.to_owned()).or_default(),
-        };
-        by_outcome
+/// One route's request metrics, made by one recorder: `idempotency_requests_total` by
+/// outcome and `idempotency_requests_in_flight`, each registered when first used.
+///
+/// A route label that a layer keeps ([`crate::route_label`]) keeps these with it, so that
+/// a request to that route reaches them without a lookup by its pattern.
+pub(crate) struct RouteHandles {
+    route: Box<str>,
+    /// The address of the recorder that made them.
+    recorder: usize,
+    requests: RefCell<LabelledHandles<&'static str, Counter>>,
+    in_flight: OnceCell<Gauge>,
+}
+
+impl RouteHandles {
+    /// Whether the recorder that made these handles is still the one in place.
+    pub(crate) fn are_current(&self) -> bool {
+        self.recorder == current_recorder()
+    }
+
+    /// Adds one to `idempotency_requests_total` of this route and `outcome`, through the
+    /// handle in place (no clone of it, so no two atomic reference counts per request).
+    pub(crate) fn count_request(&self, outcome: &'static str) {
+        self.requests
+            .borrow_mut()
             .get_or_register(outcome, || {
                 metrics::counter!(
                     crate::instrument::names::REQUESTS,
-                    "route" => route.to_owned(),
+                    "route" => self.route.to_string(),
                     "outcome" => outcome,
                 )
             })
             .increment(1);
-    });
+    }
+
+    /// This route's `idempotency_requests_in_flight` gauge.
+    pub(crate) fn in_flight(&self) -> &Gauge {
+        self.in_flight.get_or_init(|| {
+            metrics::gauge!(crate::instrument::names::IN_FLIGHT, "route" => self.route.to_string())
+        })
+    }
 }
 
-/// The `idempotency_requests_in_flight` gauge of `route`.
-pub(crate) fn in_flight(route: &str) -> Gauge {
+/// The request metrics of `route`, made by the recorder in place.
+pub(crate) fn route_handles(route: &str) -> Rc<RouteHandles> {
     with_handles(|handles| {
-        if let Some(gauge) = handles.in_flight.get(route) {
-            return gauge.clone();
+        if let Some(found) = handles.routes.get(route) {
+            return Rc::clone(found);
         }
-        let gauge =
-            metrics::gauge!(crate::instrument::names::IN_FLIGHT, "route" => route.to_owned());
-        handles.in_flight.insert(route.to_owned(), gauge.clone());
-        gauge
+        let made = Rc::new(RouteHandles {
+            route: route.into(),
+            recorder: handles.recorder,
+            requests: RefCell::default(),
+            in_flight: OnceCell::new(),
+        });
+        handles.routes.insert(route.to_owned(), Rc::clone(&made));
+        made
     })
 }
 
@@ -156,15 +184,15 @@ mod tests {
         let first = DebuggingRecorder::new();
         let first_snapshots = first.snapshotter();
         metrics::with_local_recorder(&first, || {
-            count_request("/a", "executed");
-            count_request("/a", "executed");
+            route_handles("/a").count_request("executed");
+            route_handles("/a").count_request("executed");
         });
         // Another recorder gets handles of its own, not the first one's.
         let second = DebuggingRecorder::new();
         let second_snapshots = second.snapshotter();
         metrics::with_local_recorder(&second, || {
             for _ in 0..5 {
-                count_request("/a", "executed");
+                route_handles("/a").count_request("executed");
             }
         });
         let total = |snapshot: metrics_util::debugging::Snapshot| {

@@ -344,6 +344,62 @@ async fn an_outcome_a_route_decides_under_an_app_claim_is_counted_once() {
     );
 }
 
+/// A layer keeps the pattern it found last where it is the path itself: requests to that
+/// path and to another pattern's, one after the other under one layer (on a scope), are
+/// each counted under their own pattern.
+#[actix_web::test]
+async fn requests_to_two_patterns_in_turn_are_counted_under_each() {
+    let _turn = one_at_a_time();
+    snapshotter();
+    let runs = RunCounter::default();
+    let server = {
+        let runs = runs.clone();
+        actix_test::start(move || {
+            let handler = |runs: RunCounter| {
+                web::post().to(move || {
+                    let runs = runs.clone();
+                    async move {
+                        runs.record();
+                        HttpResponse::Created().body("made")
+                    }
+                })
+            };
+            let items = web::scope("/in-turn")
+                .wrap(IdempotentRoute::new())
+                .service(web::resource("/items/special").route(handler(runs.clone())))
+                .service(web::resource("/items/{id}").route(handler(runs.clone())));
+            App::new()
+                .wrap(Idempotency::new(MemoryStore::new()))
+                .service(items)
+        })
+    };
+    let send_to = |path: &'static str, key: Option<&'static str>| {
+        let server = &server;
+        async move {
+            let reply = send(server, path, key, "{}").await;
+            assert_eq!(reply.status, StatusCode::CREATED, "{path}: {reply:?}");
+        }
+    };
+
+    for _ in 0..2 {
+        send_to("/in-turn/items/special", None).await;
+        send_to("/in-turn/items/7", None).await;
+    }
+    send_to("/in-turn/items/special", Some("s")).await;
+    send_to("/in-turn/items/8", Some("d")).await;
+    send_to("/in-turn/items/special", None).await;
+
+    assert_eq!(
+        outcomes_of("/in-turn/items/special"),
+        [("executed".to_owned(), 1), ("no_key".to_owned(), 3)]
+    );
+    assert_eq!(
+        outcomes_of("/in-turn/items/{id}"),
+        [("executed".to_owned(), 1), ("no_key".to_owned(), 2)]
+    );
+    assert_eq!(runs.get(), 7);
+}
+
 /// Failures of a store that cannot be reached are counted by fail mode; their `begin`s
 /// were never sent, so nothing is abandoned for them and no background retry is counted.
 #[actix_web::test]

@@ -17,6 +17,7 @@ use crate::engine::{Engine, Response, refuse, with_handler_body};
 use crate::error::IdempotencyError;
 use crate::instrument::RequestRecord;
 use crate::policy::Policy;
+use crate::route_label::LastRouteLabel;
 
 mod app;
 mod route;
@@ -150,12 +151,13 @@ where
 /// its commit complete even when the client disconnects and Actix drops this future: they
 /// then go on on a task of their own (the engine's `RunToCompletion`); no request costs a
 /// task otherwise. A keyless request that its route lets through takes a short path of its
-/// own.
+/// own. `last_route` is the calling layer's, which finds the request's route label.
 fn process<S, B>(
     engine: Rc<Engine>,
     policy: Policy,
     req: ServiceRequest,
     service: Rc<S>,
+    last_route: &Rc<LastRouteLabel>,
 ) -> IdempotencyFuture<S, B>
 where
     S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = actix_web::Error> + 'static,
@@ -163,7 +165,7 @@ where
 {
     let keyed = req.headers().contains_key(&engine.settings.header);
     if !keyed && !policy.required && !policy.transactional {
-        let record = engine.start_without_key(&req);
+        let record = engine.start_without_key(&req, last_route);
         return match record.wanted_span() {
             None => IdempotencyFuture {
                 inner: Inner::Keyless {
@@ -179,5 +181,8 @@ where
             })),
         };
     }
-    IdempotencyFuture::processing(built_in_box(move || engine.process(policy, req, service)))
+    let last_route = Rc::clone(last_route);
+    IdempotencyFuture::processing(built_in_box(move || {
+        engine.process(policy, req, service, last_route)
+    }))
 }

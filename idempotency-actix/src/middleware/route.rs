@@ -15,6 +15,7 @@ use crate::engine::{Claimed, EngineHandle, Response, is_safe_method, refuse, wit
 use crate::error::IdempotencyError;
 use crate::log_interval::LogInterval;
 use crate::policy::IdempotencyPolicy;
+use crate::route_label::LastRouteLabel;
 
 /// The line of a route's lease not applied at once, logged at most once per interval for the
 /// process: a store that is down fails it for every request.
@@ -138,6 +139,7 @@ where
         ready(Ok(IdempotentRouteMiddleware {
             service: Rc::new(service),
             policy: Rc::new(self.policy.clone()),
+            last_route: Rc::default(),
         }))
     }
 }
@@ -166,6 +168,7 @@ where
 pub struct IdempotentRouteMiddleware<S> {
     service: Rc<S>,
     policy: Rc<IdempotencyPolicy>,
+    last_route: Rc<LastRouteLabel>,
 }
 
 impl<S, B> Service<ServiceRequest> for IdempotentRouteMiddleware<S>
@@ -277,7 +280,13 @@ where
             Some(_) => pass_through(&*self.service, req),
             None => {
                 let policy = self.policy.apply_to(&engine.settings.defaults);
-                process(engine, policy, req, Rc::clone(&self.service))
+                process(
+                    engine,
+                    policy,
+                    req,
+                    Rc::clone(&self.service),
+                    &self.last_route,
+                )
             }
         }
     }
