@@ -36,7 +36,7 @@ use crate::record::StoredResponse;
 use crate::rendered_error::RenderedError;
 use crate::replay::{ReplayedHeaders, replay_response};
 use crate::replay_cache::ReplayCache;
-use crate::route_label::LastRouteLabel;
+use crate::route_label::RouteLabels;
 use crate::run_to_completion::{RunToCompletion, panic_message};
 use crate::scope::{KeyScope, StorageKey};
 use crate::store::{BeginOutcome, DynStore, LeaseToken, StoreError};
@@ -259,20 +259,20 @@ impl Engine {
     ///
     /// A keyed request takes its share of the worker's workload (its slot) once its body
     /// has arrived; a streamed response keeps it until its record is complete.
-    /// `last_route` is the calling layer's, which finds the request's route label.
+    /// `route_labels` is the calling layer's, which finds the request's route label.
     pub(crate) async fn process<S, B>(
         self: Rc<Self>,
         policy: Policy,
         req: ServiceRequest,
         service: Rc<S>,
-        last_route: Rc<LastRouteLabel>,
+        route_labels: Rc<RouteLabels>,
     ) -> Result<Response<B>, actix_web::Error>
     where
         S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = actix_web::Error>
             + 'static,
         B: MessageBody + 'static,
     {
-        let record = RequestRecord::start(&req, &last_route);
+        let record = RequestRecord::start(&req, &route_labels);
         update_handle(&req, &self, |handle| {
             handle.record = Some(record.shared_state())
         });
@@ -296,13 +296,13 @@ impl Engine {
     /// optional, not transactional): records its outcome and claims it so that layers
     /// further in leave it alone. The caller passes it to the inner service and
     /// [`finish`](RequestRecord::finish)es the record it gets back: no store step can
-    /// follow. `last_route` is as for [`process`](Self::process).
+    /// follow. `route_labels` is as for [`process`](Self::process).
     pub(crate) fn start_without_key(
         self: &Rc<Self>,
         req: &ServiceRequest,
-        last_route: &LastRouteLabel,
+        route_labels: &RouteLabels,
     ) -> RequestRecord {
-        let record = RequestRecord::start(req, last_route);
+        let record = RequestRecord::start(req, route_labels);
         update_handle(req, self, |handle| {
             handle.record = Some(record.shared_state());
             go_on_without_key(handle);

@@ -25,7 +25,7 @@ use tracing::Span;
 
 use crate::engine::record_state;
 use crate::error::IdempotencyError;
-use crate::route_label::{LastRouteLabel, RouteLabel};
+use crate::route_label::{RouteLabel, RouteLabels};
 use crate::store::StoreError;
 
 /// The `route` label of a request that matched no route pattern.
@@ -349,8 +349,8 @@ impl RequestRecord {
     /// reachable by later layers, in the request's
     /// [`EngineHandle`](crate::engine::EngineHandle) (one extension for the
     /// engine, the claim and the record: each extension a request gets costs an allocation
-    /// and an insertion). `last_route` is the calling layer's: it finds the route label.
-    pub(crate) fn start(req: &ServiceRequest, last_route: &LastRouteLabel) -> Self {
+    /// and an insertion). `route_labels` is the calling layer's: it finds the route label.
+    pub(crate) fn start(req: &ServiceRequest, route_labels: &RouteLabels) -> Self {
         let span = tracing::info_span!(
             "idempotency",
             http.route = tracing::field::Empty,
@@ -358,7 +358,8 @@ impl RequestRecord {
             http.response.status_code = tracing::field::Empty,
         );
         // The pattern may cost a lookup and an allocation: only when someone will read it.
-        let route = (cfg!(feature = "metrics") || !span.is_disabled()).then(|| last_route.of(req));
+        let route =
+            (cfg!(feature = "metrics") || !span.is_disabled()).then(|| route_labels.of(req));
         if let Some(route) = &route
             && !span.is_disabled()
         {

@@ -1,9 +1,9 @@
 //! [`RouteLabel`]: the route pattern a protected request is recorded under (the
 //! `http.route` field of its span, the `route` label of its metrics), and
-//! [`LastRouteLabel`], which spares a layer Actix's search for it, and the search for the
-//! route's metrics, when a request comes to the path it saw last.
+//! [`RouteLabels`], which spares a layer Actix's search for it, and the search for the
+//! route's metrics, when a request comes to a path the layer has seen.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
 use actix_web::dev::ServiceRequest;
@@ -14,8 +14,8 @@ use crate::metric_handles::{RouteHandles, route_handles};
 
 /// The route pattern of one request.
 pub(crate) enum RouteLabel {
-    /// A pattern without dynamic segments, equal to the request's path, kept by the
-    /// layer's [`LastRouteLabel`].
+    /// A pattern equal to the request's path (in practice a route without dynamic segments,
+    /// such as `/orders`), kept by the layer's [`RouteLabels`].
     Path(Rc<KeptRoute>),
     /// Any other pattern (`/orders/{id}`), found for this request.
     Pattern(String),
@@ -45,7 +45,7 @@ impl RouteLabel {
 
 /// A route pattern a layer keeps, and the route's metrics once a request has used them.
 pub(crate) struct KeptRoute {
-    pattern: Box<str>,
+    pattern: String,
     #[cfg(feature = "metrics")]
     handles: RefCell<Option<Rc<RouteHandles>>>,
 }
@@ -63,42 +63,59 @@ impl KeptRoute {
     }
 }
 
-/// The pattern a layer last found that is its request's path itself (a route without
-/// dynamic segments, such as `/orders`).
+/// How many patterns a layer keeps: a layer on a resource sees one path, an app layer that
+/// claims requests before routing (`protect_methods`) the paths of all its routes.
+const KEPT_ROUTES: usize = 8;
+
+/// The patterns a layer found that were their requests' paths themselves (routes without
+/// dynamic segments, such as `/orders`), up to [`KEPT_ROUTES`] of them.
 ///
 /// Actix finds a request's pattern by walking the app's resource map and builds it into a
 /// new `String` (about 350 instructions with the allocation and its release), and the
-/// route's metrics are then found by that pattern. A layer sees the same few paths over and
-/// over. Actix's pattern for a path depends on nothing else where a layer can ask for it:
-/// before routing (an app layer) and in a layer on a scope, it is found by the path alone;
-/// in a layer on a resource, it is that resource's. Besides, a request whose path is the
-/// pattern found last, and that matched no dynamic segment, can only have been routed to
-/// that pattern: a path is matched by one static pattern only, itself, and a request routed
-/// to a pattern with dynamic segments carries at least one (`ServiceRequest::match_info`).
+/// route's metrics are then found by that pattern; a layer sees the same few paths over
+/// and over. Where a layer can ask for it, Actix's pattern depends on the path alone:
+/// before routing (an app layer) and in a layer on a scope, it is the first pattern of the
+/// app's resource map that matches the path (whichever resource the guards then pick); in
+/// a layer on a resource, it is that resource's first pattern, whatever the path. So a
+/// request whose path is a pattern a layer found for that path before gets that pattern
+/// again.
 #[derive(Default)]
-pub(crate) struct LastRouteLabel(RefCell<Option<Rc<KeptRoute>>>);
+pub(crate) struct RouteLabels {
+    kept: RefCell<Vec<Rc<KeptRoute>>>,
+    /// The kept pattern the next one found replaces once [`KEPT_ROUTES`] are kept.
+    next_replaced: Cell<usize>,
+}
 
-impl LastRouteLabel {
+impl RouteLabels {
     /// The route label of `req`.
     pub(crate) fn of(&self, req: &ServiceRequest) -> RouteLabel {
-        if let Some(last) = self.0.borrow().as_ref()
-            && *last.pattern == *req.path()
-            && req.match_info().segment_count() == 0
-        {
-            return RouteLabel::Path(Rc::clone(last));
+        let path = req.path();
+        if let Some(kept) = self.kept.borrow().iter().find(|kept| kept.pattern == path) {
+            return RouteLabel::Path(Rc::clone(kept));
         }
         match req.match_pattern() {
             None => RouteLabel::Unmatched,
-            Some(pattern) if pattern == req.path() && req.match_info().segment_count() == 0 => {
-                let kept = Rc::new(KeptRoute {
-                    pattern: pattern.into_boxed_str(),
+            Some(pattern) if pattern == path => {
+                let found = Rc::new(KeptRoute {
+                    pattern,
                     #[cfg(feature = "metrics")]
                     handles: RefCell::new(None),
                 });
-                self.0.replace(Some(Rc::clone(&kept)));
-                RouteLabel::Path(kept)
+                self.keep(Rc::clone(&found));
+                RouteLabel::Path(found)
             }
             Some(pattern) => RouteLabel::Pattern(pattern),
+        }
+    }
+
+    fn keep(&self, found: Rc<KeptRoute>) {
+        let mut kept = self.kept.borrow_mut();
+        if kept.len() < KEPT_ROUTES {
+            kept.push(found);
+        } else {
+            let replaced = self.next_replaced.get();
+            kept[replaced] = found;
+            self.next_replaced.set((replaced + 1) % KEPT_ROUTES);
         }
     }
 }

@@ -344,11 +344,11 @@ async fn an_outcome_a_route_decides_under_an_app_claim_is_counted_once() {
     );
 }
 
-/// A layer keeps the pattern it found last where it is the path itself: requests to that
-/// path and to another pattern's, one after the other under one layer (on a scope), are
-/// each counted under their own pattern.
+/// A layer keeps the patterns it found that were the path itself: requests to two such
+/// paths and to another pattern's, in turn under one layer (on a scope), are each counted
+/// under their own pattern.
 #[actix_web::test]
-async fn requests_to_two_patterns_in_turn_are_counted_under_each() {
+async fn requests_to_three_patterns_in_turn_are_counted_under_each() {
     let _turn = one_at_a_time();
     snapshotter();
     let runs = RunCounter::default();
@@ -367,6 +367,7 @@ async fn requests_to_two_patterns_in_turn_are_counted_under_each() {
             let items = web::scope("/in-turn")
                 .wrap(IdempotentRoute::new())
                 .service(web::resource("/items/special").route(handler(runs.clone())))
+                .service(web::resource("/other").route(handler(runs.clone())))
                 .service(web::resource("/items/{id}").route(handler(runs.clone())));
             App::new()
                 .wrap(Idempotency::new(MemoryStore::new()))
@@ -383,9 +384,11 @@ async fn requests_to_two_patterns_in_turn_are_counted_under_each() {
 
     for _ in 0..2 {
         send_to("/in-turn/items/special", None).await;
+        send_to("/in-turn/other", None).await;
         send_to("/in-turn/items/7", None).await;
     }
     send_to("/in-turn/items/special", Some("s")).await;
+    send_to("/in-turn/other", Some("o")).await;
     send_to("/in-turn/items/8", Some("d")).await;
     send_to("/in-turn/items/special", None).await;
 
@@ -394,10 +397,14 @@ async fn requests_to_two_patterns_in_turn_are_counted_under_each() {
         [("executed".to_owned(), 1), ("no_key".to_owned(), 3)]
     );
     assert_eq!(
+        outcomes_of("/in-turn/other"),
+        [("executed".to_owned(), 1), ("no_key".to_owned(), 2)]
+    );
+    assert_eq!(
         outcomes_of("/in-turn/items/{id}"),
         [("executed".to_owned(), 1), ("no_key".to_owned(), 2)]
     );
-    assert_eq!(runs.get(), 7);
+    assert_eq!(runs.get(), 10);
 }
 
 /// Failures of a store that cannot be reached are counted by fail mode; their `begin`s

@@ -19,7 +19,7 @@ use crate::log_interval::LogInterval;
 use crate::policy::{IdempotencyPolicy, checked};
 use crate::replay::ReplayedHeaders;
 use crate::replay_cache::ReplayCache;
-use crate::route_label::LastRouteLabel;
+use crate::route_label::RouteLabels;
 use crate::scope::KeyScope;
 use crate::store::{DynStore, IdempotencyStore, MemoryStore, MemoryStoreBuilder};
 use crate::workload::Workload;
@@ -812,7 +812,7 @@ where
                 store_failures: LogInterval::new(),
             }),
             methods: Rc::from(self.methods.as_slice()),
-            last_route: Rc::default(),
+            route_labels: Rc::default(),
         }))
     }
 }
@@ -860,7 +860,7 @@ pub struct IdempotencyMiddleware<S> {
     service: Rc<S>,
     engine: Rc<Engine>,
     methods: Rc<[Method]>,
-    last_route: Rc<LastRouteLabel>,
+    route_labels: Rc<RouteLabels>,
 }
 
 impl<S, B> Service<ServiceRequest> for IdempotencyMiddleware<S>
@@ -908,7 +908,7 @@ where
             policy,
             req,
             Rc::clone(&self.service),
-            &self.last_route,
+            &self.route_labels,
         )
     }
 }

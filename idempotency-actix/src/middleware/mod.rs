@@ -17,7 +17,7 @@ use crate::engine::{Engine, Response, refuse, with_handler_body};
 use crate::error::IdempotencyError;
 use crate::instrument::RequestRecord;
 use crate::policy::Policy;
-use crate::route_label::LastRouteLabel;
+use crate::route_label::RouteLabels;
 
 mod app;
 mod route;
@@ -151,13 +151,13 @@ where
 /// its commit complete even when the client disconnects and Actix drops this future: they
 /// then go on on a task of their own (the engine's `RunToCompletion`); no request costs a
 /// task otherwise. A keyless request that its route lets through takes a short path of its
-/// own. `last_route` is the calling layer's, which finds the request's route label.
+/// own. `route_labels` is the calling layer's, which finds the request's route label.
 fn process<S, B>(
     engine: Rc<Engine>,
     policy: Policy,
     req: ServiceRequest,
     service: Rc<S>,
-    last_route: &Rc<LastRouteLabel>,
+    route_labels: &Rc<RouteLabels>,
 ) -> IdempotencyFuture<S, B>
 where
     S: Service<ServiceRequest, Response = ServiceResponse<B>, Error = actix_web::Error> + 'static,
@@ -165,7 +165,7 @@ where
 {
     let keyed = req.headers().contains_key(&engine.settings.header);
     if !keyed && !policy.required && !policy.transactional {
-        let record = engine.start_without_key(&req, last_route);
+        let record = engine.start_without_key(&req, route_labels);
         return match record.wanted_span() {
             None => IdempotencyFuture {
                 inner: Inner::Keyless {
@@ -181,8 +181,8 @@ where
             })),
         };
     }
-    let last_route = Rc::clone(last_route);
+    let route_labels = Rc::clone(route_labels);
     IdempotencyFuture::processing(built_in_box(move || {
-        engine.process(policy, req, service, last_route)
+        engine.process(policy, req, service, route_labels)
     }))
 }

@@ -15,7 +15,7 @@ use crate::engine::{Claimed, EngineHandle, Response, is_safe_method, refuse, wit
 use crate::error::IdempotencyError;
 use crate::log_interval::LogInterval;
 use crate::policy::IdempotencyPolicy;
-use crate::route_label::LastRouteLabel;
+use crate::route_label::RouteLabels;
 
 /// The line of a route's lease not applied at once, logged at most once per interval for the
 /// process: a store that is down fails it for every request.
@@ -139,7 +139,7 @@ where
         ready(Ok(IdempotentRouteMiddleware {
             service: Rc::new(service),
             policy: Rc::new(self.policy.clone()),
-            last_route: Rc::default(),
+            route_labels: Rc::default(),
         }))
     }
 }
@@ -168,7 +168,7 @@ where
 pub struct IdempotentRouteMiddleware<S> {
     service: Rc<S>,
     policy: Rc<IdempotencyPolicy>,
-    last_route: Rc<LastRouteLabel>,
+    route_labels: Rc<RouteLabels>,
 }
 
 impl<S, B> Service<ServiceRequest> for IdempotentRouteMiddleware<S>
@@ -285,7 +285,7 @@ where
                     policy,
                     req,
                     Rc::clone(&self.service),
-                    &self.last_route,
+                    &self.route_labels,
                 )
             }
         }
