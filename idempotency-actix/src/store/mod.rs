@@ -109,6 +109,12 @@ impl LeaseToken {
         // Only ASCII hex digits are ever written.
         std::str::from_utf8(&self.0).unwrap_or_default()
     }
+
+    /// The token's digits as bytes, without the UTF-8 check `as_str` makes (the Redis
+    /// store writes and compares them as bytes several times per request).
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
 }
 
 impl std::fmt::Debug for LeaseToken {

@@ -98,7 +98,7 @@ pub(super) const fn least_shard_budget(prefix_len: usize) -> usize {
 
 /// The bytes an in-flight record under `key` held by `token` is charged.
 pub(super) fn in_flight_bytes(key: &str, token: &LeaseToken) -> usize {
-    ENTRY_OVERHEAD + key.len() + token.as_str().len()
+    ENTRY_OVERHEAD + key.len() + token.as_bytes().len()
 }
 
 /// The bytes the marker of `tokens` under `key` is charged.
@@ -123,7 +123,7 @@ pub(super) fn in_flight_over_marker_bytes(
 fn tokens_bytes(tokens: &[LeaseToken]) -> usize {
     tokens
         .iter()
-        .map(|token| size_of::<LeaseToken>() + ALLOCATION_OVERHEAD + token.as_str().len())
+        .map(|token| size_of::<LeaseToken>() + ALLOCATION_OVERHEAD + token.as_bytes().len())
         .sum()
 }
 

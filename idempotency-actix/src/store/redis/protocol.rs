@@ -526,7 +526,7 @@ pub(crate) fn begin_outcome(
         Found::InFlight {
             token: holder,
             fingerprint: _,
-        } if holder == token.as_str().as_bytes() => (BeginOutcome::Acquired, None),
+        } if holder == token.as_bytes() => (BeginOutcome::Acquired, None),
         Found::InFlight { fingerprint, .. } | Found::Completed { fingerprint, .. }
             if fingerprint != ours =>
         {

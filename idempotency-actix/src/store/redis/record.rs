@@ -58,7 +58,7 @@ pub(super) const TOKEN_OFFSET: usize = 34;
 
 /// The in-flight record `begin` writes: the header alone.
 pub(super) fn in_flight(fingerprint: &Fingerprint, token: &LeaseToken) -> Vec<u8> {
-    let mut record = Vec::with_capacity(TOKEN_OFFSET + 1 + token.as_str().len());
+    let mut record = Vec::with_capacity(TOKEN_OFFSET + 1 + token.as_bytes().len());
     record.push(FORMAT);
     record.push(IN_FLIGHT);
     record.extend_from_slice(fingerprint.as_bytes());
@@ -76,14 +76,14 @@ pub(super) fn abandoned(token: &LeaseToken) -> Vec<u8> {
 
 /// The token as records hold it: its length, then its bytes (what the functions compare).
 pub(super) fn token_field(token: &LeaseToken) -> Vec<u8> {
-    let mut field = Vec::with_capacity(1 + token.as_str().len());
+    let mut field = Vec::with_capacity(1 + token.as_bytes().len());
     push_token_field(&mut field, token);
     field
 }
 
 /// Appends the token field of `token` to `out`.
 fn push_token_field(out: &mut Vec<u8>, token: &LeaseToken) {
-    let token = token.as_str().as_bytes();
+    let token = token.as_bytes();
     // Tokens are 32 characters; a longer one (never generated) is cut to stay readable.
     let token = &token[..token.len().min(usize::from(u8::MAX))];
     out.push(token.len() as u8);
@@ -168,7 +168,7 @@ pub(super) fn completed_by(record: &[u8], token: &LeaseToken) -> bool {
 /// Whether the token fields of a marker (see [`Found::Abandoned`]) hold `token`; a field cut
 /// short at the end is ignored.
 pub(super) fn remembers(mut tokens: &[u8], token: &LeaseToken) -> bool {
-    let token = token.as_str().as_bytes();
+    let token = token.as_bytes();
     while let Some((&len, rest)) = tokens.split_first() {
         let Some((field, rest)) = rest.split_at_checked(usize::from(len)) else {
             return false;
@@ -236,7 +236,7 @@ mod tests {
             Found::read(&record),
             Ok(Found::InFlight {
                 fingerprint: &[7; 32],
-                token: token.as_str().as_bytes()
+                token: token.as_bytes()
             })
         );
     }
