@@ -421,7 +421,7 @@ impl RequestRecord {
         #[cfg(feature = "metrics")]
         {
             describe_once();
-            route_handles_of(&self.state).count_request(outcome.as_str());
+            route_handles_of(Some(&self.state)).count_request(outcome.as_str());
         }
     }
 }
@@ -488,10 +488,7 @@ impl LockHeld {
     pub(crate) fn enter(extensions: &Extensions) -> Self {
         #[cfg(feature = "metrics")]
         {
-            let route = match record_state(extensions) {
-                Some(state) => route_handles_of(state),
-                None => crate::metric_handles::route_handles(UNMATCHED_ROUTE),
-            };
+            let route = route_handles_of(record_state(extensions));
             route.in_flight().increment(1.0);
             Self { route }
         }
@@ -507,10 +504,11 @@ impl Drop for LockHeld {
     }
 }
 
-/// The request metrics of the route `state` is recorded under.
+/// The request metrics of the route `state` is recorded under ([`UNMATCHED_ROUTE`]'s for a
+/// request without a record or a route label).
 #[cfg(feature = "metrics")]
-fn route_handles_of(state: &RequestState) -> Rc<crate::metric_handles::RouteHandles> {
-    match &state.route {
+fn route_handles_of(state: Option<&RequestState>) -> Rc<crate::metric_handles::RouteHandles> {
+    match state.and_then(|state| state.route.as_ref()) {
         Some(route) => route.handles(),
         None => crate::metric_handles::route_handles(UNMATCHED_ROUTE),
     }
