@@ -979,6 +979,13 @@ pub struct TestDatabase {
 impl TestDatabase {
     /// Creates one, named after this process and a random suffix.
     ///
+    /// Its sessions commit without waiting for the WAL to reach the disk
+    /// (`synchronous_commit = off`): what they commit is seen by every other session at once,
+    /// as before, and only a crash of the server itself could lose it, which no test makes.
+    /// Waiting for the disk made each write as slow as the machine's other I/O: with a
+    /// compiler writing beside the tests (CI's lints), the PostgreSQL lease tests'
+    /// renewals, 50 ms each by design, took long enough for leases to lapse.
+    ///
     /// # Panics
     ///
     /// When PostgreSQL does not answer or refuses, with a message that says how to start it.
@@ -994,6 +1001,14 @@ impl TestDatabase {
             .batch_execute(&format!("CREATE DATABASE \"{name}\""))
             .await
             .unwrap_or_else(|error| panic!("cannot create the test database {name}: {error}"));
+        // A statement of its own: several in one message make one transaction, which
+        // `CREATE DATABASE` refuses.
+        admin
+            .batch_execute(&format!(
+                "ALTER DATABASE \"{name}\" SET synchronous_commit = off"
+            ))
+            .await
+            .unwrap_or_else(|error| panic!("cannot configure the test database {name}: {error}"));
         let url = database_url(&postgres_admin_url(), &name);
         Self { name, url }
     }
