@@ -1258,15 +1258,25 @@ impl Engine {
     ) {
         let store = Rc::clone(&self.store);
         let key = key.clone();
+        // The first attempt counts as work in progress, so that a drain waits for it (50 ms
+        // and at most the store timeout): a graceful stop right after a client left during
+        // its `begin` would otherwise end the process before the abandon is sent, and the
+        // key would answer 409 for a lease with no handler running. The attempts after it
+        // do not count: they may go on for a whole lease while another record holds the
+        // key or the store is down, and a late `begin` they failed to cover only locks the
+        // key for a lease, with no handler run.
+        let mut first_attempt = Some(InProgress::start());
         let operation = move || {
             let (store, key, token) = (Rc::clone(&store), key.clone(), token);
-            async move { store.abandon(&key, &token, remember_for).await }
+            let counted = first_attempt.take();
+            async move {
+                // Dropped when the attempt ends, answered or cut off by the store timeout.
+                let _counted = counted;
+                store.abandon(&key, &token, remember_for).await
+            }
         };
         let timeout = self.settings.store_timeout;
         let deadline = Instant::now() + lease;
-        // Not counted as work in progress for a drain: it may retry for a whole lease while
-        // another record holds the key, and a late `begin` it failed to cover only locks
-        // the key for a lease, with no handler run.
         actix_rt::spawn(async move {
             let kind = StoreOperation::Release;
             match retry_in_background(kind, timeout, deadline, operation, |done| *done).await {

@@ -697,10 +697,12 @@ impl Idempotency {
     /// stop, then stop the server.
     ///
     /// Keyed work is a keyed request from the moment its body has arrived until its response
-    /// is committed or its key released, whether or not its client is still there, and a
-    /// commit retried in the background. (Not the background abandon of a `begin` that did
-    /// not answer: it may retry for a whole lease, and what it guards against, a late
-    /// `begin`, only locks a key for a lease.)
+    /// is committed or its key released, whether or not its client is still there, a
+    /// commit retried in the background, and the first attempt of the background abandon
+    /// of a `begin` that did not answer (its client left, or it timed out): a stop right
+    /// after such a client left would otherwise leave the key locked for a lease. (Not the
+    /// abandon's later attempts: they may go on for a whole lease while the store is down,
+    /// and what they guard against, a late `begin`, only locks a key for a lease.)
     ///
     /// Why: Actix's graceful stop waits only for requests whose connection is open, then
     /// its worker threads end and drop what they still run. A keyed request whose client
