@@ -530,19 +530,20 @@ where
                 read.extend_from_slice(&chunk);
                 // Of a body of known size the client gets no more than that size (Actix
                 // writes no more), as on other routes: once that much is read, it is the
-                // whole body, sent and stored as such.
-                if let Some(size) = declared
+                // whole body, sent and stored as such, if it fits in `limit` (checked
+                // first: the chunk that reaches the size may also pass the limit).
+                let whole = declared
                     .and_then(|size| usize::try_from(size).ok())
-                    .filter(|&size| read.len() >= size)
-                {
-                    read.truncate(size);
-                    let bytes = read.freeze();
-                    return (BoxBody::new(bytes.clone()), Some(bytes));
-                }
-                if read.len() > limit {
+                    .filter(|&size| read.len() >= size);
+                if read.len().min(whole.unwrap_or(usize::MAX)) > limit {
                     let rest = futures_util::stream::poll_fn(move |cx| body.as_mut().poll_next(cx));
                     let all = futures_util::stream::once(ready(Ok(read.freeze()))).chain(rest);
                     return (BoxBody::new(BodyStream::new(all)), None);
+                }
+                if let Some(size) = whole {
+                    read.truncate(size);
+                    let bytes = read.freeze();
+                    return (BoxBody::new(bytes.clone()), Some(bytes));
                 }
             }
             Some(Err(error)) => {

@@ -497,6 +497,18 @@ pub(crate) fn is_out_of_memory(error: &StoreError) -> bool {
     }
 }
 
+/// Whether `reply` (to [`read`]) is the in-flight record of `token`. Never panics, whatever
+/// the bytes.
+pub(crate) fn is_lock_of(reply: &Value, token: &LeaseToken) -> bool {
+    match reply {
+        Value::BulkString(record) => matches!(
+            Found::read(record),
+            Ok(Found::InFlight { token: holder, .. }) if holder == token.as_bytes()
+        ),
+        _ => false,
+    }
+}
+
 /// What the reply to [`begin`] (or [`claim`]) says.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Begun {

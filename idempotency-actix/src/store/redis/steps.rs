@@ -97,9 +97,19 @@ impl<T: Transport> Steps<'_, T> {
                 .await
             {
                 // A full Redis refuses the claim before it runs (it may grow memory), as it
-                // refuses the `SET` of a new key: this token holds nothing.
+                // refuses the `SET` of a new key. But a claim sent again after a
+                // reconnection may have run the first time, its reply lost: read the key,
+                // and go on with this token's own lock if that is what it holds (else the
+                // key stayed locked for a lease, never abandoned: a refusal wrote nothing).
                 Err(error) if protocol::is_out_of_memory(&error) => {
-                    return Err(refused_as_full(error));
+                    let read = self
+                        .transport
+                        .send(&Exchange::plain(protocol::read(key)))
+                        .await?;
+                    if !protocol::is_lock_of(&read.value, token) {
+                        return Err(refused_as_full(error));
+                    }
+                    read
                 }
                 reply => reply?,
             };
@@ -652,6 +662,73 @@ mod tests {
         assert!(matches!(committed, Ok(true)), "{committed:?}");
         assert_eq!(called_function, [false, true]);
         assert_eq!(next, CommitBy::ConditionalSet);
+    }
+
+    /// What a full Redis (`maxmemory`, `noeviction`) answers a write that may grow memory.
+    fn out_of_memory() -> StoreError {
+        let reply = b"-OOM command not allowed when used memory > 'maxmemory'.\r\n";
+        let error = redis::parse_redis_value(reply)
+            .and_then(redis::Value::extract_error)
+            .expect_err("an error reply");
+        protocol::store_error(error)
+    }
+
+    /// Begins `commit`'s key for its token on a transport that answers `answers` in turn.
+    async fn begun(
+        commit: &Commit,
+        answers: Vec<Result<redis::Value, StoreError>>,
+    ) -> Result<BeginOutcome, StoreError> {
+        let transport = ScriptedResults {
+            answers: RefCell::new(answers),
+            called_function: RefCell::new(Vec::new()),
+        };
+        let steps = Steps {
+            transport: &transport,
+            replication: None,
+            conditional_set: &ConditionalSet::default(),
+        };
+        let (outcome, _) = steps
+            .begin(&commit.key, &commit.fingerprint, &commit.token, TTL)
+            .await?;
+        Ok(outcome)
+    }
+
+    /// A claim over another token's marker ran, its reply was lost with its connection,
+    /// and the claim sent again on the next connection was refused by a Redis full by
+    /// then: the key holds this token's lock, so the request goes on under it. Taken for
+    /// "wrote nothing", the lock stayed a whole lease, never abandoned, and every retry
+    /// meanwhile answered 409 (helper review).
+    #[actix_rt::test]
+    async fn a_claim_resent_and_refused_as_full_goes_on_under_the_lock_its_first_send_took() {
+        let commit = Commit::new();
+        let marker = record::abandoned(&LeaseToken::generate());
+        let mut claimed = commit.own_lock();
+        claimed.extend_from_slice(&marker);
+        let answers = vec![
+            Ok(redis::Value::BulkString(marker)),
+            Err(out_of_memory()),
+            Ok(redis::Value::BulkString(claimed)),
+        ];
+        let outcome = begun(&commit, answers).await;
+        assert!(matches!(outcome, Ok(BeginOutcome::Acquired)), "{outcome:?}");
+    }
+
+    /// A claim refused by a full Redis where the key still holds the marker it was sent
+    /// over: refused (503 when failing closed), nothing written, nothing to abandon.
+    #[actix_rt::test]
+    async fn a_claim_refused_as_full_that_took_nothing_is_refused() {
+        let commit = Commit::new();
+        let marker = record::abandoned(&LeaseToken::generate());
+        let answers = vec![
+            Ok(redis::Value::BulkString(marker.clone())),
+            Err(out_of_memory()),
+            Ok(redis::Value::BulkString(marker)),
+        ];
+        let outcome = begun(&commit, answers).await;
+        assert!(
+            matches!(outcome, Err(StoreError::Refused(_))),
+            "{outcome:?}"
+        );
     }
 
     const TTL: Duration = Duration::from_secs(60);
