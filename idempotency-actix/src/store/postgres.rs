@@ -338,7 +338,7 @@ impl Statements {
                                       AND a.attname = 'expires_at') THEN
                          CREATE INDEX ON {t} (expires_at);
                      END IF;
-                     -- Tables of 0.2 allow only the states 'i' and 'c'; allow 'a' too.
+                     -- Tables of earlier 0.1 development builds allow only the states 'i' and 'c'; allow 'a' too.
                      FOR old IN SELECT conname FROM pg_constraint
                                 WHERE conrelid = '{literal}'::regclass AND contype = 'c'
                                   AND pg_get_constraintdef(oid) LIKE '%state%'
