@@ -213,6 +213,11 @@ pub(crate) struct HeldLock {
     /// ...and to how far: the record expires `applied_lease` after `renewed_at`. It differs
     /// from `lease` from the moment a route layer changes that until a renewal applies it.
     applied_lease: Cell<Duration>,
+    /// The shortest lease `begin` or a renewal of this lock was sent with. A renewal given up
+    /// (by the store timeout) may still land at any time, and set the record's expiry to
+    /// the lease it was sent with from then: so the lock is renewed within a third of this
+    /// lease too, not only of `applied_lease` (see [`HeldLock::renewal_due`]).
+    shortest_lease_sent: Cell<Duration>,
     /// When the oldest renewal whose write may still answer another was sent: one on its
     /// way, or given up (by the store timeout or its caller) since a renewal answered with
     /// none on its way (see `HeldLock::renew_counted`).
@@ -475,6 +480,7 @@ impl Engine {
                     lease: Cell::new(policy.lease),
                     renewed_at: Cell::new(pending.sent_at.get()),
                     applied_lease: Cell::new(policy.lease),
+                    shortest_lease_sent: Cell::new(policy.lease),
                     unresolved_since: Cell::new(None),
                     renewals_on_their_way: Cell::new(0),
                     route_policy: RefCell::new(None),
@@ -708,6 +714,7 @@ impl Engine {
             lease: Cell::new(policy.lease),
             renewed_at: Cell::new(held.sent_at),
             applied_lease: Cell::new(policy.lease),
+            shortest_lease_sent: Cell::new(policy.lease),
             unresolved_since: Cell::new(None),
             renewals_on_their_way: Cell::new(0),
             route_policy: RefCell::new(None),
@@ -1679,6 +1686,8 @@ impl HeldLock {
     /// follows the handler, and after renewals given up by the store timeout.
     pub(crate) async fn renew_counted(&self) -> (Result<bool, StoreError>, Instant) {
         let lease = self.lease.get();
+        self.shortest_lease_sent
+            .set(self.shortest_lease_sent.get().min(lease));
         let sent = Instant::now();
         let counted_from = *self.unresolved_since.get().get_or_insert(sent);
         self.unresolved_since.set(Some(counted_from));
@@ -1697,12 +1706,20 @@ impl HeldLock {
     }
 
     /// Whether the lease is to be renewed now: a third of the lease the store holds has
-    /// passed, or the lease was changed and the store does not hold the new one yet (a route
-    /// layer's renewal failed: the record still expires by the old one, however long the
-    /// new one is).
+    /// passed, or of the shortest lease sent for this lock if that is shorter, or the lease
+    /// was changed and the store does not hold the new one yet (a route layer's renewal
+    /// failed: the record still expires by the old one, however long the new one is).
+    ///
+    /// The shortest lease sent counts because a renewal given up by the store timeout may
+    /// land after the renewals that followed it (a connection that stalled, then delivered
+    /// it): where a route layer lengthened the lease, such a renewal of the old lease cut the
+    /// record's expiry back to that lease while the lock went on being renewed every third of
+    /// the new one, and a duplicate ran the handler a second time once it expired
+    /// (`lease_timing.rs`).
     fn renewal_due(&self) -> bool {
         let applied = self.applied_lease.get();
-        self.lease.get() != applied || self.renewed_at.get().elapsed() >= applied / 3
+        let shortest = applied.min(self.shortest_lease_sent.get());
+        self.lease.get() != applied || self.renewed_at.get().elapsed() >= shortest / 3
     }
 }
 

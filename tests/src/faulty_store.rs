@@ -29,7 +29,9 @@ use crate::RunCounter;
 /// `release` is counted in `releases` as it is sent and reaches `inner` only after
 /// `release_delay`; its next `late_begins` fail as a store that times out does and reach
 /// `inner` only `late_by` later, on their own, counted in `late_landed` once they did (a `begin` stuck in a connection's queue that
-/// lands after its request gave it up); its next `lost_releases` never reach `inner` and
+/// lands after its request gave it up), and so do its next `late_renewals` renewals (a
+/// renewal given up by the store timeout that lands later, setting the lease it was sent
+/// with); its next `lost_releases` never reach `inner` and
 /// fail as a store that times out does (a process stopped before they were sent); each
 /// `abandon` reaches `inner` only after `abandon_delay` and is counted in `abandons` once it
 /// did. Clones share the store and the counts.
@@ -76,6 +78,8 @@ pub struct FaultyStore {
     pub late_by: Duration,
     /// The late `begin`s that reached `inner`, counted once they did.
     pub late_landed: RunCounter,
+    /// How many renewals are still to time out and land `late_by` later.
+    pub late_renewals: Arc<AtomicU32>,
     /// How many `release`s are still to be lost.
     pub lost_releases: Arc<AtomicU32>,
     /// How long each `abandon` waits before it reaches `inner`.
@@ -139,6 +143,16 @@ impl IdempotencyStore for FaultyStore {
         lease: Duration,
     ) -> Result<bool, StoreError> {
         if fails(&self.failed_renewals) {
+            return Err(StoreError::Timeout(Duration::from_secs(2)));
+        }
+        if fails(&self.late_renewals) {
+            let (inner, key, token, late_by) =
+                (self.inner.clone(), key.clone(), *token, self.late_by);
+            actix_rt::spawn(async move {
+                actix_rt::time::sleep(late_by).await;
+                // Its answer goes to no one, as a late renewal's does.
+                let _renewed = inner.renew(&key, &token, lease).await;
+            });
             return Err(StoreError::Timeout(Duration::from_secs(2)));
         }
         actix_rt::time::sleep(self.renew_delay).await;

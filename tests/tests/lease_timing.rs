@@ -55,15 +55,26 @@ fn serve<R: HttpServiceFactory + 'static>(
     runs: &RunCounter,
     resource: impl Fn() -> R + Clone + Send + 'static,
 ) -> actix_test::TestServer {
+    serve_configured(store, runs, resource, move |idempotency| {
+        idempotency.store_timeout(store_timeout)
+    })
+}
+
+/// [`serve`] with the app's `Idempotency` (on `store`, one global key scope) as `configure`
+/// makes it.
+fn serve_configured<R: HttpServiceFactory + 'static>(
+    store: FaultyStore,
+    runs: &RunCounter,
+    resource: impl Fn() -> R + Clone + Send + 'static,
+    configure: impl Fn(Idempotency) -> Idempotency + Clone + Send + 'static,
+) -> actix_test::TestServer {
     let runs = runs.clone();
     actix_test::start(move || {
         App::new()
             .app_data(web::Data::new(runs.clone()))
-            .wrap(
-                Idempotency::new(store.clone())
-                    .store_timeout(store_timeout)
-                    .scope(KeyScope::global()),
-            )
+            .wrap(configure(
+                Idempotency::new(store.clone()).scope(KeyScope::global()),
+            ))
             .service(resource())
     })
 }
@@ -183,6 +194,62 @@ async fn a_renewal_on_its_way_when_the_response_is_whole_still_lands(streamed: b
     })
     .await;
     assert_eq!(first, (StatusCode::OK, Bytes::from("run 1")));
+    assert_eq!(duplicate.0, StatusCode::CONFLICT, "{duplicate:?}");
+    assert_eq!(runs.get(), 1);
+}
+
+/// The app's layer claims the request (`protect_methods`) under a lease of 900 ms, the
+/// route layer changes it to 6 s, and a middleware between the two layers takes
+/// 400 ms (the store timeout is 300 ms, so neither lease warns). The renewal due at about
+/// 300 ms, with the app's lease, is given up by the store timeout and lands 2.5 s after it
+/// was sent; the route layer renewed with its 6 s meanwhile. Renewed on the 6 s lease's
+/// schedule (every 2 s), the lock was last renewed at about 2.3 s when the late renewal set
+/// the record's expiry to 900 ms from 2.8 s, and a duplicate at 4 s ran the handler a
+/// second time (helper review). A lock is now renewed on the schedule of the shortest lease
+/// any of its renewals was sent with, since such a renewal may land at any time.
+#[actix_web::test]
+async fn a_late_renewal_with_a_shorter_lease_than_the_routes_cannot_let_a_duplicate_in() {
+    let store = FaultyStore {
+        late_renewals: std::sync::Arc::new(1.into()),
+        late_by: Duration::from_millis(2_500),
+        ..FaultyStore::default()
+    };
+    let runs = RunCounter::default();
+    let server = serve_configured(
+        store,
+        &runs,
+        || {
+            web::resource("/orders")
+                .wrap(IdempotentRoute::with_policy(
+                    IdempotencyPolicy::default().lease(Duration::from_secs(6)),
+                ))
+                .wrap(actix_web::middleware::from_fn(
+                    |request, next: actix_web::middleware::Next<_>| async move {
+                        actix_rt::time::sleep(Duration::from_millis(400)).await;
+                        next.call(request).await
+                    },
+                ))
+                .route(web::post().to(|runs: web::Data<RunCounter>| async move {
+                    let seq = runs.record();
+                    actix_rt::time::sleep(Duration::from_secs(5)).await;
+                    HttpResponse::Created().body(format!("run {seq}"))
+                }))
+        },
+        // The app's layer claims the request (before routing) with its lease; the route
+        // layer then changes that lease.
+        |idempotency| {
+            idempotency
+                .store_timeout(Duration::from_millis(300))
+                .protect_methods([actix_web::http::Method::POST])
+                .policy(IdempotencyPolicy::default().lease(Duration::from_millis(900)))
+        },
+    );
+    let (first, duplicate) = futures_util::future::join(post(&server, "k"), async {
+        actix_rt::time::sleep(Duration::from_secs(4)).await;
+        post(&server, "k").await
+    })
+    .await;
+    assert_eq!(first, (StatusCode::CREATED, Bytes::from("run 1")));
     assert_eq!(duplicate.0, StatusCode::CONFLICT, "{duplicate:?}");
     assert_eq!(runs.get(), 1);
 }
