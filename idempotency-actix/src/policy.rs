@@ -92,7 +92,7 @@ pub const MIN_LEASE: Duration = Duration::from_millis(500);
 /// let duplicates in, an endless ttl overflows expiry arithmetic.
 pub(crate) const fn checked(duration: Duration) -> Duration {
     assert!(
-        !duration.is_zero() && duration.as_secs() <= MAX_DURATION.as_secs(),
+        !duration.is_zero() && duration.as_nanos() <= MAX_DURATION.as_nanos(),
         "an idempotency ttl, lease, wait or timeout must be more than zero and at most 365 days"
     );
     duration
@@ -572,6 +572,13 @@ mod tests {
     #[should_panic(expected = "at most 365 days")]
     fn an_endless_ttl_is_refused() {
         let _ = IdempotencyPolicy::default().ttl(Duration::MAX);
+    }
+
+    /// Whole seconds were compared: 365 days and 999 ms passed (helper review).
+    #[test]
+    #[should_panic(expected = "at most 365 days")]
+    fn a_year_and_a_millisecond_is_refused() {
+        let _ = IdempotencyPolicy::default().ttl(MAX_DURATION + Duration::from_millis(1));
     }
 
     #[test]
