@@ -133,11 +133,69 @@ async fn refused_until_the_functions_are_loaded(redis: PrivateRedis) {
 async fn a_cluster_user_who_cannot_load_the_functions_is_refused_until_they_are_loaded() {
     let _turn = alone();
     let cluster = RedisCluster::start();
+    // A cluster connection connects to a seed for the slot map, then to every node.
+    let connections_per_attempt = cluster.ports().len() + 1;
+    cluster_user_refused_until_the_functions_are_loaded(cluster, connections_per_attempt).await;
+}
+
+/// The same on a cluster that announces its nodes by hostname
+/// (`cluster-preferred-endpoint-type hostname`, as behind TLS or in Kubernetes), whose
+/// connections know the nodes by those names: the store asked each primary by the IP
+/// `CLUSTER NODES` gives, no node answered, each was counted as able to call the
+/// functions, and every handler ran with nothing to fence its commit or renew its lease
+/// (a retry after the lease ran it again; cluster review).
+#[actix_web::test]
+async fn a_cluster_announcing_hostnames_refuses_a_user_who_cannot_load_the_functions() {
+    let _turn = alone();
+    let cluster = RedisCluster::start();
+    for port in cluster.ports() {
+        for (setting, value) in [
+            ("cluster-announce-hostname", "localhost"),
+            ("cluster-preferred-endpoint-type", "hostname"),
+        ] {
+            let _: () = redis::cmd("CONFIG")
+                .arg("SET")
+                .arg(setting)
+                .arg(value)
+                .query(&mut cluster.connection(port))
+                .expect("CONFIG SET");
+        }
+    }
+    // Until every node has gossiped its hostname, a slot map may still name an IP (each
+    // node's IP stays in the map as metadata after its endpoint).
+    let announced = Instant::now() + Duration::from_secs(10);
+    for port in cluster.ports() {
+        loop {
+            let slots: redis::Value = redis::cmd("CLUSTER")
+                .arg("SLOTS")
+                .query(&mut cluster.connection(port))
+                .expect("CLUSTER SLOTS");
+            let by_hostname = format!("{slots:?}").matches("\"localhost\"").count();
+            if by_hostname == cluster.ports().len() {
+                break;
+            }
+            assert!(
+                Instant::now() < announced,
+                "{port} still announces IPs: {slots:?}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    // Twice as many connections per attempt as by IP here (12 for 6 nodes, 4 attempts in
+    // 200 requests): the seeds, named by IP, are not the nodes the slot map names.
+    let connections_per_attempt = 2 * cluster.ports().len();
+    cluster_user_refused_until_the_functions_are_loaded(cluster, connections_per_attempt).await;
+}
+
+/// [`refused_until_the_functions_are_loaded`] on `cluster`, whose connections each open
+/// at most `connections_per_attempt` connections to its nodes.
+async fn cluster_user_refused_until_the_functions_are_loaded(
+    cluster: RedisCluster,
+    connections_per_attempt: usize,
+) {
     let client = add_the_user_who_cannot_load_to_the_cluster(&cluster);
     let app = FloodServer::start(move || Idempotency::redis_cluster(client.clone()), 64);
-    // A cluster connection connects to a seed for the slot map, then to every node.
-    let ports = cluster.ports();
-    refused_with_no_run(&app, &ports, ports.len() + 1).await;
+    refused_with_no_run(&app, &cluster.ports(), connections_per_attempt).await;
 
     let admin_client = cluster.client();
     let loader = FloodServer::start(move || Idempotency::redis_cluster(admin_client.clone()), 64);
