@@ -526,6 +526,10 @@ async fn a_failed_release_is_sent_again_so_that_a_retry_runs_once_the_store_answ
         }
         actix_rt::time::sleep(Duration::from_millis(10)).await;
     }
+    assert!(
+        store.releases.get() >= 2,
+        "the lost release was not sent again within 2 s"
+    );
     let retry = post(&client, &url, "release-lost").await;
     assert_eq!(
         retry.status,
