@@ -155,13 +155,20 @@ async fn instances_migrating_at_once_under_repeatable_read_create_one_expiry_ind
         .collect();
     let waiting = "SELECT count(*) FROM pg_stat_activity \
                    WHERE datname = current_database() AND wait_event_type = 'Lock'";
+    let mut count: i64 = 0;
     for _ in 0..500 {
-        let count: i64 = admin.query_one(waiting, &[]).await.unwrap().get(0);
+        count = admin.query_one(waiting, &[]).await.unwrap().get(0);
         if count == instances {
             break;
         }
         actix_rt::time::sleep(Duration::from_millis(10)).await;
     }
+    // Else they did not contend (the lock's id no longer the library's, say), and the test
+    // would prove nothing (test review).
+    assert_eq!(
+        count, instances,
+        "the migrations waiting on the lock after 5 s"
+    );
     holder.batch_execute("COMMIT").await.unwrap();
     // The sessions of those pools run `repeatable read`.
     let (session, connection) = config.connect(tokio_postgres::NoTls).await.unwrap();
@@ -732,12 +739,18 @@ async fn end_the_other_sessions(database: &TestDatabase) {
     let admin = database.connection().await;
     let others = "FROM pg_stat_activity \
                   WHERE datname = current_database() AND pid <> pg_backend_pid()";
-    admin
-        .batch_execute(&format!("SELECT pg_terminate_backend(pid) {others}"))
+    let ended: i64 = admin
+        .query_one(
+            &format!("SELECT count(*) FROM (SELECT pg_terminate_backend(pid) {others}) ended"),
+            &[],
+        )
         .await
-        .unwrap();
+        .unwrap()
+        .get(0);
+    assert!(ended > 0, "the pool had no session to end");
+    let mut left: i64 = 0;
     for _ in 0..500 {
-        let left: i64 = admin
+        left = admin
             .query_one(&format!("SELECT count(*) {others}"), &[])
             .await
             .unwrap()
@@ -747,6 +760,7 @@ async fn end_the_other_sessions(database: &TestDatabase) {
         }
         actix_rt::time::sleep(Duration::from_millis(10)).await;
     }
+    assert_eq!(left, 0, "sessions the server had not let go after 5 s");
 }
 
 /// After the server ended the pool's sessions (a restart, a failover, or
