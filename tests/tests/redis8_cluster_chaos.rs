@@ -93,6 +93,22 @@ fn a_primary_woken_after_its_replica_took_over_loses_no_commit() {
         .query(&mut cluster.connection(replica));
     std::thread::sleep(Duration::from_millis(300));
     cluster.resume(primary);
+    // The fault happened: the replica serves the slots now (else the test proves nothing;
+    // test review).
+    let promoted = Instant::now() + Duration::from_secs(10);
+    loop {
+        let role: Vec<redis::Value> = redis::cmd("ROLE")
+            .query(&mut cluster.connection(replica))
+            .expect("ROLE");
+        if matches!(role.first(), Some(redis::Value::BulkString(role)) if role == b"master") {
+            break;
+        }
+        assert!(
+            Instant::now() < promoted,
+            "the replica was not promoted: {role:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 
     let firsts: Vec<Option<(u16, Vec<u8>)>> = requests
         .into_iter()
