@@ -1717,9 +1717,9 @@ impl HeldLock {
     /// the new one, and a duplicate ran the handler a second time once it expired
     /// (`lease_timing.rs`).
     fn renewal_due(&self) -> bool {
-        let applied = self.applied_lease.get();
-        let shortest = applied.min(self.shortest_lease_sent.get());
-        self.lease.get() != applied || self.renewed_at.get().elapsed() >= shortest / 3
+        // `applied_lease` was sent too, so it is never shorter than `shortest_lease_sent`.
+        self.lease.get() != self.applied_lease.get()
+            || self.renewed_at.get().elapsed() >= self.shortest_lease_sent.get() / 3
     }
 }
 

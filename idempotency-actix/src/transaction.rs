@@ -535,7 +535,7 @@ where
                 let whole = declared
                     .and_then(|size| usize::try_from(size).ok())
                     .filter(|&size| read.len() >= size);
-                if read.len().min(whole.unwrap_or(usize::MAX)) > limit {
+                if whole.unwrap_or(read.len()) > limit {
                     let rest = futures_util::stream::poll_fn(move |cx| body.as_mut().poll_next(cx));
                     let all = futures_util::stream::once(ready(Ok(read.freeze()))).chain(rest);
                     return (BoxBody::new(BodyStream::new(all)), None);

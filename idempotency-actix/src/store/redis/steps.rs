@@ -52,10 +52,7 @@ impl<T: Transport> Steps<'_, T> {
             // read the record instead, so a key in flight still answers 409 and a completed
             // one replays; only a new key is refused (503 when failing closed).
             Err(error) if protocol::is_out_of_memory(&error) => {
-                let read = self
-                    .transport
-                    .send(&Exchange::plain(protocol::read(key)))
-                    .await?;
+                let read = self.read(key).await?;
                 if read.value == redis::Value::Nil {
                     return Err(refused_as_full(error));
                 }
@@ -102,10 +99,7 @@ impl<T: Transport> Steps<'_, T> {
                 // and go on with this token's own lock if that is what it holds (else the
                 // key stayed locked for a lease, never abandoned: a refusal wrote nothing).
                 Err(error) if protocol::is_out_of_memory(&error) => {
-                    let read = self
-                        .transport
-                        .send(&Exchange::plain(protocol::read(key)))
-                        .await?;
+                    let read = self.read(key).await?;
                     if !protocol::is_lock_of(&read.value, token) {
                         return Err(refused_as_full(error));
                     }
@@ -116,6 +110,13 @@ impl<T: Transport> Steps<'_, T> {
         }
         // Tokens abandoned one after another kept replacing the marker: the key is busy.
         Ok((BeginOutcome::InFlight, None))
+    }
+
+    /// The record at `key` as it is (`GET`), written nothing.
+    async fn read(&self, key: &StorageKey) -> Result<Reply, StoreError> {
+        self.transport
+            .send(&Exchange::plain(protocol::read(key)))
+            .await
     }
 
     /// After a `begin` (or a claim) that found this token's own in-flight record, `own`,
@@ -260,10 +261,7 @@ impl<T: Transport> Steps<'_, T> {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        let reply = self
-            .transport
-            .send(&Exchange::plain(protocol::read(key)))
-            .await?;
+        let reply = self.read(key).await?;
         let completed = match protocol::unwritten(reply.value, fingerprint, token)? {
             Unwritten::Taken => return Ok(false),
             Unwritten::StillHeld => return Err(answered_elsewhere()),
